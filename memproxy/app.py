@@ -1,0 +1,88 @@
+"""The application factory: routes, the error and auth middlewares, and one cleanup context per
+resource (store, provider, background tasks), which aiohttp unwinds in reverse order so pending
+writes finish before the store closes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from .auth import authenticate
+from .chat import chat_completions
+from .concurrency import BackgroundTasks, SessionLocks
+from .config import Config
+from .errors import ProxyError, error_body
+from .provider import Provider
+from .routes import healthz, models, readyz
+from .store import open_store
+from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS, TENANT
+
+log = logging.getLogger("memproxy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def create_app(config: Config) -> web.Application:
+    app = web.Application(
+        middlewares=[_errors, _auth],
+        client_max_size=config.server.max_body_bytes,
+    )
+    app[CONFIG] = config
+    app[LOCKS] = SessionLocks()
+    app.cleanup_ctx.extend([_store, _provider, _tasks])
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions", chat_completions)
+    return app
+
+
+async def _store(app: web.Application) -> AsyncIterator[None]:
+    app[STORE] = await open_store(app[CONFIG].storage)
+    yield
+    await app[STORE].close()
+
+
+async def _provider(app: web.Application) -> AsyncIterator[None]:
+    app[PROVIDER] = Provider(app[CONFIG])
+    yield
+    await app[PROVIDER].close()
+
+
+async def _tasks(app: web.Application) -> AsyncIterator[None]:
+    app[TASKS] = BackgroundTasks()
+    yield
+    await app[TASKS].close()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = error_body(exc.reason, _HTTP_TYPES.get(exc.status, "invalid_request_error"),
+                          _HTTP_CODES.get(exc.status))
+        return web.json_response(body, status=exc.status)
+    except Exception as exc:
+        # Never the message: it may quote request content.
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path,
+                  exc_info=log.isEnabledFor(logging.DEBUG))
+        return web.json_response(error_body("internal error", "server_error", "internal_error"),
+                                 status=500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/v1/") or request.path == "/chat/completions":
+        request[TENANT] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
+    return await handler(request)

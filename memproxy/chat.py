@@ -1,0 +1,254 @@
+"""`POST /v1/chat/completions`: memory around one forwarded call.
+
+Without `X-Session-Id` the request goes upstream untouched and nothing is stored. With it, one request
+per session runs at a time: the turn is prepared from the store (reconcile, budget, pre-flight check),
+forwarded, and recorded in one transaction once the answer is complete, before the client is told it
+is done (the final `[DONE]` of a stream, the body of a plain response). Recording runs as an owned task,
+so a client that disconnects after the answer was complete still gets its turn stored; a failed or cut
+upstream call stores nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .config import Config, ModelConfig
+from .context import Budget
+from .errors import BadRequest, ContextLengthExceeded, NotFound, ProxyError
+from .memory import PreparedTurn, prepare_turn, turn_record
+from .messages import Message, validate_messages
+from .reconcile import HISTORY_MODES
+from .streaming import StreamAssembler
+from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS, TENANT
+
+log = logging.getLogger("memproxy.chat")
+
+SESSION_HEADER = "X-Session-Id"
+HISTORY_HEADER = "X-Memproxy-History"
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_NOT_PARAMS = frozenset({"model", "messages"})
+
+
+@dataclass
+class Exchange:
+    """What one request carries through the handler, and the headers that report on it."""
+
+    model: ModelConfig
+    messages: list[Message]
+    params: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] = field(default_factory=dict)
+    memory_ms: float = 0.0
+    turn: PreparedTurn | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.params.get("stream"))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    body = await _read_json(request)
+    exchange = _parse(config, body)
+    session_id = _session_id(request)
+    if session_id is None:
+        return await _forward(request, exchange)
+    tenant: str = request[TENANT]
+    exchange.headers[SESSION_HEADER] = session_id
+    async with request.app[LOCKS].hold(tenant, session_id):
+        await _prepare(request, exchange, tenant, session_id, body)
+        return await _forward(request, exchange)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _parse(config: Config, body: dict[str, Any]) -> Exchange:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' is required", param="model")
+    messages = validate_messages(body.get("messages"))
+    model = config.model(name)
+    if model is None:
+        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
+                       code="model_not_found", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    if "tools" in body and not isinstance(body["tools"], list):
+        raise BadRequest("'tools' must be an array", param="tools")
+    params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
+    return Exchange(model=model, messages=messages, params=params)
+
+
+def _session_id(request: web.Request) -> str | None:
+    value = request.headers.get(SESSION_HEADER)
+    if value is None:
+        return None
+    if not _SESSION_ID.fullmatch(value):
+        raise BadRequest(f"{SESSION_HEADER} must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+                         code="invalid_session_id", param=SESSION_HEADER)
+    return value
+
+
+def _output_reserve(exchange: Exchange, window: int) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = exchange.params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+        if value >= window:
+            raise ContextLengthExceeded(
+                f"'{key}' is {value}, but model '{exchange.model.name}' has a context window of "
+                f"{window} tokens in all", param=key)
+        return value
+    return min(exchange.model.max_output_tokens, window - 1)
+
+
+async def _prepare(
+    request: web.Request, exchange: Exchange, tenant: str, session_id: str, body: dict[str, Any]
+) -> None:
+    app = request.app
+    config, provider = app[CONFIG], app[PROVIDER]
+    mode = request.headers.get(HISTORY_HEADER, "auto").lower()
+    if mode not in HISTORY_MODES:
+        raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}",
+                         param=HISTORY_HEADER)
+    window = provider.window(exchange.model)
+    budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
+    turn = await prepare_turn(
+        app[STORE], provider.counter(exchange.model), budget, tenant, session_id,
+        exchange.messages, list(body.get("tools") or []), mode, exchange.model.name,
+    )
+    exchange.turn = turn
+    exchange.messages = turn.context.messages
+    exchange.memory_ms = (time.perf_counter() - exchange.started) * 1000
+    exchange.headers.update({
+        "X-Memproxy-Reconcile": turn.reconciled.kind,
+        "X-Memproxy-Context-Tokens": str(turn.context.tokens),
+        "X-Memproxy-Input-Budget": str(budget.input_tokens),
+        "X-Memproxy-Stored-Included": str(turn.context.included),
+        "X-Memproxy-Stored-Omitted": str(turn.context.omitted),
+    })
+
+
+async def _forward(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    if exchange.stream:
+        return await _forward_stream(request, exchange)
+    provider = request.app[PROVIDER]
+    upstream_started = time.perf_counter()
+    result = await provider.complete(exchange.model, exchange.messages, exchange.params)
+    upstream_ms = (time.perf_counter() - upstream_started) * 1000
+    if exchange.turn is not None:
+        choices = result.get("choices") or [{}]
+        await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
+    exchange.headers["Server-Timing"] = _timing(exchange.memory_ms, "upstream", upstream_ms)
+    response = web.json_response(result, headers=exchange.headers, dumps=_dumps)
+    _log(exchange, response.status, upstream_ms)
+    return response
+
+
+async def _forward_stream(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    provider = request.app[PROVIDER]
+    upstream_started = time.perf_counter()
+    chunks = await provider.stream(exchange.model, exchange.messages, exchange.params)
+    first_ms = (time.perf_counter() - upstream_started) * 1000
+    exchange.headers["Server-Timing"] = _timing(exchange.memory_ms, "upstream-first-chunk", first_ms)
+    response = web.StreamResponse(headers={
+        **exchange.headers,
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+    })
+    await response.prepare(request)
+    assembler = StreamAssembler()
+    try:
+        await _relay(chunks, response, assembler)
+        if not assembler.complete:
+            raise ProxyError("the upstream stream ended before the answer was complete",
+                             status=502, code="upstream_incomplete")
+        if exchange.turn is not None:
+            upstream_ms = (time.perf_counter() - upstream_started) * 1000
+            await _record(request, exchange, assembler.message(), assembler.usage, upstream_ms)
+        await response.write(b"data: [DONE]\n\n")
+    except ProxyError as exc:
+        await _write_quietly(response, b"data: " + _dumps(exc.body()).encode() + b"\n\n")
+        _log(exchange, exc.status, first_ms)
+        return response
+    except ConnectionError:
+        _log(exchange, 499, first_ms)  # the client went away before the answer was complete
+        return response
+    await _write_quietly_eof(response)
+    _log(exchange, 200, first_ms)
+    return response
+
+
+async def _relay(chunks: AsyncIterator[dict[str, Any]], response: web.StreamResponse,
+                 assembler: StreamAssembler) -> None:
+    async for chunk in chunks:
+        assembler.add(chunk)
+        await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+
+
+async def _record(request: web.Request, exchange: Exchange, reply: Message,
+                  usage: dict[str, Any] | None, upstream_ms: float) -> None:
+    turn = exchange.turn
+    assert turn is not None
+    app = request.app
+    record = turn_record(turn, app[PROVIDER].counter(exchange.model), reply, exchange.model.name,
+                         usage, upstream_ms)
+    await app[TASKS].run(app[STORE].record_turn(record))
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionError:
+        pass
+
+
+async def _write_quietly_eof(response: web.StreamResponse) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        pass
+
+
+def _timing(memory_ms: float, upstream_name: str, upstream_ms: float) -> str:
+    return f"memory;dur={memory_ms:.2f}, {upstream_name};dur={upstream_ms:.2f}"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _log(exchange: Exchange, status: int, upstream_ms: float) -> None:
+    turn = exchange.turn
+    if turn is None:
+        log.info("chat status=%d model=%s session=- upstream_ms=%.1f", status, exchange.model.name,
+                 upstream_ms)
+        return
+    # The session id may name a person; the log carries only a short digest of it.
+    digest = hashlib.sha256(f"{turn.tenant}\x00{turn.session_id}".encode()).hexdigest()[:12]
+    log.info(
+        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d"
+        " memory_ms=%.2f upstream_ms=%.1f",
+        status, exchange.model.name, digest, turn.reconciled.kind, turn.context.tokens,
+        turn.context.included, turn.context.omitted, exchange.memory_ms, upstream_ms,
+    )

@@ -1,0 +1,88 @@
+"""The `memproxy` command: `serve` runs the daemon, `check-config` validates a config file.
+
+Only `serve` imports litellm (once, when the server starts); the other commands stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import replace
+from typing import Sequence
+
+from aiohttp import web
+
+from . import __version__
+from .app import create_app
+from .config import Config, ConfigError, load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memproxy", description="OpenAI-compatible proxy with memory.")
+    parser.add_argument("--version", action="version", version=f"memproxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    serve.add_argument("-c", "--config", help="YAML config file (defaults apply without one)")
+    serve.add_argument("--host", help="address to bind (overrides server.host)")
+    serve.add_argument("--port", type=int, help="port to bind, 0 for any free one (overrides server.port)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="allow a non-loopback address with no auth.keys configured")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    check = commands.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("-c", "--config", required=True)
+
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config) if args.config else Config()
+    except ConfigError as exc:
+        print(f"memproxy: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(f"{args.config}: ok ({len(config.models)} models, "
+              f"{len(config.auth.keys)} API keys, store {config.storage.url})")
+        return 0
+    server = config.server
+    server = replace(
+        server,
+        host=args.host or server.host,
+        port=server.port if args.port is None else args.port,
+        allow_unauthenticated=server.allow_unauthenticated or args.allow_unauthenticated,
+    )
+    config = replace(config, server=server)
+    if not config.auth.keys and not server.is_loopback and not server.allow_unauthenticated:
+        print(f"memproxy: refusing to bind {server.host} with no auth.keys configured; add keys, bind "
+              "127.0.0.1, or pass --allow-unauthenticated", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(_serve(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _serve(config: Config) -> None:
+    runner = web.AppRunner(create_app(config), access_log=None if not config.server.access_log else
+                           logging.getLogger("aiohttp.access"))
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"memproxy listening on http://{config.server.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

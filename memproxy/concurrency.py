@@ -1,0 +1,64 @@
+"""Owned background work and per-session serialisation.
+
+`BackgroundTasks` runs work that must finish even if the request that started it is cancelled (a
+client disconnecting): the task belongs to the application and is awaited at shutdown, never left
+behind. `SessionLocks` runs one request at a time per session in this process, so concurrent
+requests on a session see each other's turns in order instead of interleaving; a lock disappears
+when nobody holds or waits for it. Across processes the store's conflict check keeps turns whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class BackgroundTasks:
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    def spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        if self._closing:
+            work.close()
+            raise RuntimeError("shutting down")
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` to its end even if the caller is cancelled meanwhile."""
+        return await asyncio.shield(self.spawn(work))
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class SessionLocks:
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, tenant: str, session_id: str) -> AsyncIterator[None]:
+        key = (tenant, session_id)
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)

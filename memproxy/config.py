@@ -1,0 +1,321 @@
+"""Configuration: YAML with `${ENV_VAR}` interpolation, validated once at start.
+
+`load_config` returns frozen dataclasses; any problem raises `ConfigError` naming the key path
+(`models[0].context_window`) and why. Reading a config never imports litellm or touches the network,
+so `memproxy check-config` stays light. Every key is documented in `config.example.yaml`, and a test
+fails when one is not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+TOKENIZERS = ("auto", "cl100k_base", "o200k_base", "litellm")
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+        self.key = key
+        self.why = why
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 10 * 1024 * 1024
+    allow_unauthenticated: bool = False
+    access_log: bool = False
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in _LOOPBACK or self.host.startswith("127.")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    url: str = "sqlite:///./memproxy.db"
+    busy_timeout_ms: int = 5000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    model: str
+    api_base: str | None = None
+    api_key: str | None = None
+    context_window: int | None = None
+    max_output_tokens: int = 1024
+    tokenizer: str = "auto"
+    timeout_seconds: float = 600.0
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    summarizer_model: str | None = None
+    safety_margin_tokens: int | None = None
+
+    def safety_margin(self, context_window: int) -> int:
+        if self.safety_margin_tokens is not None:
+            return self.safety_margin_tokens
+        return max(16, context_window // 100)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    tenant: str
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    keys: tuple[ApiKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    models: tuple[ModelConfig, ...] = ()
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read config file: {exc.strerror}") from exc
+    return parse_config(text, environ)
+
+
+def parse_config(text: str, environ: dict[str, str] | None = None) -> Config:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"not valid YAML: {exc}") from exc
+    env = dict(os.environ) if environ is None else environ
+    data = _Section(_interpolate(raw if raw is not None else {}, env, "<root>"), "")
+    config = Config(
+        server=_server(data.section("server")),
+        storage=_storage(data.section("storage")),
+        models=_models(data),
+        memory=_memory(data.section("memory")),
+        auth=_auth(data),
+    )
+    data.finish()
+    _cross_check(config)
+    return config
+
+
+def _interpolate(value: Any, env: dict[str, str], key: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env, _join(key, str(k))) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str):
+
+        def substitute(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            raise ConfigError(key, f"environment variable {name} is not set")
+
+        return _ENV_REF.sub(substitute, value)
+    return value
+
+
+def _join(prefix: str, key: str) -> str:
+    return key if prefix in ("", "<root>") else f"{prefix}.{key}"
+
+
+class _Section:
+    """A mapping being read; remembers which keys were used so unknown ones are reported."""
+
+    def __init__(self, value: Any, path: str) -> None:
+        if not isinstance(value, dict):
+            raise ConfigError(path or "<root>", "must be a mapping")
+        self.values: dict[str, Any] = value
+        self.path = path
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return _join(self.path, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.used.add(name)
+        value = self.values.get(name)
+        return default if value is None else value
+
+    def section(self, name: str) -> _Section:
+        return _Section(self.get(name, {}), self.key(name))
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value = self.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(self.key(name), "must be a string")
+        return str(value)
+
+    def required_string(self, name: str) -> str:
+        value = self.string(name)
+        if not value:
+            raise ConfigError(self.key(name), "is required")
+        return value
+
+    def integer(self, name: str, default: int | None, minimum: int = 0) -> int | None:
+        value = self.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(self.key(name), f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise ConfigError(self.key(name), f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self.get(name, default)
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(self.key(name), f"must be a positive number, got {value!r}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, default)
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(self.key(name), f"must be true or false, got {value!r}")
+        return value
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.values) - self.used)
+        if unknown:
+            raise ConfigError(self.key(str(unknown[0])), "unknown key")
+
+
+def _server(s: _Section) -> ServerConfig:
+    d = ServerConfig()
+    port = s.integer("port", d.port)
+    assert port is not None
+    if port > 65535:
+        raise ConfigError(s.key("port"), f"must be <= 65535, got {port}")
+    max_body = s.integer("max_body_bytes", d.max_body_bytes, minimum=1024)
+    assert max_body is not None
+    config = ServerConfig(
+        host=s.string("host", d.host) or d.host,
+        port=port,
+        max_body_bytes=max_body,
+        allow_unauthenticated=s.boolean("allow_unauthenticated", d.allow_unauthenticated),
+        access_log=s.boolean("access_log", d.access_log),
+    )
+    s.finish()
+    return config
+
+
+def _storage(s: _Section) -> StorageConfig:
+    d = StorageConfig()
+    url = s.string("url", d.url) or d.url
+    if not url.startswith("sqlite://"):
+        raise ConfigError(s.key("url"), f"unsupported store {url!r}: use sqlite:///path/to/file.db")
+    busy = s.integer("busy_timeout_ms", d.busy_timeout_ms)
+    assert busy is not None
+    s.finish()
+    return StorageConfig(url=url, busy_timeout_ms=busy)
+
+
+def _models(data: _Section) -> tuple[ModelConfig, ...]:
+    raw = data.get("models", [])
+    if not isinstance(raw, list):
+        raise ConfigError("models", "must be a list")
+    models: list[ModelConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        s = _Section(item, f"models[{i}]")
+        d = ModelConfig(name="", model="")
+        name = s.required_string("name")
+        if name in names:
+            raise ConfigError(s.key("name"), f"duplicate model name {name!r}")
+        names.add(name)
+        tokenizer = s.string("tokenizer", d.tokenizer) or d.tokenizer
+        if tokenizer not in TOKENIZERS:
+            raise ConfigError(s.key("tokenizer"), f"must be one of {', '.join(TOKENIZERS)}")
+        max_output = s.integer("max_output_tokens", d.max_output_tokens, minimum=1)
+        assert max_output is not None
+        window = s.integer("context_window", None, minimum=1)
+        if window is not None and max_output >= window:
+            raise ConfigError(
+                s.key("max_output_tokens"), f"must be smaller than context_window ({window})"
+            )
+        models.append(
+            ModelConfig(
+                name=name,
+                model=s.required_string("model"),
+                api_base=s.string("api_base"),
+                api_key=s.string("api_key"),
+                context_window=window,
+                max_output_tokens=max_output,
+                tokenizer=tokenizer,
+                timeout_seconds=s.number("timeout_seconds", d.timeout_seconds),
+            )
+        )
+        s.finish()
+    return tuple(models)
+
+
+def _memory(s: _Section) -> MemoryConfig:
+    config = MemoryConfig(
+        summarizer_model=s.string("summarizer_model"),
+        safety_margin_tokens=s.integer("safety_margin_tokens", None),
+    )
+    s.finish()
+    return config
+
+
+def _auth(data: _Section) -> AuthConfig:
+    s = data.section("auth")
+    raw = s.get("keys", [])
+    if not isinstance(raw, list):
+        raise ConfigError(s.key("keys"), "must be a list")
+    keys: list[ApiKey] = []
+    for i, item in enumerate(raw):
+        k = _Section(item, f"auth.keys[{i}]")
+        key = k.required_string("key")
+        if len(key) < 8:
+            raise ConfigError(k.key("key"), "must be at least 8 characters")
+        keys.append(ApiKey(key=key, tenant=k.required_string("tenant")))
+        k.finish()
+    if len({k.key for k in keys}) != len(keys):
+        raise ConfigError(s.key("keys"), "the same key is listed twice")
+    s.finish()
+    return AuthConfig(keys=tuple(keys))
+
+
+def _cross_check(config: Config) -> None:
+    summarizer = config.memory.summarizer_model
+    if summarizer is not None and config.model(summarizer) is None:
+        raise ConfigError("memory.summarizer_model", f"{summarizer!r} is not a name in models")

@@ -1,0 +1,92 @@
+"""Fitting a request into the model's window: the budget and the pre-flight overflow check.
+
+budget = max input tokens - output reserve - safety margin. The request sent is the system prompt,
+then the newest stored messages that fit, then the client's new messages. Stored history is dropped
+oldest first in whole units (a message and the tool results that answer it), so no tool result is
+ever sent without its call, nor a call without its results. What must be sent (system, tools, new
+messages, and the stored unit a new tool result answers) is checked first: if that alone cannot fit,
+`ContextLengthExceeded` is raised before anything is sent or stored.
+
+Stored messages carry their token counts and running totals, so finding the cut is one indexed
+lookup: nothing stored is re-read or re-tokenized to build a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ContextLengthExceeded
+from .messages import Message, starts_unit
+from .store import SessionState, Store
+from .tokens import REPLY_PRIMING
+
+
+@dataclass(frozen=True)
+class Budget:
+    window: int
+    output_reserve: int
+    margin: int
+
+    @property
+    def input_tokens(self) -> int:
+        return self.window - self.output_reserve - self.margin
+
+
+@dataclass(frozen=True)
+class Context:
+    messages: list[Message]
+    tokens: int  # counted tokens of the whole request
+    included: int  # stored messages sent
+    omitted: int  # stored messages left out
+    base_cum: int  # tokens of the stored history kept before the new messages
+
+
+async def build_context(
+    store: Store,
+    session: SessionState | None,
+    base: int,
+    system: list[Message],
+    system_tokens: int,
+    new: list[Message],
+    new_tokens: int,
+    tools_tokens: int,
+    budget: Budget,
+    model_name: str,
+) -> Context:
+    fixed = system_tokens + new_tokens + tools_tokens + REPLY_PRIMING
+    available = budget.input_tokens - fixed
+    if session is None or base == 0:
+        _check_fits(available, 0, fixed, budget, model_name)
+        return Context(system + new, fixed, 0, 0, 0)
+    cum_base = await store.cum_at(session, base)
+    must_start = base
+    if not new or not starts_unit(new[0]):
+        # The newest stored unit must go: it holds the call a new tool result answers, or, when the
+        # client sent nothing new (regenerate), the message being answered.
+        must_start = await store.last_unit_start(session, base)
+    must_tokens = cum_base - await store.cum_at(session, must_start) if must_start < base else 0
+    _check_fits(available, must_tokens, fixed, budget, model_name)
+    start = await store.first_fitting_unit_start(session, 0, cum_base - available)
+    if start is None or start > must_start:
+        start = must_start
+    stored = await store.active_range(session, start, base)
+    stored_tokens = cum_base - stored[0].cum_before if stored else 0
+    return Context(
+        messages=system + [m.body for m in stored] + new,
+        tokens=fixed + stored_tokens,
+        included=len(stored),
+        omitted=base - len(stored),
+        base_cum=cum_base,
+    )
+
+
+def _check_fits(available: int, must_tokens: int, fixed: int, budget: Budget, model: str) -> None:
+    if must_tokens <= available:
+        return
+    raise ContextLengthExceeded(
+        f"This request needs at least {fixed + must_tokens} input tokens (system prompt, tools and the "
+        f"new messages), but model '{model}' allows {budget.input_tokens}: a context window of "
+        f"{budget.window} minus {budget.output_reserve} reserved for the output and a safety margin of "
+        f"{budget.margin}. Shorten the new messages or lower max_tokens.",
+        param="messages",
+    )

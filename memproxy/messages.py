@@ -1,0 +1,162 @@
+"""Chat messages as plain data: validation, the canonical form, and chained hashes.
+
+A conversation is the list of non-system messages after the leading system/developer prompt. Each
+message gets a chained hash, sha256(parent hash + canonical JSON), so one hash identifies a message
+together with everything before it: recognising how much of a resent history is already stored is a
+lookup by hash, whatever the length of the stored history.
+
+The canonical form keeps what changes meaning (role, content, name, tool calls, tool_call_id) and drops
+what SDKs add or omit when they echo an assistant message back (`refusal: null`, `annotations: []`,
+text-only content given as a list of parts), so the same message always hashes the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import BadRequest
+
+Message = dict[str, Any]
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+ROOT_HASH = ""
+
+
+def validate_messages(raw: Any) -> list[Message]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    for i, message in enumerate(raw):
+        _validate_message(message, f"messages[{i}]")
+    return raw
+
+
+def _validate_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object", param=where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise BadRequest(
+            f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
+            param=f"{where}.role",
+        )
+    content = message.get("content")
+    if content is None:
+        if role != "assistant":
+            raise BadRequest(f"{where}.content is required", param=f"{where}.content")
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadRequest(
+                    f"{where}.content[{j}] must be an object with a 'type'",
+                    param=f"{where}.content[{j}]",
+                )
+    elif not isinstance(content, str):
+        raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise BadRequest(f"{where}.tool_call_id is required", param=f"{where}.tool_call_id")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise BadRequest(f"{where}.tool_calls must be an array on an assistant message",
+                             param=f"{where}.tool_calls")
+        for j, call in enumerate(tool_calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(call, dict) and isinstance(call.get("id"), str)
+                    and isinstance(function, dict) and isinstance(function.get("name"), str)):
+                raise BadRequest(
+                    f"{where}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name'",
+                    param=f"{where}.tool_calls[{j}]",
+                )
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
+
+
+def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
+    """The leading system/developer messages, and the conversation after them."""
+    cut = 0
+    while cut < len(messages) and messages[cut].get("role") in SYSTEM_ROLES:
+        cut += 1
+    return list(messages[:cut]), list(messages[cut:])
+
+
+def canonical(message: Message) -> Message:
+    out: Message = {"role": message.get("role")}
+    content = _canonical_content(message.get("content"))
+    if content not in (None, ""):
+        out["content"] = content
+    for key in ("name", "tool_call_id"):
+        if message.get(key):
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "name": (call.get("function") or {}).get("name"),
+                "arguments": (call.get("function") or {}).get("arguments") or "",
+            }
+            for call in calls
+        ]
+    if message.get("function_call"):
+        out["function_call"] = message["function_call"]
+    return out
+
+
+def _canonical_content(content: Any) -> Any:
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
+def canonical_json(message: Message) -> str:
+    return json.dumps(canonical(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def chain_hash(parent: str, message: Message) -> str:
+    digest = hashlib.sha256()
+    digest.update(parent.encode())
+    digest.update(b"\x00")
+    digest.update(canonical_json(message).encode())
+    return digest.hexdigest()[:32]
+
+
+def chain_hashes(parent: str, messages: Sequence[Message]) -> list[str]:
+    hashes = []
+    for message in messages:
+        parent = chain_hash(parent, message)
+        hashes.append(parent)
+    return hashes
+
+
+def starts_unit(message: Message) -> bool:
+    """Whether a cut may fall before this message: tool results belong to the call before them."""
+    return message.get("role") not in ("tool", "function")
+
+
+def assistant_message(message: Message) -> Message:
+    """The assistant reply as stored and resent: the response message without null fields."""
+    out: Message = {"role": "assistant", "content": message.get("content")}
+    for key in ("tool_calls", "function_call", "refusal", "audio", "reasoning_content"):
+        value = message.get(key)
+        if value:
+            out[key] = value
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": call.get("type") or "function",
+                "function": {
+                    "name": (call.get("function") or {}).get("name"),
+                    "arguments": (call.get("function") or {}).get("arguments") or "",
+                },
+            }
+            for call in out["tool_calls"]
+        ]
+    return out

@@ -1,0 +1,169 @@
+"""The one boundary to litellm: completions, streams, model windows, token counters, error mapping.
+
+litellm is imported when a `Provider` is created (at server start, inside its cleanup context), never
+when this module is imported: it costs seconds and hundreds of MB, and `/healthz` and the light CLI
+commands never need it. `LITELLM_LOCAL_MODEL_COST_MAP` is set first so the import stays offline.
+litellm keeps one HTTP client per provider configuration and reuses it; nothing is set up per request.
+
+Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
+an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from .config import Config, ModelConfig
+from .errors import ProxyError, UpstreamError
+from .messages import Message
+from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
+
+# Client parameters that litellm would take as its own settings; they go upstream in extra_body.
+_RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
+                       "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
+                       "client", "allowed_openai_params", "drop_params"})
+_OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
+
+
+def load_litellm() -> Any:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm: Any = importlib.import_module("litellm")
+    litellm.suppress_debug_info = True
+    litellm.telemetry = False
+    return litellm
+
+
+class LitellmCounter:
+    """litellm's counter, for providers whose tokenizer tiktoken does not know."""
+
+    def __init__(self, litellm: Any, model: str) -> None:
+        self._litellm = litellm
+        self._model = model
+
+    def message(self, message: Message) -> int:
+        return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3
+
+    def tools(self, tools: Sequence[Any]) -> int:
+        if not tools:
+            return 0
+        with_tools = self._litellm.token_counter(model=self._model, messages=[], tools=list(tools))
+        return int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
+
+
+class Provider:
+    def __init__(self, config: Config, litellm: Any = None) -> None:
+        self._litellm = litellm or load_litellm()
+        self._windows: dict[str, int] = {}
+        self._counters: dict[str, TokenCounter] = {}
+        for model in config.models:
+            self._windows[model.name] = self._resolve_window(model)
+            self._counters[model.name] = self._make_counter(model)
+
+    async def close(self) -> None:
+        """Close litellm's cached HTTP clients; they belong to this event loop."""
+        await self._litellm.close_litellm_async_clients()
+        self._litellm.in_memory_llm_clients_cache.flush_cache()
+
+    def window(self, model: ModelConfig) -> int:
+        return self._windows[model.name]
+
+    def counter(self, model: ModelConfig) -> TokenCounter:
+        return self._counters[model.name]
+
+    def _resolve_window(self, model: ModelConfig) -> int:
+        if model.context_window is not None:
+            return model.context_window
+        try:
+            info = self._litellm.get_model_info(model.model)
+        except Exception:
+            info = {}
+        window = info.get("max_input_tokens") or info.get("max_tokens")
+        if not window:
+            raise ProxyError(
+                f"models[{model.name}].context_window: litellm has no context window for "
+                f"{model.model!r}; set context_window"
+            )
+        return int(window)
+
+    def _make_counter(self, model: ModelConfig) -> TokenCounter:
+        tokenizer = model.tokenizer
+        if tokenizer == "auto":
+            provider = model.model.split("/", 1)[0] if "/" in model.model else "openai"
+            tokenizer = encoding_name_for(model.model) if provider in _OPENAI_LIKE else "litellm"
+        if tokenizer == "litellm":
+            return LitellmCounter(self._litellm, model.model)
+        return TiktokenCounter(tokenizer)
+
+    def _kwargs(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
+        native = {k: v for k, v in params.items() if k not in _RESERVED}
+        extra = {k: v for k, v in params.items() if k in _RESERVED}
+        kwargs: dict[str, Any] = {
+            **native,
+            "model": model.model,
+            "messages": messages,
+            "timeout": model.timeout_seconds,
+            "max_retries": 0,  # the client retries; a proxy that retries too multiplies the wait
+            "allowed_openai_params": list(native),
+        }
+        if extra:
+            kwargs["extra_body"] = extra
+        if model.api_base:
+            kwargs["api_base"] = model.api_base
+        if model.api_key:
+            kwargs["api_key"] = model.api_key
+        return kwargs
+
+    async def complete(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self._litellm.acompletion(**self._kwargs(model, messages, params))
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        result: dict[str, Any] = response.model_dump(exclude_none=True)
+        return result
+
+    async def stream(
+        self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
+        try:
+            response = await self._litellm.acompletion(**self._kwargs(model, messages, {**params, "stream": True}))
+            iterator = response.__aiter__()
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return _chunks(None, None, self)
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        return _chunks(first, iterator, self)
+
+    def upstream_error(self, exc: Exception) -> ProxyError:
+        if isinstance(exc, ProxyError):
+            return exc
+        litellm = self._litellm
+        message = str(getattr(exc, "message", None) or exc)
+        if isinstance(exc, litellm.Timeout):
+            return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
+        status = getattr(exc, "status_code", None)
+        if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
+            return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
+        if not isinstance(status, int) or not 400 <= status <= 599:
+            status = 502
+        kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 429: "rate_limit_error"}
+        return UpstreamError(message, status=status, type=kinds.get(status, "upstream_error"),
+                             code=getattr(exc, "code", None) or "upstream_error")
+
+
+async def _chunks(
+    first: Any, rest: AsyncIterator[Any] | None, provider: Provider
+) -> AsyncIterator[dict[str, Any]]:
+    if first is None or rest is None:
+        return
+    yield first.model_dump(exclude_none=True)
+    try:
+        async for chunk in rest:
+            yield chunk.model_dump(exclude_none=True)
+    except Exception as exc:
+        raise provider.upstream_error(exc) from exc

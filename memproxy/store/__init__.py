@@ -1,0 +1,22 @@
+"""Stores: the `Store` protocol and its backends, chosen by `storage.url`."""
+
+from __future__ import annotations
+
+from ..config import StorageConfig
+from .base import NewMessage, SessionState, Store, StoredMessage, TurnRecord, Usage
+from .sqlite import SQLiteStore
+
+__all__ = [
+    "NewMessage",
+    "SQLiteStore",
+    "SessionState",
+    "Store",
+    "StoredMessage",
+    "TurnRecord",
+    "Usage",
+    "open_store",
+]
+
+
+async def open_store(config: StorageConfig) -> Store:
+    return await SQLiteStore.open(config.url, busy_timeout_ms=config.busy_timeout_ms)

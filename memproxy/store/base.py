@@ -1,0 +1,113 @@
+"""The Store protocol: what memory needs from a database, and nothing more.
+
+Each session owns an active chain of messages numbered by `seq` (0, 1, ...). An edit or regenerate
+marks the tail of the chain superseded (kept, never sent again) and continues from the fork point;
+stored messages themselves are never rewritten. Every message carries its token count, the tokens of
+the active chain before it (`cum_before`) and its chained hash, so serving a turn is a few indexed
+lookups whatever the length of the history. `record_turn` writes a whole turn in one transaction and
+refuses (`Conflict`) if the session moved since the turn was planned.
+
+Every backend passes the one contract suite in `tests/test_store_contract.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..messages import Message
+
+
+@dataclass(frozen=True)
+class SessionState:
+    pk: int
+    tenant: str
+    session_id: str
+    length: int  # messages on the active chain
+    head_hash: str  # chained hash of the last active message ("" when empty)
+    head_cum: int  # tokens of the whole active chain
+    system: list[Message] | None  # the last system prompt the client sent
+    history_mode: str | None  # "full" or "new", as learned from the client
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    seq: int
+    body: Message
+    tokens: int
+    cum_before: int
+    unit_start: bool
+    chain_hash: str
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    body: Message
+    tokens: int
+    unit_start: bool
+    chain_hash: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One successful exchange, written atomically.
+
+    The active chain is cut back to `base` messages (superseding the rest, if any) and `messages`
+    (the client's new messages, then the assistant reply) continue it. `expected_length` and
+    `expected_head_hash` are the session as it was when the turn was planned.
+    """
+
+    tenant: str
+    session_id: str
+    expected_length: int
+    expected_head_hash: str
+    base: int
+    base_cum: int
+    base_hash: str
+    messages: Sequence[NewMessage]
+    system: list[Message] | None
+    history_mode: str | None
+    model: str
+    kind: str
+    context_tokens: int
+    latency_ms: float
+    usage: Usage = field(default_factory=Usage)
+
+
+class Store(Protocol):
+    async def ping(self) -> None: ...
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionState | None: ...
+
+    async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
+        """How many leading `hashes` are on the session's active chain (they match position by position)."""
+        ...
+
+    async def cum_at(self, session: SessionState, seq: int) -> int:
+        """Tokens of the active chain before position `seq` (`seq <= length`)."""
+        ...
+
+    async def last_unit_start(self, session: SessionState, before: int) -> int:
+        """The greatest unit-start position below `before`, or `before` if there is none."""
+        ...
+
+    async def first_fitting_unit_start(
+        self, session: SessionState, floor: int, min_cum_before: int
+    ) -> int | None:
+        """The least unit-start position >= `floor` with `cum_before >= min_cum_before`."""
+        ...
+
+    async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
+
+    async def record_turn(self, turn: TurnRecord) -> None: ...
+
+    async def close(self) -> None: ...

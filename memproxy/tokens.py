@@ -1,0 +1,123 @@
+"""Exact token counts for chat messages, offline.
+
+Counts follow OpenAI's accounting for chat models: every message costs a fixed overhead plus its
+encoded fields, a `name` costs one more, and every request three more to prime the reply. Tool calls
+count their id, name and arguments; tool schemas count as their compact JSON, which is never shorter
+than the form the provider renders, so the budget errs on the safe side. A message's count is computed
+once, when it first arrives, and stored with it.
+
+tiktoken downloads encodings on first use, which fails offline. litellm ships `cl100k_base` and
+`o200k_base`; `load_encoding` points tiktoken at that copy (found without importing litellm) unless
+the user has set `TIKTOKEN_CACHE_DIR`, so counting works whatever was imported first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import tiktoken
+
+from .messages import Message
+
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING = 3
+TOKENS_PER_TOOL_CALL = 3
+TOKENS_PER_IMAGE = 765  # a high-detail 512px tile set; images are never cut, so err high
+
+
+class TokenCounter(Protocol):
+    def message(self, message: Message) -> int: ...
+
+    def tools(self, tools: Sequence[Any]) -> int: ...
+
+
+def bundled_tiktoken_dir() -> Path | None:
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    return path if path.is_dir() else None
+
+
+@lru_cache(maxsize=None)
+def load_encoding(name: str) -> tiktoken.Encoding:
+    if "TIKTOKEN_CACHE_DIR" not in os.environ:
+        bundled = bundled_tiktoken_dir()
+        if bundled is not None:
+            os.environ["TIKTOKEN_CACHE_DIR"] = str(bundled)
+    return tiktoken.get_encoding(name)
+
+
+def encoding_name_for(model: str) -> str:
+    """The tiktoken encoding of a model name such as `openai/gpt-4o-mini`; o200k_base if unknown."""
+    bare = model.rsplit("/", 1)[-1]
+    try:
+        return tiktoken.encoding_name_for_model(bare)
+    except KeyError:
+        return "o200k_base"
+
+
+class TiktokenCounter:
+    def __init__(self, encoding_name: str) -> None:
+        self.encoding = load_encoding(encoding_name)
+
+    def text(self, text: str) -> int:
+        return len(self.encoding.encode(text, disallowed_special=()))
+
+    def message(self, message: Message) -> int:
+        total = TOKENS_PER_MESSAGE
+        for key, value in message.items():
+            if key == "content":
+                total += self._content(value)
+            elif key == "tool_calls" and isinstance(value, list):
+                total += sum(self._tool_call(call) for call in value)
+            elif key == "function_call" and isinstance(value, dict):
+                total += self._tool_call({"function": value})
+            elif isinstance(value, str):
+                total += self.text(value)
+                if key == "name":
+                    total += TOKENS_PER_NAME
+            elif value is not None:
+                total += self.text(json.dumps(value, separators=(",", ":")))
+        return total
+
+    def tools(self, tools: Sequence[Any]) -> int:
+        if not tools:
+            return 0
+        return self.text(json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False))
+
+    def _content(self, content: Any) -> int:
+        if content is None:
+            return 0
+        if isinstance(content, str):
+            return self.text(content)
+        total = 0
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                total += self.text(str(part.get("text", "")))
+            elif kind in ("image_url", "input_image"):
+                total += TOKENS_PER_IMAGE
+            else:
+                total += self.text(json.dumps(part, separators=(",", ":")))
+        return total
+
+    def _tool_call(self, call: Any) -> int:
+        function = call.get("function") or {}
+        total = TOKENS_PER_TOOL_CALL
+        for value in (call.get("id"), function.get("name"), function.get("arguments")):
+            if isinstance(value, str):
+                total += self.text(value)
+        return total
+
+
+def request_tokens(counter: TokenCounter, messages: Sequence[Message], tools: Sequence[Any]) -> int:
+    """What a whole request costs: every message, the tool schemas, and the reply priming."""
+    return sum(counter.message(m) for m in messages) + counter.tools(tools) + REPLY_PRIMING

@@ -1,0 +1,21 @@
+"""Typed keys for everything the application holds; imports nothing at run time from the package."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from .concurrency import BackgroundTasks, SessionLocks
+    from .config import Config
+    from .provider import Provider
+    from .store import Store
+
+CONFIG: web.AppKey[Config] = web.AppKey("config")
+STORE: web.AppKey[Store] = web.AppKey("store")
+PROVIDER: web.AppKey[Provider] = web.AppKey("provider")
+TASKS: web.AppKey[BackgroundTasks] = web.AppKey("tasks")
+LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
+
+TENANT: web.RequestKey[str] = web.RequestKey("tenant", str)  # the tenant of the caller's API key

@@ -1,0 +1,178 @@
+"""A fake OpenAI-compatible provider: a real HTTP server that records what it receives.
+
+It runs on 127.0.0.1, port 0, in a thread with its own event loop, so it serves the in-process proxy,
+a proxy running as a subprocess, and the synchronous SDK alike. Replies come from a script
+(`enqueue`); with an empty script it answers `reply N`. Streams are sent as SSE in several chunks,
+tool calls as argument deltas, and a reply can fail, be cut mid-stream, or wait on a gate so a test
+can hold a request in flight without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Reply:
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    status: int = 200
+    error_message: str = "upstream failure"
+    cut_stream: bool = False  # close the connection after the first content chunk
+    gate: threading.Event | None = None  # wait for it before answering
+    usage: dict[str, int] | None = None
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return list(self.body.get("messages", []))
+
+
+@dataclass
+class FakeUpstream:
+    received: list[Received] = field(default_factory=list)
+    arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    _script: deque[Reply] = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _runner: web.AppRunner | None = None
+    _thread: threading.Thread | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def enqueue(self, *replies: Reply) -> None:
+        with self._lock:
+            self._script.extend(replies)
+
+    def wait_for_request(self, timeout: float = 30.0) -> None:
+        if not self.arrived.acquire(timeout=timeout):
+            raise TimeoutError("the fake upstream received no request")
+
+    def chat_requests(self) -> list[Received]:
+        with self._lock:
+            return [r for r in self.received if r.path.endswith("/chat/completions")]
+
+    def last(self) -> Received:
+        return self.chat_requests()[-1]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.received.clear()
+            self._script.clear()
+        while self.arrived.acquire(blocking=False):
+            pass
+
+    def start(self) -> FakeUpstream:
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_get("/v1/models", self._models)
+            self._runner = web.AppRunner(app)
+            loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="fake-upstream", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        with self._lock:
+            self.received.append(Received(request.path, dict(request.headers), body))
+            number = len([r for r in self.received if r.path.endswith("/chat/completions")])
+            reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
+        self.arrived.release()
+        if reply.gate is not None:
+            gate = reply.gate
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
+        if reply.status != 200:
+            return web.json_response(
+                {"error": {"message": reply.error_message, "type": "upstream", "code": None, "param": None}},
+                status=reply.status,
+            )
+        usage = reply.usage or {"prompt_tokens": 10 * number, "completion_tokens": 5, "total_tokens": 10 * number + 5}
+        if body.get("stream"):
+            return await self._stream(request, body, reply, usage, number)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        choices = [
+            {"index": i, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop",
+             "logprobs": None}
+            for i in range(int(body.get("n") or 1))
+        ]
+        return web.json_response({
+            "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model"), "choices": choices, "usage": usage,
+        })
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], reply: Reply, usage: dict[str, int], number: int
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": f"chatcmpl-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.get("model")}
+
+        async def send(delta: dict[str, Any], finish: str | None = None) -> None:
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": ""})
+        text = reply.content or ""
+        pieces = [text[i : i + max(1, len(text) // 3)] for i in range(0, len(text), max(1, len(text) // 3))]
+        for i, piece in enumerate(pieces):
+            await send({"content": piece})
+            if reply.cut_stream and i == 0:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+        for index, call in enumerate(reply.tool_calls or []):
+            args = call["function"].get("arguments", "")
+            half = len(args) // 2
+            await send({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                        "function": {"name": call["function"]["name"], "arguments": args[:half]}}]})
+            await send({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
+        await send({}, "tool_calls" if reply.tool_calls else "stop")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
