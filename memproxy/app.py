@@ -70,9 +70,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        body = error_body(exc.reason, _HTTP_TYPES.get(exc.status, "invalid_request_error"),
+        message = exc.reason
+        if exc.status == 413:
+            message = f"The request body is larger than server.max_body_bytes ({request.app[CONFIG].server.max_body_bytes} bytes)."
+        body = error_body(message, _HTTP_TYPES.get(exc.status, "invalid_request_error"),
                           _HTTP_CODES.get(exc.status))
-        return web.json_response(body, status=exc.status)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405 must say
+        return web.json_response(body, status=exc.status, headers=allow)
     except Exception as exc:
         # Never the message: it may quote request content.
         log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path,

@@ -18,9 +18,10 @@ DEFAULT_TENANT = "default"
 def authenticate(auth: AuthConfig, header: str | None) -> str:
     if not auth.keys:
         return DEFAULT_TENANT
-    if not header or not header.startswith("Bearer "):
+    scheme, _, token = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <proxy key>'.")
-    given = header[len("Bearer "):].strip().encode()
+    given = token.strip().encode()
     tenant = None
     for key in auth.keys:
         if hmac.compare_digest(given, key.key.encode()):

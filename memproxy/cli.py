@@ -61,14 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         asyncio.run(_serve(config))
+    except ConfigError as exc:  # found at start, e.g. a model whose context window is unknown
+        print(f"memproxy: config error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     return 0
 
 
 async def _serve(config: Config) -> None:
-    runner = web.AppRunner(create_app(config), access_log=None if not config.server.access_log else
-                           logging.getLogger("aiohttp.access"))
+    # A handler whose client went away is cancelled, as in the test server: an answer nobody
+    # received is not recorded, so a client's retry of it is not stored twice.
+    access_log = logging.getLogger("aiohttp.access") if config.server.access_log else None
+    runner = web.AppRunner(create_app(config), access_log=access_log, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()

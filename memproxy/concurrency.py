@@ -32,8 +32,18 @@ class BackgroundTasks:
         return task
 
     async def run(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run `work` to its end even if the caller is cancelled meanwhile."""
-        return await asyncio.shield(self.spawn(work))
+        """Run `work` to its end even if the caller is cancelled meanwhile.
+
+        A cancelled caller still waits for that end before its cancellation goes on, so what it holds
+        (a session's lock) is released only once the work is done: the next request on the session
+        sees the turn a disconnected client left instead of racing its write.
+        """
+        task = self.spawn(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
 
     async def close(self) -> None:
         self._closing = True

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .config import Config, ModelConfig
+from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
@@ -25,6 +25,10 @@ from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
                        "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
                        "client", "allowed_openai_params", "drop_params"})
+_UPSTREAM_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 429: "rate_limit_error"}
+_UPSTREAM_CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstream_forbidden",
+                   404: "upstream_not_found", 429: "rate_limit_exceeded"}
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 
 
@@ -58,8 +62,8 @@ class Provider:
         self._litellm = litellm or load_litellm()
         self._windows: dict[str, int] = {}
         self._counters: dict[str, TokenCounter] = {}
-        for model in config.models:
-            self._windows[model.name] = self._resolve_window(model)
+        for index, model in enumerate(config.models):
+            self._windows[model.name] = self._resolve_window(index, model)
             self._counters[model.name] = self._make_counter(model)
 
     async def close(self) -> None:
@@ -73,7 +77,7 @@ class Provider:
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]
 
-    def _resolve_window(self, model: ModelConfig) -> int:
+    def _resolve_window(self, index: int, model: ModelConfig) -> int:
         if model.context_window is not None:
             return model.context_window
         try:
@@ -82,10 +86,8 @@ class Provider:
             info = {}
         window = info.get("max_input_tokens") or info.get("max_tokens")
         if not window:
-            raise ProxyError(
-                f"models[{model.name}].context_window: litellm has no context window for "
-                f"{model.model!r}; set context_window"
-            )
+            raise ConfigError(f"models[{index}].context_window",
+                              f"litellm knows no context window for {model.model!r}; set it")
         return int(window)
 
     def _make_counter(self, model: ModelConfig) -> TokenCounter:
@@ -142,7 +144,8 @@ class Provider:
         if isinstance(exc, ProxyError):
             return exc
         litellm = self._litellm
-        message = str(getattr(exc, "message", None) or exc)
+        # litellm prefixes the provider's words with its own class names; keep the provider's.
+        message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         status = getattr(exc, "status_code", None)
@@ -150,10 +153,11 @@ class Provider:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         if not isinstance(status, int) or not 400 <= status <= 599:
             status = 502
-        kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 429: "rate_limit_error"}
-        return UpstreamError(message, status=status, type=kinds.get(status, "upstream_error"),
-                             code=getattr(exc, "code", None) or "upstream_error")
+        code = getattr(exc, "code", None)
+        if not isinstance(code, str) or not code or code.isdigit():
+            code = _UPSTREAM_CODES.get(status, "upstream_error")
+        return UpstreamError(message, status=status, type=_UPSTREAM_TYPES.get(status, "upstream_error"),
+                             code=code)
 
 
 async def _chunks(

@@ -57,7 +57,8 @@ async def reconcile(
         overlap = await _window_overlap(store, session, conversation)
         if overlap:
             return Reconciled("window", stored, head, conversation[overlap:], "full")
-        if requested == "full":
+        if requested == "full" or (requested == "auto" and session.history_mode == "full"):
+            # A client known to resend everything changed its very first message.
             return Reconciled("edit", 0, ROOT_HASH, conversation, "full")
         return Reconciled("append", stored, head, conversation, "new")
     if session.history_mode == "new" and requested != "full":

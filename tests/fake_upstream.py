@@ -29,6 +29,8 @@ class Reply:
     cut_stream: bool = False  # close the connection after the first content chunk
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
+    gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
+    choices: list[str] | None = None  # n > 1, not streamed: contents of choices 1, 2, ... (else `content`)
 
 
 @dataclass
@@ -133,9 +135,10 @@ class FakeUpstream:
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
+        extra = reply.choices or []
         choices = [
-            {"index": i, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop",
-             "logprobs": None}
+            {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
+             "finish_reason": "tool_calls" if reply.tool_calls else "stop", "logprobs": None}
             for i in range(int(body.get("n") or 1))
         ]
         return web.json_response({
@@ -164,6 +167,9 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return response
+            if reply.gate_after_first_chunk is not None and i == 0:
+                gate = reply.gate_after_first_chunk
+                await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
         for index, call in enumerate(reply.tool_calls or []):
             args = call["function"].get("arguments", "")
             half = len(args) // 2

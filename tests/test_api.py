@@ -1,0 +1,284 @@
+"""The API surface: the small endpoints, pass-through of every request parameter, auth, and streaming
+relayed chunk by chunk. The real proxy runs as a real server; the `openai` SDK is the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from fake_upstream import FakeUpstream, Reply
+from memproxy.typedefs import STORE
+
+TOOLS: Any = [{  # the SDK types these as TypedDicts; the test only needs the JSON
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}]
+RESPONSE_FORMAT: dict[str, Any] = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "strict": True,
+                    "schema": {"type": "object", "properties": {"text": {"type": "string"}},
+                               "required": ["text"], "additionalProperties": False}},
+}
+
+
+def auth(key: str = PROXY_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# --- the small endpoints ---------------------------------------------------------------------------
+
+
+async def test_models_lists_configured_names(proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client()
+    page = await client.models.list()
+    assert [m.id for m in page.data] == ["small", "big"]
+    assert all(m.object == "model" for m in page.data)
+    assert upstream.received == []  # the list is the config's, not the provider's
+
+
+async def test_models_needs_the_proxy_key(proxy: Proxy) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await proxy.client(key="not-a-proxy-key").models.list()
+    assert caught.value.status_code == 401
+
+
+async def test_healthz_answers_without_auth(proxy: Proxy, upstream: FakeUpstream) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.server.make_url("/healthz")) as response:
+            assert response.status == 200
+            assert await response.json() == {"status": "ok"}
+    assert upstream.received == []
+
+
+async def test_readyz_reports_the_store(proxy: Proxy) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.server.make_url("/readyz")) as response:
+            assert response.status == 200
+            assert await response.json() == {"status": "ready"}
+        await proxy.app[STORE].close()  # the store going away is what readiness is about
+        async with http.get(proxy.server.make_url("/readyz")) as response:
+            assert response.status == 503
+            body = await response.json()
+    assert body == {"error": {"message": body["error"]["message"], "type": "server_error",
+                              "code": "store_unavailable", "param": None}}
+
+
+# --- every parameter passes through ----------------------------------------------------------------
+
+PASS_THROUGH: dict[str, Any] = {
+    "tools": TOOLS,
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    "parallel_tool_calls": False,
+    "response_format": RESPONSE_FORMAT,
+    "temperature": 0.25,
+    "top_p": 0.5,
+    "seed": 1234,
+    "n": 2,
+    "stop": ["END", "STOP"],
+    "user": "user-77",
+    "metadata": {"purpose": "test", "ticket": "42"},
+    "logit_bias": {"50256": -100},
+    "reasoning_effort": "low",
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.25,
+    "max_completion_tokens": 77,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "store": False,
+    "service_tier": "auto",
+    "prompt_cache_key": "cache-1",
+    "safety_identifier": "hashed-user",
+    "verbosity": "low",
+    "modalities": ["text"],
+    "prediction": {"type": "content", "content": "It is sunny."},
+    "web_search_options": {"search_context_size": "low"},
+}
+EXTRA: dict[str, Any] = {"vendor_option": {"nested": [1, 2, 3]}, "top_k": 5}
+
+
+@pytest.mark.parametrize("session", ["s1", None], ids=["with-session", "without-session"])
+async def test_every_parameter_reaches_upstream_unchanged(
+    proxy: Proxy, upstream: FakeUpstream, session: str | None
+) -> None:
+    client = proxy.client(session=session)
+    response = await client.chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "weather in Paris?"}],
+        extra_body=EXTRA, **PASS_THROUGH,
+    )
+    assert len(response.choices) == 2  # n=2 went upstream and both choices came back
+    sent = upstream.last().body
+    for name, value in {**PASS_THROUGH, **EXTRA}.items():
+        assert sent.get(name) == value, name
+    assert sent["model"] == "small"
+    assert sent["messages"] == [{"role": "user", "content": "weather in Paris?"}]
+
+
+async def test_stream_parameters_reach_upstream_unchanged(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="streamed answer"))
+    client = proxy.client()
+    stream = await client.chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}, tools=TOOLS, tool_choice="auto", seed=7, temperature=0,
+        user="u-1", metadata={"k": "v"}, max_tokens=50, extra_body={"vendor_option": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    sent = upstream.last().body
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["tools"] == TOOLS
+    assert (sent["tool_choice"], sent["seed"], sent["temperature"]) == ("auto", 7, 0)
+    assert (sent["user"], sent["metadata"], sent["vendor_option"]) == ("u-1", {"k": "v"}, True)
+    assert sent["max_tokens"] == 50
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "streamed answer"
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == 5  # the usage chunk asked for came through
+
+
+async def test_tool_calls_come_back_to_the_client(proxy: Proxy, upstream: FakeUpstream) -> None:
+    call: dict[str, Any] = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    upstream.enqueue(Reply(tool_calls=[call]), Reply(tool_calls=[call]))
+    client = proxy.client()
+    response = await client.chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS)
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert response.choices[0].message.tool_calls is not None
+    assert response.choices[0].message.tool_calls[0].model_dump() == call
+    stream = await proxy.client(session="s2").chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
+        stream=True)
+    arguments = ""
+    async for chunk in stream:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert delta.function is not None
+            arguments += delta.function.arguments or ""
+    assert arguments == call["function"]["arguments"]
+
+
+# --- auth --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Authorization": "Bearer wrong-key-123"},
+    {"Authorization": f"Basic {PROXY_KEY}"},
+    {"Authorization": "Bearer "},
+    {"Authorization": f"Bearer:{PROXY_KEY}"},
+    {"Authorization": PROXY_KEY},
+    {"Authorization": f"Bearer {PROXY_KEY}x"},
+    {"Authorization": f"Bearer {PROXY_KEY[:-1]}"},
+], ids=["missing", "wrong", "not-bearer", "empty", "no-space", "no-scheme", "longer", "prefix"])
+async def test_bad_proxy_key_is_401(proxy: Proxy, upstream: FakeUpstream, headers: dict[str, str]) -> None:
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=body,
+                             headers={**headers, "X-Session-Id": "s1"}) as response:
+            assert response.status == 401
+            assert response.content_type == "application/json"
+            error = await response.json()
+    assert error == {"error": {"message": error["error"]["message"], "type": "authentication_error",
+                               "code": "invalid_api_key", "param": None}}
+    assert error["error"]["message"]
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("header", [f"Bearer {PROXY_KEY}", f"bearer {PROXY_KEY}", f"BEARER  {PROXY_KEY} "])
+async def test_good_proxy_key_is_accepted(proxy: Proxy, upstream: FakeUpstream, header: str) -> None:
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=body,
+                             headers={"Authorization": header}) as response:
+            assert response.status == 200
+            assert (await response.json())["choices"][0]["message"]["content"] == "reply 1"
+    assert len(upstream.chat_requests()) == 1
+
+
+async def test_wrong_key_through_the_sdk(proxy: Proxy, upstream: FakeUpstream) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await proxy.client(key="sk-not-the-proxy-key").chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status_code == 401
+    assert caught.value.code == "invalid_api_key"
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("key", [PROXY_KEY, OTHER_KEY])
+async def test_proxy_key_is_never_forwarded(
+    proxy: Proxy, upstream: FakeUpstream, stream: bool, key: str
+) -> None:
+    for session in ("s1", None):
+        response = await proxy.client(session=session, key=key).chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "hi"}], stream=stream)
+        if stream:
+            async for _ in response:  # type: ignore[union-attr]
+                pass
+    requests = upstream.chat_requests()
+    assert len(requests) == 2
+    for received in requests:
+        headers = {k.lower(): v for k, v in received.headers.items()}
+        assert headers["authorization"] == "Bearer upstream-secret"
+        everything = json.dumps(received.headers) + json.dumps(received.body)
+        assert key not in everything
+        assert "X-Session-Id".lower() not in headers  # memory headers stay at the proxy
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+async def test_stream_is_relayed_as_sse_chunks_ending_with_done(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="one two three four five six"))
+    body = {"model": "small", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=body,
+                             headers={**auth(), "X-Session-Id": "s1"}) as response:
+            assert response.status == 200
+            assert response.content_type == "text/event-stream"
+            assert response.headers["X-Session-Id"] == "s1"
+            raw = (await response.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert len([c for c in contents if c]) >= 3
+    assert "".join(c or "" for c in contents) == "one two three four five six"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stream_reaches_the_client_before_the_upstream_finishes(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    release = threading.Event()
+    upstream.enqueue(Reply(content="first second third", gate_after_first_chunk=release))
+    client = proxy.client()
+    try:
+        stream = await client.chat.completions.create(
+            model="small", stream=True, messages=[{"role": "user", "content": "go"}])
+        chunks = stream.__aiter__()
+        received = ""
+        while not received:
+            # The upstream holds the rest of its answer until `release`: if the proxy buffered the
+            # stream, no content could arrive here and this would time out.
+            chunk = await asyncio.wait_for(chunks.__anext__(), timeout=20)
+            received += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        assert not release.is_set()
+        assert "first second third".startswith(received)
+        assert received != "first second third"
+    finally:
+        release.set()
+    rest = "".join([(c.choices[0].delta.content or "") async for c in chunks if c.choices])
+    assert received + rest == "first second third"
+    await stream.close()

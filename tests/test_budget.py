@@ -1,0 +1,453 @@
+"""The token budget and the pre-flight overflow check (issue item 7), through the real proxy.
+
+The conftest model "small" has a window of 2000 tokens, a default output reserve of 256 and a safety
+margin of 20, so its default input budget is 1724. Every upstream request is recounted here with
+tiktoken and checked against an independent oracle of the rule: system prompt, then the longest
+suffix of the stored history that fits, cut only before a whole unit (an assistant message with
+`tool_calls` and all its results), then the new messages verbatim and last.
+
+The helpers at the top are shared with `test_properties.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sqlite3
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import Proxy
+from fake_upstream import FakeUpstream, Received, Reply
+from memproxy.store.sqlite import sqlite_path
+from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
+from memproxy.typedefs import CONFIG
+
+Message = dict[str, Any]
+
+WINDOW = 2000
+DEFAULT_RESERVE = 256
+MARGIN = 20
+DEFAULT_BUDGET = WINDOW - DEFAULT_RESERVE - MARGIN
+COUNTER = TiktokenCounter(encoding_name_for("openai/small"))
+
+_VOCABULARY = ("alpha", "beta", "gamma", "délta", "数据", "ok", "🙂", "tool", "memory", "proxy",
+               "ünïcode", "x", "lorem", "ipsum", "42", "naïve", "Καλημέρα", "token")
+
+TOOLS: list[dict[str, Any]] = [{
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a fact up in the knowledge base.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}]
+
+
+def words(n: int, salt: int = 0) -> str:
+    """Deterministic text of `n` words, mixing ASCII and multi-byte scripts."""
+    return " ".join(_VOCABULARY[(salt + 7 * i + i // 3) % len(_VOCABULARY)] for i in range(n))
+
+
+def tokens(messages: Sequence[Message]) -> int:
+    return sum(COUNTER.message(m) for m in messages)
+
+
+def tool_call(call_id: str, arguments: str = '{"q": "x"}') -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+
+
+def assistant_from(reply: Reply) -> Message:
+    """The assistant message as a client echoes it back (and as the proxy stores it)."""
+    if reply.tool_calls:
+        return {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+    return {"role": "assistant", "content": reply.content}
+
+
+def without_none(message: Message) -> Message:
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def as_forwarded(system: Message) -> Message:
+    """litellm (1.100) rewrites a `developer` message to `system` on its way upstream, even for
+    OpenAI models; the proxy hands it over verbatim, and the content must arrive verbatim."""
+    return {**system, "role": "system"} if system["role"] == "developer" else system
+
+
+def mandatory_tail(history: Sequence[Message], new: Sequence[Message]) -> int:
+    """How many trailing stored messages must go with `new`: the call a new tool result answers."""
+    if new and new[0]["role"] != "tool":
+        return 0
+    for i in range(len(history) - 1, -1, -1):
+        if history[i]["role"] != "tool":
+            return len(history) - i
+    return len(history)
+
+
+def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int = 0) -> int:
+    """The oracle: the longest suffix of `history` starting at a unit boundary that fits."""
+    kept, total = 0, 0
+    for i in range(len(history) - 1, -1, -1):
+        total += COUNTER.message(history[i])
+        if history[i]["role"] == "tool":
+            continue  # a cut may not fall before a tool result
+        if fixed + total > budget and len(history) - i > must:
+            break
+        kept = len(history) - i
+    return max(kept, must)
+
+
+def assert_tool_units_whole(conversation: Sequence[Message]) -> None:
+    """No orphan tool result, no call without all its results, results right after their call."""
+    assert not conversation or conversation[0]["role"] != "tool", "a request starts with a tool result"
+    i = 0
+    while i < len(conversation):
+        message = conversation[i]
+        assert message["role"] != "tool", f"orphan tool result at {i}: {message}"
+        i += 1
+        calls = message.get("tool_calls") or []
+        if message["role"] != "assistant" or not calls:
+            continue
+        wanted = sorted(call["id"] for call in calls)
+        answered: list[str] = []
+        while i < len(conversation) and conversation[i]["role"] == "tool":
+            answered.append(conversation[i]["tool_call_id"])
+            i += 1
+        assert sorted(answered) == wanted, f"calls {wanted} answered by {answered}"
+
+
+def check_sent(
+    sent: Received,
+    headers: Mapping[str, str],
+    *,
+    system: Sequence[Message],
+    history: Sequence[Message],
+    new: Sequence[Message],
+    budget: int,
+) -> int:
+    """Check one upstream request against the rule and the response headers; returns stored kept."""
+    messages = sent.messages
+    tools = sent.body.get("tools") or []
+    counted = request_tokens(COUNTER, messages, tools)
+    assert int(headers["x-memproxy-context-tokens"]) == counted
+    assert counted <= budget
+    assert int(headers["x-memproxy-input-budget"]) == budget
+    assert messages[: len(system)] == [as_forwarded(m) for m in system], "the system prompt is not first"
+    rest = messages[len(system):]
+    assert all(m["role"] not in ("system", "developer") for m in rest)
+    assert rest[len(rest) - len(new):] == list(new), "the new messages are not last and verbatim"
+    kept = rest[: len(rest) - len(new)]
+    assert [without_none(m) for m in kept] == [
+        without_none(m) for m in history[len(history) - len(kept):]
+    ], "what was sent of the history is not its newest part"
+    assert_tool_units_whole(rest)
+    fixed = tokens(system) + tokens(new) + COUNTER.tools(tools) + REPLY_PRIMING
+    must = mandatory_tail(history, new)
+    assert len(kept) == expected_kept(history, fixed, budget, must), "not the most history that fits"
+    assert int(headers["x-memproxy-stored-included"]) == len(kept)
+    assert int(headers["x-memproxy-stored-omitted"]) == len(history) - len(kept)
+    return len(kept)
+
+
+def db_path(proxy: Proxy) -> str:
+    return sqlite_path(proxy.app[CONFIG].storage.url)
+
+
+def db_state(path: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row the proxy has stored, read from a second connection."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return {table: db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+                for table in ("sessions", "messages", "turns")}
+
+
+def assert_context_length_exceeded(exc: openai.BadRequestError, param: str | None = None) -> None:
+    assert exc.status_code == 400
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "context_length_exceeded"
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+class Chat:
+    """One session driven like a real client: "full" resends everything, "new" only the new turn.
+
+    `history` is what the proxy has stored, in the form the client echoes it.
+    """
+
+    def __init__(self, proxy: Proxy, upstream: FakeUpstream, style: str, session: str,
+                 system: Sequence[Message] = (), tools: Sequence[dict[str, Any]] = ()) -> None:
+        self.client = proxy.client(session=session)
+        self.upstream = upstream
+        self.style = style
+        self.system = list(system)
+        self.tools = list(tools)
+        self.history: list[Message] = []
+
+    def request(self, new: Sequence[Message]) -> list[Message]:
+        return [*self.system, *(self.history if self.style == "full" else []), *new]
+
+    async def send(
+        self, new: Sequence[Message], reply: Reply | None = None, budget: int = DEFAULT_BUDGET,
+        **params: Any,
+    ) -> tuple[int, Mapping[str, str]]:
+        """Send, check the upstream request against the rule, remember the turn; returns kept."""
+        reply = reply or Reply(content=f"answer {len(self.history)}: {words(30, len(self.history))}")
+        self.upstream.enqueue(reply)
+        before = len(self.upstream.chat_requests())
+        if self.tools:
+            params["tools"] = self.tools
+        raw = await self.client.chat.completions.with_raw_response.create(
+            model="small", messages=self.request(new), **params)  # type: ignore[arg-type]
+        raw.parse()
+        requests = self.upstream.chat_requests()
+        assert len(requests) == before + 1
+        kept = check_sent(requests[-1], raw.headers, system=self.system, history=self.history,
+                          new=new, budget=budget)
+        self.history += [*new, assistant_from(reply)]
+        return kept, raw.headers
+
+
+# --- the budget over a long conversation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", ["full", "new"])
+async def test_long_conversation_stays_in_budget_keeping_the_newest_turns(
+    proxy: Proxy, upstream: FakeUpstream, style: str
+) -> None:
+    system = [{"role": "system", "content": "You are terse."}]
+    chat = Chat(proxy, upstream, style, f"long-{style}", system)
+    first_user = ""
+    kept_per_turn: list[int] = []
+    for turn in range(16):
+        user = {"role": "user", "content": f"question {turn}: {words(70, turn)}"}
+        first_user = first_user or user["content"]
+        kept, headers = await chat.send([user])
+        kept_per_turn.append(kept)
+        timing = re.fullmatch(r"memory;dur=(\d+\.\d+), upstream;dur=(\d+\.\d+)", headers["server-timing"])
+        assert timing is not None, headers["server-timing"]
+    assert kept_per_turn[:3] == [0, 2, 4]  # at first everything fits
+    assert kept_per_turn[-1] < 2 * 15  # later the oldest turns are left out
+    assert int(headers["x-memproxy-stored-omitted"]) > 0
+    last = upstream.last().messages
+    assert first_user not in [m.get("content") for m in last]
+    assert last[-1]["content"].startswith("question 15:")
+
+
+async def test_stream_reports_context_tokens_and_timing(proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session="stream-headers")
+    for turn in range(2):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="small", stream=True, tools=TOOLS,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": f"q{turn} {words(20)}"}])
+        stream = raw.parse()
+        async for _ in stream:
+            pass
+        sent = upstream.last()
+        assert int(raw.headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, sent.messages, TOOLS)
+        assert int(raw.headers["x-memproxy-stored-included"]) == len(sent.messages) - 1 == 2 * turn
+        assert raw.headers["x-memproxy-stored-omitted"] == "0"
+        assert raw.headers["x-memproxy-input-budget"] == str(DEFAULT_BUDGET)
+        assert re.fullmatch(r"memory;dur=\d+\.\d+, upstream-first-chunk;dur=\d+\.\d+",
+                            raw.headers["server-timing"])
+
+
+# --- the output reserve --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_a_bigger_output_reserve_keeps_less_history(
+    proxy: Proxy, upstream: FakeUpstream, key: str
+) -> None:
+    kept: dict[str, int] = {}
+    for name, reserve in (("default", None), ("big", 1200)):
+        chat = Chat(proxy, upstream, "new", f"reserve-{name}")
+        for turn in range(6):
+            await chat.send([{"role": "user", "content": f"q{turn} {words(60, turn)}"}])
+        budget = WINDOW - (reserve or DEFAULT_RESERVE) - MARGIN
+        params = {key: reserve} if reserve else {}
+        kept[name], headers = await chat.send([{"role": "user", "content": "and now?"}], budget=budget,
+                                               **params)
+        assert headers["x-memproxy-input-budget"] == str(budget)
+        if reserve:
+            assert upstream.last().body[key] == reserve  # still forwarded
+    assert kept["big"] < kept["default"]
+
+
+async def test_exactly_the_budget_fits_and_one_token_more_is_refused(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": words(50), "name": "ann"}]
+    needed = request_tokens(COUNTER, messages, TOOLS)
+    fits = WINDOW - MARGIN - needed
+    raw = await proxy.client(session="edge-fits").chat.completions.with_raw_response.create(
+        model="small", messages=messages, tools=TOOLS, max_tokens=fits)  # type: ignore[arg-type]
+    assert raw.headers["x-memproxy-context-tokens"] == raw.headers["x-memproxy-input-budget"] == str(needed)
+    assert len(upstream.chat_requests()) == 1
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client(session="edge-over").chat.completions.create(
+            model="small", messages=messages, tools=TOOLS, max_tokens=fits + 1)  # type: ignore[arg-type]
+    assert_context_length_exceeded(caught.value, "messages")
+    assert len(upstream.chat_requests()) == 1
+
+
+# --- the pre-flight overflow check ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stored_turns", [0, 2])
+async def test_new_messages_that_cannot_fit_are_refused_before_upstream_and_not_stored(
+    proxy: Proxy, upstream: FakeUpstream, stream: bool, stored_turns: int
+) -> None:
+    chat = Chat(proxy, upstream, "new", "overflow")
+    for turn in range(stored_turns):
+        await chat.send([{"role": "user", "content": f"q{turn}"}])
+    huge = {"role": "user", "content": words(2000)}
+    assert tokens([huge]) + REPLY_PRIMING > DEFAULT_BUDGET
+    calls, state = len(upstream.chat_requests()), db_state(db_path(proxy))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat.client.chat.completions.create(model="small", messages=[huge], stream=stream)
+    assert_context_length_exceeded(caught.value, "messages")
+    assert len(upstream.chat_requests()) == calls
+    assert db_state(db_path(proxy)) == state
+    assert len(state["sessions"]) == (1 if stored_turns else 0)
+    # The session goes on as if the refused message had never been sent.
+    await chat.send([{"role": "user", "content": "short"}])
+    assert huge not in upstream.last().messages
+
+
+async def test_system_prompt_and_tool_schemas_are_part_of_what_must_fit(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    system = [{"role": "system", "content": words(600, 1)}]
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": words(600, 2)}}]
+    user = [{"role": "user", "content": "hi"}]
+    assert request_tokens(COUNTER, system + user, []) <= DEFAULT_BUDGET
+    assert request_tokens(COUNTER, user, tools) <= DEFAULT_BUDGET
+    assert request_tokens(COUNTER, system + user, tools) > DEFAULT_BUDGET
+    client = proxy.client(session="sys-tools")
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="small", messages=system + user, tools=tools)  # type: ignore[arg-type]
+    assert_context_length_exceeded(caught.value)
+    assert upstream.chat_requests() == []
+    assert db_state(db_path(proxy))["messages"] == []
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=system + user, tools=TOOLS)  # type: ignore[arg-type]
+    assert int(raw.headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, system + user, TOOLS)
+
+
+@pytest.mark.parametrize(("key", "value", "param"), [
+    ("max_tokens", WINDOW, "max_tokens"),
+    ("max_completion_tokens", WINDOW, "max_completion_tokens"),
+    ("max_tokens", 50_000, "max_tokens"),
+    ("max_tokens", WINDOW - 10, "messages"),  # leaves an input budget below zero
+])
+async def test_an_output_reserve_that_leaves_no_room_is_refused(
+    proxy: Proxy, upstream: FakeUpstream, key: str, value: int, param: str
+) -> None:
+    chat = Chat(proxy, upstream, "new", "reserve-too-big")
+    await chat.send([{"role": "user", "content": "first"}])
+    state = db_state(db_path(proxy))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat.client.chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "hi"}], **{key: value})
+    assert_context_length_exceeded(caught.value, param)
+    assert len(upstream.chat_requests()) == 1
+    assert db_state(db_path(proxy)) == state
+
+
+# --- tool units ----------------------------------------------------------------------------------
+
+
+def tool_results(calls: Sequence[dict[str, Any]], size: int) -> list[Message]:
+    return [{"role": "tool", "tool_call_id": c["id"], "content": f"{c['id']}: {words(size, i)}"}
+            for i, c in enumerate(calls)]
+
+
+async def test_tool_units_are_never_split_when_old_history_is_dropped(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    """An agent session with big parallel tool results; the output reserve sweeps so that the cut
+    falls everywhere in the history, including inside tool units."""
+    chat = Chat(proxy, upstream, "new", "units", [{"role": "system", "content": "agent"}], TOOLS)
+    unit_mattered = 0
+    for turn in range(4):
+        calls = [tool_call(f"call_{turn}_{k}", json.dumps({"q": words(k + 2)})) for k in range(turn % 3 + 1)]
+        await chat.send([{"role": "user", "content": f"task {turn}"}], Reply(tool_calls=calls))
+        await chat.send(tool_results(calls, 60 + 40 * turn), Reply(tool_calls=[tool_call(f"call_{turn}_x")]))
+        await chat.send(tool_results([tool_call(f"call_{turn}_x")], 30))
+    for reserve in range(1500, 100, -70):
+        budget = WINDOW - reserve - MARGIN
+        new = [{"role": "user", "content": f"probe {reserve}"}]
+        fixed = tokens(chat.system + new) + COUNTER.tools(TOOLS) + REPLY_PRIMING
+        naive = _message_granular_kept(chat.history, fixed, budget)
+        kept, _ = await chat.send(new, budget=budget, max_tokens=reserve)
+        unit_mattered += naive != kept
+    assert unit_mattered >= 3  # the sweep did put the cut inside tool units
+
+
+def _message_granular_kept(history: Sequence[Message], fixed: int, budget: int) -> int:
+    total, kept = fixed, 0
+    for message in reversed(history):
+        total += COUNTER.message(message)
+        if total > budget:
+            break
+        kept += 1
+    return kept
+
+
+@pytest.mark.parametrize("style", ["new", "full"])
+async def test_agent_loop_sends_the_stored_call_with_its_new_results(
+    proxy: Proxy, upstream: FakeUpstream, style: str
+) -> None:
+    """The client sends only tool results (or everything); the budget fits the stored call and its
+    results but not the question before it: the call goes, the question is left out."""
+    system = [{"role": "system", "content": "agent"}]
+    chat = Chat(proxy, upstream, style, f"loop-{style}", system, TOOLS)
+    calls = [tool_call("call_a", '{"q": "a"}'), tool_call("call_b", '{"q": "b"}')]
+    await chat.send([{"role": "user", "content": words(600)}], Reply(tool_calls=calls))
+    results = tool_results(calls, 40)
+    call_message = chat.history[-1]
+    needed = tokens(system + [call_message] + results) + COUNTER.tools(TOOLS) + REPLY_PRIMING
+    kept, headers = await chat.send(results, budget=needed, max_tokens=WINDOW - MARGIN - needed)
+    assert kept == 1
+    assert headers["x-memproxy-stored-omitted"] == "1"
+    assert headers["x-memproxy-context-tokens"] == str(needed)
+    assert [without_none(m) for m in upstream.last().messages] == [*system, without_none(call_message), *results]
+
+
+@pytest.mark.parametrize("style", ["new", "full"])
+async def test_agent_loop_refuses_when_the_stored_call_and_its_results_cannot_fit(
+    proxy: Proxy, upstream: FakeUpstream, style: str
+) -> None:
+    system = [{"role": "system", "content": "agent"}]
+    chat = Chat(proxy, upstream, style, f"loop-over-{style}", system, TOOLS)
+    calls = [tool_call("call_a", json.dumps({"q": words(80)}))]
+    await chat.send([{"role": "user", "content": "go"}], Reply(tool_calls=calls))
+    results = tool_results(calls, 40)
+    results_alone = tokens(system + results) + COUNTER.tools(TOOLS) + REPLY_PRIMING
+    with_call = results_alone + tokens(chat.history[-1:])
+    budget = with_call - 1
+    assert results_alone <= budget  # the new messages alone would fit
+    state = db_state(db_path(proxy))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat.client.chat.completions.create(
+            model="small", messages=chat.request(results), tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=WINDOW - MARGIN - budget)
+    assert_context_length_exceeded(caught.value, "messages")
+    assert len(upstream.chat_requests()) == 1
+    assert db_state(db_path(proxy)) == state
+    # With room, the same results go through once, with their call, and are stored once.
+    await chat.send(results)
+    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
+        roles = [r for (r,) in db.execute("SELECT role FROM messages ORDER BY seq")]
+    assert roles == ["user", "assistant", "tool", "assistant"]

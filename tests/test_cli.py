@@ -1,0 +1,280 @@
+"""The `memproxy` command as a user runs it: `serve` as a real process driven by the synchronous
+`openai` client, memory across a restart, and config validation at start (`check-config`, `serve`)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import PROXY_KEY
+from fake_upstream import FakeUpstream
+
+START_TIMEOUT = 60.0
+
+
+def memproxy_command() -> list[str]:
+    script = Path(sys.executable).parent / "memproxy"
+    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from memproxy.cli "
+                                                  "import main; sys.exit(main())"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPROXY_TEST_")}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    env.update(extra)
+    return env
+
+
+def write_config(path: Path, upstream_url: str, db: Path, extra: str = "") -> Path:
+    path.write_text(f"""\
+server:
+  host: 127.0.0.1
+  port: 0
+storage:
+  url: "sqlite:///{db}"
+models:
+  - name: small
+    model: openai/small
+    api_base: {upstream_url}
+    api_key: ${{MEMPROXY_TEST_UPSTREAM_KEY}}
+    context_window: 2000
+    max_output_tokens: 256
+memory:
+  summarizer_model: small
+auth:
+  keys:
+    - {{key: "{PROXY_KEY}", tenant: a}}
+{extra}""", encoding="utf-8")
+    return path
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    url: str
+    stderr: Path
+
+    def client(self, session: str = "s1") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=PROXY_KEY, max_retries=0,
+                             default_headers={"X-Session-Id": session})
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        return code
+
+
+def start_server(config: Path, stderr: Path, *args: str) -> Server:
+    """`memproxy serve`, returned once it has printed the address it listens on."""
+    with stderr.open("w") as err:
+        process = subprocess.Popen(
+            [*memproxy_command(), "serve", "-c", str(config), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+            env=clean_env(MEMPROXY_TEST_UPSTREAM_KEY="upstream-secret"),
+        )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        lines.put(process.stdout.readline())  # readline blocks: read it off the test's thread
+
+    while True:
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            line = lines.get(timeout=START_TIMEOUT)
+        except queue.Empty:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"memproxy did not start: {stderr.read_text()}") from None
+        if not line:
+            process.wait()
+            raise AssertionError(f"memproxy exited with {process.returncode}: {stderr.read_text()}")
+        if "listening on " in line:
+            return Server(process, line.split("listening on ", 1)[1].strip(), stderr)
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*memproxy_command(), *args], capture_output=True, text=True, timeout=60,
+                          env=clean_env(**env))
+
+
+@pytest.fixture(scope="module")
+def server(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("cli-server")
+    config = write_config(folder / "memproxy.yaml", upstream_server.url, folder / "memproxy.db")
+    running = start_server(config, folder / "stderr.log")
+    yield running
+    assert running.stop() == 0, running.stderr.read_text()
+
+
+# --- the synchronous SDK against a real process ----------------------------------------------------
+
+
+def test_serve_prints_a_loopback_address(server: Server) -> None:
+    assert server.url.startswith("http://127.0.0.1:")
+    assert int(server.url.rsplit(":", 1)[1]) > 0  # --port 0 picked a free port and says which
+
+
+def test_sync_client_non_stream_remembers(server: Server, upstream: FakeUpstream) -> None:
+    with server.client(session="sync-plain") as client:
+        first = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
+        assert first.choices[0].message.content == "reply 1"
+        raw = client.chat.completions.with_raw_response.create(
+            model="small", messages=[{"role": "user", "content": "again"}])
+        second = raw.parse()
+    assert raw.headers["X-Session-Id"] == "sync-plain"
+    assert second.choices[0].message.content == "reply 2"
+    assert upstream.last().messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "reply 1"},
+        {"role": "user", "content": "again"},
+    ]
+    assert upstream.last().headers["Authorization"] == "Bearer upstream-secret"  # from ${ENV_VAR}
+
+
+def test_sync_client_stream(server: Server, upstream: FakeUpstream) -> None:
+    with server.client(session="sync-stream") as client:
+        stream = client.chat.completions.create(model="small", stream=True,
+                                                messages=[{"role": "user", "content": "count"}])
+        with stream:
+            chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert len([c for c in chunks if c]) >= 3
+        assert "".join(chunks) == "reply 1"
+        client.chat.completions.create(model="small", messages=[{"role": "user", "content": "next"}])
+    assert upstream.last().messages == [
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "reply 1"},  # assembled from the stream
+        {"role": "user", "content": "next"},
+    ]
+
+
+def test_sync_client_errors(server: Server, upstream: FakeUpstream) -> None:
+    with server.client() as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.code == "model_not_found"
+        assert [m.id for m in client.models.list().data] == ["small"]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key-here", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    assert upstream.received == []
+
+
+# --- restart ------------------------------------------------------------------------------------
+
+
+def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "memproxy.yaml", upstream.url, tmp_path / "data" / "memproxy.db")
+    first = start_server(config, tmp_path / "first.log")
+    try:
+        with first.client(session="durable") as client:
+            client.chat.completions.create(
+                model="small", messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "my name is Ada"}])
+    finally:
+        assert first.stop() == 0, first.stderr.read_text()
+    assert (tmp_path / "data" / "memproxy.db").exists()
+
+    second = start_server(config, tmp_path / "second.log")
+    try:
+        assert second.url != "" and second.process.pid != first.process.pid
+        with second.client(session="durable") as client:
+            client.chat.completions.create(model="small",
+                                           messages=[{"role": "user", "content": "what is my name?"}])
+    finally:
+        assert second.stop() == 0, second.stderr.read_text()
+    assert upstream.last().messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "my name is Ada"},
+        {"role": "assistant", "content": "reply 1"},
+        {"role": "user", "content": "what is my name?"},
+    ]
+
+
+# --- config validation --------------------------------------------------------------------------
+
+
+def test_check_config_accepts_a_good_file(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "ok.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    result = run_cli("check-config", "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k")
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout and "1 models" in result.stdout
+    assert not (tmp_path / "x.db").exists()  # checking a config opens no store
+
+
+def test_check_config_accepts_the_example(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "config.example.yaml"
+    result = run_cli("check-config", "-c", str(example))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("extra, replace, message", [
+    ("", ("context_window: 2000", "context_window: lots"),
+     "models[0].context_window: must be an integer, got 'lots'"),
+    ("", ("port: 0", "port: 70000"), "server.port: must be <= 65535"),
+    ("", ("api_key: ${MEMPROXY_TEST_UPSTREAM_KEY}", "api_key: ${MEMPROXY_TEST_UNSET}"),
+     "models[0].api_key: environment variable MEMPROXY_TEST_UNSET is not set"),
+    ("", ("port: 0", "port: 0\n  hots: 0.0.0.0"), "server.hots: unknown key"),
+    ("colour: blue\n", ("", ""), "colour: unknown key"),
+    ("", ("summarizer_model: small", "summarizer_model: large"), "memory.summarizer_model: 'large'"),
+    ("", ("model: openai/small", "modle: openai/small"), "models[0].model: is required"),
+], ids=["not-an-integer", "port-range", "unset-env-var", "unknown-nested-key", "unknown-top-key",
+        "unknown-summarizer", "typo-in-required-key"])
+def test_bad_config_is_reported_by_key(
+    tmp_path: Path, extra: str, replace: tuple[str, str], message: str
+) -> None:
+    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db", extra)
+    config.write_text(config.read_text().replace(*replace, 1))
+    result = run_cli("check-config", "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:
+    result = run_cli("check-config", "-c", str(tmp_path / "absent.yaml"))
+    assert result.returncode == 2
+    assert "absent.yaml" in result.stderr and "cannot read" in result.stderr
+
+
+def test_serve_validates_the_config_before_starting(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    config.write_text(config.read_text().replace("context_window: 2000", "context_window: -5"))
+    result = run_cli("serve", "-c", str(config), "--port", "0", MEMPROXY_TEST_UPSTREAM_KEY="k")
+    assert result.returncode == 2
+    assert "models[0].context_window: must be >= 1" in result.stderr
+    assert "listening" not in result.stdout
+    assert not (tmp_path / "x.db").exists()
+
+
+@pytest.mark.parametrize("in_config", [False, True], ids=["host-flag", "host-in-config"])
+def test_serve_refuses_a_public_address_without_keys(tmp_path: Path, in_config: bool) -> None:
+    config = write_config(tmp_path / "open.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    text = (config.read_text().replace(f'    - {{key: "{PROXY_KEY}", tenant: a}}\n', "")
+            .replace("  keys:\n", "  keys: []\n"))
+    config.write_text(text.replace("host: 127.0.0.1", "host: 0.0.0.0") if in_config else text)
+    assert run_cli("check-config", "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k").returncode == 0
+    host = [] if in_config else ["--host", "0.0.0.0"]
+    result = run_cli("serve", "-c", str(config), *host, "--port", "0", MEMPROXY_TEST_UPSTREAM_KEY="k")
+    assert result.returncode == 2
+    assert "refusing to bind 0.0.0.0" in result.stderr
+    assert "listening" not in result.stdout
+    assert not (tmp_path / "x.db").exists()  # it stopped before opening anything

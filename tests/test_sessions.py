@@ -1,0 +1,735 @@
+"""Session memory end to end: the real proxy, the official SDK as the client, the fake provider.
+
+Every test drives `POST /v1/chat/completions` with `openai.AsyncOpenAI` (or a raw aiohttp client where
+the SDK cannot do what a test needs, such as hanging up mid-request) and checks two things: what the
+fake upstream received, and what the store holds, read from a second, read-only SQLite connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from typing import Any, TypeVar
+
+import aiohttp
+import httpx
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from openai import AsyncStream
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from fake_upstream import FakeUpstream, Reply
+from memproxy.app import create_app
+from memproxy.config import Config
+from memproxy.store.sqlite import sqlite_path
+from memproxy.typedefs import LOCKS, STORE
+
+Message = dict[str, Any]
+T = TypeVar("T")
+StartProxy = Callable[[Config], Any]
+
+
+def user(text: str) -> Message:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> Message:
+    return {"role": "assistant", "content": text}
+
+
+# --- reading the store from a second connection -------------------------------------------------
+
+
+@contextmanager
+def read_db(config: Config) -> Iterator[sqlite3.Connection]:
+    path = sqlite_path(config.storage.url)
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        yield db
+
+
+def stored(config: Config, session: str = "s1", tenant: str = "a", active: int | None = 1) -> list[Message]:
+    """Bodies of the session's messages in stored order: the active chain (`active=1`), the superseded
+    ones (`active=0`) or all (`active=None`)."""
+    with read_db(config) as db:
+        rows = db.execute(
+            "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+            " WHERE s.tenant = ? AND s.session_id = ? AND (? IS NULL OR m.active = ?) ORDER BY m.id",
+            (tenant, session, active, active),
+        ).fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
+def turn_rows(config: Config, session: str = "s1", tenant: str = "a") -> list[tuple[Any, ...]]:
+    """(kind, model, prompt_tokens, completion_tokens) of each recorded turn, oldest first."""
+    with read_db(config) as db:
+        return db.execute(
+            "SELECT t.kind, t.model, t.prompt_tokens, t.completion_tokens FROM turns t"
+            " JOIN sessions s ON s.pk = t.session_pk WHERE s.tenant = ? AND s.session_id = ? ORDER BY t.id",
+            (tenant, session),
+        ).fetchall()
+
+
+def count(config: Config, table: str) -> int:
+    with read_db(config) as db:
+        return int(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+
+
+def assert_chain_consistent(config: Config, session: str = "s1", tenant: str = "a") -> None:
+    """The active chain is numbered 0..n-1 without gaps and the session row agrees with it."""
+    with read_db(config) as db:
+        pk, length = db.execute("SELECT pk, length FROM sessions WHERE tenant = ? AND session_id = ?",
+                                (tenant, session)).fetchone()
+        seqs = [r[0] for r in db.execute(
+            "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 ORDER BY id", (pk,))]
+    assert seqs == list(range(length))
+
+
+# --- talking to the proxy ------------------------------------------------------------------------
+
+
+async def complete(
+    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
+) -> tuple[ChatCompletion, httpx.Headers]:
+    """One non-streaming request (plain dicts as messages, as most apps send them): the completion and
+    the response headers."""
+    sent: Any = messages
+    raw = await client.chat.completions.with_raw_response.create(model=params.pop("model", "small"),
+                                                                 messages=sent, **params)
+    return raw.parse(), raw.headers
+
+
+async def chat(
+    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
+) -> tuple[str, httpx.Headers]:
+    """One non-streaming turn: the reply text and the response headers."""
+    completion, headers = await complete(client, messages, **params)
+    return completion.choices[0].message.content or "", headers
+
+
+async def stream_chat(
+    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
+) -> tuple[AsyncStream[ChatCompletionChunk], httpx.Headers]:
+    """One streaming request: the stream of chunks and the response headers."""
+    sent: Any = messages
+    raw = await client.chat.completions.with_raw_response.create(model=params.pop("model", "small"),
+                                                                 messages=sent, stream=True, **params)
+    return raw.parse(), raw.headers
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """A bounded wait for an effect the test cannot be told about directly."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.01)
+
+
+async def wait_for_upstream(upstream: FakeUpstream) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, upstream.wait_for_request, 10.0)
+
+
+async def gather_all(tasks: list[asyncio.Task[T]]) -> list[T]:
+    """Await every task, then raise the first failure: no task is left behind when a test fails."""
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
+
+
+# --- how clients send history -------------------------------------------------------------------
+
+
+async def test_full_history_client_stores_only_the_new_messages(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    history: list[Message] = []
+    kinds = []
+    for i in range(1, 4):
+        history.append(user(f"question {i}"))
+        completion, headers = await complete(client, history)
+        kinds.append(headers["X-Memproxy-Reconcile"])
+        # Echo the reply back as the SDK gives it, nulls and all, like a typical chat app does.
+        history.append(completion.choices[0].message.model_dump())
+        # Upstream sees the conversation once, in the stored form.
+        assert upstream.last().messages == [
+            m for j in range(1, i + 1) for m in (user(f"question {j}"), assistant(f"reply {j}"))
+        ][:-1]
+
+    assert kinds == ["new", "continue", "continue"]
+    expected = [m for j in range(1, 4) for m in (user(f"question {j}"), assistant(f"reply {j}"))]
+    assert stored(config, active=None) == expected  # every message once, none superseded
+    assert [k for k, *_ in turn_rows(config)] == ["new", "continue", "continue"]
+    assert_chain_consistent(config)
+
+
+async def test_new_turn_only_client_is_appended_after_the_stored_history(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    kinds = []
+    for i in range(1, 4):
+        _, headers = await chat(client, [user(f"message {i}")])
+        kinds.append(headers["X-Memproxy-Reconcile"])
+    assert kinds == ["new", "append", "append"]
+    assert upstream.last().messages == [
+        user("message 1"), assistant("reply 1"), user("message 2"), assistant("reply 2"), user("message 3"),
+    ]
+    assert stored(config, active=None) == [
+        user("message 1"), assistant("reply 1"), user("message 2"), assistant("reply 2"),
+        user("message 3"), assistant("reply 3"),
+    ]
+    assert_chain_consistent(config)
+
+
+async def test_client_that_trims_its_history_to_a_window(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    window = 3  # the client keeps its newest 3 messages and adds the new one
+    client = proxy.client()
+    history: list[Message] = []
+    kinds = []
+    for i in range(1, 6):
+        sent = history[-window:] + [user(f"q{i}")]
+        reply, headers = await chat(client, sent)
+        kinds.append(headers["X-Memproxy-Reconcile"])
+        history += [user(f"q{i}"), assistant(reply)]
+        # Memory gives upstream the whole conversation, not just the client's window.
+        assert upstream.last().messages == history[:-1]
+
+    # Turn 2 resends everything (3 messages or fewer exist); from turn 3 on the window starts inside
+    # the stored history.
+    assert kinds == ["new", "continue", "window", "window", "window"]
+    assert stored(config, active=None) == history
+    assert_chain_consistent(config)
+
+
+async def test_edit_supersedes_the_stored_tail_and_continues_the_new_branch(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    history: list[Message] = []
+    for i in range(1, 4):
+        history.append(user(f"q{i}"))
+        reply, _ = await chat(client, history)
+        history.append(assistant(reply))
+    old_tail = history[2:]  # q2 and everything after it
+
+    # The user edits q2: the client's history diverges from the stored one at that message.
+    edited = history[:2] + [user("q2, edited")]
+    reply, headers = await chat(client, edited)
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert upstream.last().messages == edited
+    branch = edited + [assistant(reply)]
+    assert stored(config) == branch
+    assert stored(config, active=0) == old_tail  # kept, but no longer on the chain
+
+    # The next turn continues the new branch; nothing superseded is ever sent again.
+    reply, headers = await chat(client, branch + [user("q5")])
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert upstream.last().messages == branch + [user("q5")]
+    assert stored(config) == branch + [user("q5"), assistant(reply)]
+    assert stored(config, active=0) == old_tail
+    assert_chain_consistent(config)
+
+
+async def test_edit_of_the_first_message_with_the_full_history_header(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client(**{"X-Memproxy-History": "full"})
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    history.append(assistant((await chat(client, history))[0]))
+
+    # Nothing the client sends is stored: with the header that is an edit from the start, not new turns.
+    reply, headers = await chat(client, [user("q1, edited")])
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert upstream.last().messages == [user("q1, edited")]
+    assert stored(config) == [user("q1, edited"), assistant(reply)]
+    assert stored(config, active=0) == history
+    assert_chain_consistent(config)
+
+
+async def test_edit_of_the_first_message_by_a_known_full_history_client(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    _, headers = await chat(client, history)  # resending everything: the session learns "full"
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+
+    reply, headers = await chat(client, [user("q1, edited")])
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert upstream.last().messages == [user("q1, edited")]
+    assert stored(config) == [user("q1, edited"), assistant(reply)]
+    assert_chain_consistent(config)
+
+
+async def test_regenerate_supersedes_the_last_answer(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    history.append(assistant((await chat(client, history))[0]))  # "reply 2", to be regenerated
+
+    # Regenerate: the client sends its history up to and including the last user message.
+    upstream.enqueue(Reply(content="another answer to q2"))
+    reply, headers = await chat(client, history[:3])
+    assert reply == "another answer to q2"
+    assert headers["X-Memproxy-Reconcile"] == "regenerate"
+    assert upstream.last().messages == history[:3]  # q2 once, the old answer not at all
+    assert stored(config) == history[:3] + [assistant("another answer to q2")]
+    assert stored(config, active=0) == [assistant("reply 2")]
+
+    reply, headers = await chat(client, history[:3] + [assistant("another answer to q2"), user("q3")])
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    sent = upstream.last().messages
+    assert assistant("reply 2") not in sent
+    assert sent == history[:3] + [assistant("another answer to q2"), user("q3")]
+    assert_chain_consistent(config)
+
+
+async def test_new_history_header_forces_append_of_a_repeated_first_message(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    await chat(proxy.client(), [user("hello")])
+    # Without the header, sending the first message again would read as a regenerate of turn 1.
+    reply, headers = await chat(proxy.client(**{"X-Memproxy-History": "new"}), [user("hello")])
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert upstream.last().messages == [user("hello"), assistant("reply 1"), user("hello")]
+    assert stored(config, active=None) == [user("hello"), assistant("reply 1"), user("hello"),
+                                           assistant(reply)]
+    assert_chain_consistent(config)
+
+
+async def test_invalid_history_header_is_rejected(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(proxy.client(**{"X-Memproxy-History": "everything"}), [user("hi")])
+    assert caught.value.response.json()["error"]["param"] == "X-Memproxy-History"
+    assert upstream.chat_requests() == []
+    assert count(config, "sessions") == 0
+
+
+# --- failures never store half a turn -----------------------------------------------------------
+
+
+async def test_retry_after_upstream_failure_stores_the_user_message_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    # The very first turn fails: no session is created.
+    upstream.enqueue(Reply(status=500))
+    with pytest.raises(openai.InternalServerError):
+        await chat(client, [user("q1")])
+    assert count(config, "sessions") == 0
+    reply1, _ = await chat(client, [user("q1")])
+    assert upstream.last().messages == [user("q1")]
+
+    # A later turn fails: the stored history is untouched, and the retry is not a duplicate.
+    upstream.enqueue(Reply(status=503))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await chat(client, [user("q2")])
+    assert caught.value.status_code == 503
+    assert stored(config, active=None) == [user("q1"), assistant(reply1)]
+    assert len(turn_rows(config)) == 1
+
+    reply2, _ = await chat(client, [user("q2")])
+    assert upstream.last().messages == [user("q1"), assistant(reply1), user("q2")]
+    assert stored(config, active=None) == [user("q1"), assistant(reply1), user("q2"), assistant(reply2)]
+    assert len(turn_rows(config)) == 2
+    assert_chain_consistent(config)
+
+
+async def test_failed_edit_supersedes_nothing(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    client = proxy.client()
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    history.append(assistant((await chat(client, history))[0]))
+
+    edited = history[:2] + [user("q2, edited")]
+    upstream.enqueue(Reply(status=500))
+    with pytest.raises(openai.InternalServerError):
+        await chat(client, edited)
+    assert stored(config, active=None) == history  # all still active: superseding waits for success
+
+    reply, headers = await chat(client, edited)  # the retry succeeds
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert stored(config) == edited + [assistant(reply)]
+    assert stored(config, active=0) == history[2:]
+
+
+async def test_stream_cut_before_its_end_stores_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    await chat(client, [user("q1")])
+
+    upstream.enqueue(Reply(content="a long answer that never ends", cut_stream=True))
+    received = []
+    with pytest.raises(openai.APIError):
+        stream, _ = await stream_chat(client, [user("q2")])
+        async for chunk in stream:
+            received.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+    assert "".join(received) != ""  # the client did see part of the answer before the cut
+    assert stored(config, active=None) == [user("q1"), assistant("reply 1")]
+    assert len(turn_rows(config)) == 1
+
+    # Retrying the turn sends q2 once and never the partial answer.
+    await chat(client, [user("q2")])
+    assert upstream.last().messages == [user("q1"), assistant("reply 1"), user("q2")]
+    assert_chain_consistent(config)
+
+
+async def test_complete_stream_is_stored_with_its_assembled_content(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    upstream.enqueue(Reply(content="Hello from a streamed answer in pieces",
+                           usage={"prompt_tokens": 42, "completion_tokens": 7, "total_tokens": 49}))
+    stream, headers = await stream_chat(client, [user("stream please")],
+                                        stream_options={"include_usage": True})
+    assert headers["X-Memproxy-Reconcile"] == "new"
+    assert headers["X-Session-Id"] == "s1"
+    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert len([p for p in pieces if p]) > 1  # it really came in several chunks
+    assert "".join(pieces) == "Hello from a streamed answer in pieces"
+
+    assert stored(config, active=None) == [user("stream please"),
+                                           assistant("Hello from a streamed answer in pieces")]
+    assert turn_rows(config) == [("new", "small", 42, 7)]
+
+    await chat(client, [user("next")])
+    assert upstream.last().messages == [
+        user("stream please"), assistant("Hello from a streamed answer in pieces"), user("next"),
+    ]
+
+
+async def test_streamed_tool_calls_are_assembled_into_the_stored_message(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }}]
+    calls = [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}},
+        {"id": "call_2", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Tokyo, Japan"})}},
+    ]
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=calls))
+    stream, _ = await stream_chat(client, [user("weather in Paris and Tokyo?")], tools=tools)
+    finish = [c.choices[0].finish_reason async for c in stream if c.choices]
+    assert finish[-1] == "tool_calls"
+
+    call_message = {"role": "assistant", "content": None, "tool_calls": calls}
+    assert stored(config, active=None) == [user("weather in Paris and Tokyo?"), call_message]
+
+    # The client answers the calls with only the new tool results; upstream gets call and results together.
+    results = [{"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+               {"role": "tool", "tool_call_id": "call_2", "content": "25C"}]
+    reply, headers = await chat(client, results, tools=tools)
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    # (litellm leaves out the null content on the way.)
+    assert upstream.last().messages == [user("weather in Paris and Tokyo?"),
+                                        {"role": "assistant", "tool_calls": calls}, *results]
+    assert stored(config, active=None) == [user("weather in Paris and Tokyo?"), call_message, *results,
+                                           assistant(reply)]
+
+
+async def test_n_greater_than_one_records_choice_zero(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    upstream.enqueue(Reply(content="first choice", choices=["second choice"]))
+    completion, _ = await complete(client, [user("two please")], n=2)
+    assert [c.message.content for c in completion.choices] == ["first choice", "second choice"]
+    assert upstream.last().body["n"] == 2
+    assert stored(config, active=None) == [user("two please"), assistant("first choice")]
+
+    await chat(client, [user("go on")])
+    assert upstream.last().messages == [user("two please"), assistant("first choice"), user("go on")]
+
+
+# --- the system prompt --------------------------------------------------------------------------
+
+
+async def test_system_prompt_is_sent_first_and_remembered(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    system = {"role": "system", "content": [{"type": "text", "text": "You are terse."}], "name": "rules"}
+    reply1, _ = await chat(client, [system, user("q1")])
+    assert upstream.last().messages == [system, user("q1")]  # verbatim, parts and name included
+
+    # No system prompt in the request: the session's stored one goes first.
+    reply2, _ = await chat(client, [user("q2")])
+    assert upstream.last().messages == [system, user("q1"), assistant(reply1), user("q2")]
+
+    # A new system prompt replaces it, for this request and the next ones; it is never stored as a turn.
+    other = {"role": "system", "content": "You are verbose."}
+    reply3, _ = await chat(client, [other, user("q3")])
+    assert upstream.last().messages[0] == other
+    assert system not in upstream.last().messages
+    await chat(client, [user("q4")])
+    assert upstream.last().messages == [other, user("q1"), assistant(reply1), user("q2"), assistant(reply2),
+                                        user("q3"), assistant(reply3), user("q4")]
+    assert all(m["role"] != "system" for m in stored(config, active=None))
+    with read_db(config) as db:
+        assert json.loads(db.execute("SELECT system_prompt FROM sessions").fetchone()[0]) == [other]
+
+
+async def test_full_history_client_with_system_prompt_is_recognised(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    system = {"role": "system", "content": "Be brief."}
+    history = [system, user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    _, headers = await chat(client, history)
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert upstream.last().messages == history
+    assert stored(config, active=None) == [user("q1"), assistant("reply 1"), user("q2"), assistant("reply 2")]
+
+
+async def test_developer_prompt_is_remembered(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    developer = {"role": "developer", "content": "Answer in French."}
+    client = proxy.client()
+    await chat(client, [developer, user("q1")])
+    await chat(client, [user("q2")])
+    sent = upstream.last().messages
+    assert sent[0]["content"] == "Answer in French."  # the role itself is litellm's to translate
+    assert sent[1:] == [user("q1"), assistant("reply 1"), user("q2")]
+    with read_db(config) as db:
+        assert json.loads(db.execute("SELECT system_prompt FROM sessions").fetchone()[0]) == [developer]
+
+
+# --- the session header, tenants ----------------------------------------------------------------
+
+
+async def test_without_session_header_the_request_passes_through_and_nothing_is_stored(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client(session=None)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        user("q1"), assistant("an answer this proxy never gave"), user("q1"), user("q2"),
+    ]
+    for _ in range(2):
+        _, headers = await chat(client, messages)
+        assert "X-Session-Id" not in headers
+        assert "X-Memproxy-Reconcile" not in headers
+        assert upstream.last().messages == messages  # exactly what the client sent, repeats included
+    assert count(config, "sessions") == 0
+    assert count(config, "messages") == 0
+    assert count(config, "turns") == 0
+
+
+@pytest.mark.parametrize("session_id", ["chat-42", "a.b_c:d-E9", "x" * 128])
+async def test_session_id_is_echoed(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, session_id: str
+) -> None:
+    client = proxy.client(session=session_id)
+    _, headers = await chat(client, [user("hi")])
+    assert headers["X-Session-Id"] == session_id
+    stream, headers = await stream_chat(client, [user("more")])
+    assert headers["X-Session-Id"] == session_id
+    assert [c async for c in stream]
+    assert stored(config, session=session_id) == [user("hi"), assistant("reply 1"), user("more"),
+                                                  assistant("reply 2")]
+
+
+@pytest.mark.parametrize("session_id", ["bad id!", "x" * 129, "", "a/b", "semi;colon"])
+async def test_invalid_session_id_is_rejected(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, session_id: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(proxy.client(session=session_id), [user("hi")])
+    body = caught.value.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "code", "param"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "invalid_session_id"
+    assert body["error"]["param"] == "X-Session-Id"
+    assert "X-Session-Id" in body["error"]["message"]
+    assert upstream.chat_requests() == []
+    assert count(config, "sessions") == 0
+    assert count(config, "messages") == 0
+
+
+async def test_same_session_id_under_two_tenants_are_unrelated(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    alice = proxy.client(session="shared", key=PROXY_KEY)
+    bob = proxy.client(session="shared", key=OTHER_KEY)
+    await chat(alice, [user("alice 1")])
+    _, headers = await chat(bob, [user("bob 1")])
+    assert headers["X-Memproxy-Reconcile"] == "new"
+    assert upstream.last().messages == [user("bob 1")]
+    await chat(alice, [user("alice 2")])
+    assert upstream.last().messages == [user("alice 1"), assistant("reply 1"), user("alice 2")]
+    await chat(bob, [user("bob 2")])
+    assert upstream.last().messages == [user("bob 1"), assistant("reply 2"), user("bob 2")]
+
+    assert stored(config, "shared", "a") == [user("alice 1"), assistant("reply 1"), user("alice 2"),
+                                             assistant("reply 3")]
+    assert stored(config, "shared", "b") == [user("bob 1"), assistant("reply 2"), user("bob 2"),
+                                             assistant("reply 4")]
+    with read_db(config) as db:
+        assert sorted(db.execute("SELECT tenant, session_id FROM sessions").fetchall()) == [
+            ("a", "shared"), ("b", "shared")]
+
+
+# --- persistence and concurrency ----------------------------------------------------------------
+
+
+async def test_history_survives_a_restart(
+    start_proxy: StartProxy, upstream: FakeUpstream, config: Config
+) -> None:
+    first: Proxy = await start_proxy(config)
+    system = {"role": "system", "content": "Remember things."}
+    await chat(first.client(), [system, user("my name is Ada")])
+    await first.close()
+
+    second: Proxy = await start_proxy(config)
+    _, headers = await chat(second.client(), [user("what is my name?")])
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert upstream.last().messages == [system, user("my name is Ada"), assistant("reply 1"),
+                                        user("what is my name?")]
+    assert stored(config) == [user("my name is Ada"), assistant("reply 1"), user("what is my name?"),
+                              assistant("reply 2")]
+
+
+def lock_users(proxy: Proxy, tenant: str, session: str) -> int:
+    """Requests holding or waiting for the session's lock (read from the lock table's internals)."""
+    entry = proxy.app[LOCKS]._locks.get((tenant, session))
+    return 0 if entry is None else entry[1]
+
+
+async def test_concurrent_requests_on_one_session_are_serialised(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    gate = threading.Event()
+    upstream.enqueue(Reply(content="first answer", gate=gate))
+    requests = [asyncio.create_task(chat(client, [user("first")]))]
+    try:
+        await wait_for_upstream(upstream)  # the first request is in flight, held by the provider
+        requests.append(asyncio.create_task(chat(client, [user("second")])))
+        await until(lambda: lock_users(proxy, "a", "s1") == 2, "the second request waits for the session")
+        assert len(upstream.chat_requests()) == 1  # it has not gone upstream alongside the first
+    finally:
+        gate.set()
+        (reply1, _), (reply2, headers2) = await gather_all(requests)
+
+    assert reply1 == "first answer"
+    assert headers2["X-Memproxy-Reconcile"] == "append"
+    # The second request ran after the first was recorded, and saw its turn.
+    assert upstream.last().messages == [user("first"), assistant("first answer"), user("second")]
+    assert stored(config, active=None) == [user("first"), assistant("first answer"), user("second"),
+                                           assistant(reply2)]
+    assert [k for k, *_ in turn_rows(config)] == ["new", "append"]
+    assert_chain_consistent(config)
+    assert lock_users(proxy, "a", "s1") == 0  # nothing left behind
+
+
+async def test_requests_on_different_sessions_run_concurrently(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    gate = threading.Event()
+    upstream.enqueue(Reply(content="slow answer", gate=gate))
+    slow = asyncio.create_task(chat(proxy.client(session="slow"), [user("slow")]))
+    try:
+        await wait_for_upstream(upstream)
+        # Another session is not held up by the first one's lock.
+        reply, _ = await chat(proxy.client(session="fast"), [user("fast")])
+        assert reply == "reply 2"
+    finally:
+        gate.set()
+        [(slow_reply, _)] = await gather_all([slow])
+    assert slow_reply == "slow answer"
+    assert stored(config, "fast") == [user("fast"), assistant("reply 2")]
+    assert stored(config, "slow") == [user("slow"), assistant("slow answer")]
+
+
+@contextmanager
+def write_lock_held(config: Config) -> Iterator[None]:
+    """Hold the database's write lock from another connection, as another process could."""
+    with closing(sqlite3.connect(sqlite_path(config.storage.url), isolation_level=None)) as db:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            db.execute("ROLLBACK")
+
+
+async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
+    upstream: FakeUpstream, config: Config
+) -> None:
+    """The client hangs up after the upstream answer is complete, while the turn is being written.
+
+    The write is held back by another connection holding SQLite's write lock; the test server cancels
+    the handler when the client goes away (aiohttp's `handler_cancellation`), so the write must outlive
+    the request. A follow-up request on the session must see the turn (requests are serialised).
+    """
+    handler_tasks: list[asyncio.Task[Any]] = []
+
+    @web.middleware
+    async def observe(request: web.Request, handler: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        handler_tasks.append(task)
+        result: web.StreamResponse = await handler(request)
+        return result
+
+    app = create_app(config)
+    app.middlewares.append(observe)
+    proxy = Proxy(TestServer(app, host="127.0.0.1", port=0), app)
+    await proxy.server.start_server()
+    try:
+        url = proxy.url + "/chat/completions"
+        headers = {"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
+        body = {"model": "small", "messages": [user("q1")]}
+        store = proxy.app[STORE]
+        with write_lock_held(config):
+            async with aiohttp.ClientSession() as http:
+                request = asyncio.create_task(http.post(url, json=body, headers=headers))
+                try:
+                    # The answer came back and the turn is waiting for the write lock.
+                    write_lock: asyncio.Lock = getattr(store, "_write_lock")  # SQLiteStore's writer lock
+                    await until(write_lock.locked, "the turn is being written")
+                finally:
+                    request.cancel()  # the client hangs up
+                    with pytest.raises(asyncio.CancelledError):
+                        await request
+            # The server noticed and cancelled the handler while the write was pending.
+            [task] = handler_tasks
+            await until(lambda: task.cancelling() > 0 or task.done(), "the server notices the disconnect")
+        # The write lock is free again: the follow-up request waits for the pending turn, then sees it.
+        client = proxy.client()
+        _, reply_headers = await chat(client, [user("q2")])
+        assert reply_headers["X-Memproxy-Reconcile"] == "append"
+        assert upstream.last().messages == [user("q1"), assistant("reply 1"), user("q2")]
+        assert stored(config) == [user("q1"), assistant("reply 1"), user("q2"), assistant("reply 2")]
+    finally:
+        await proxy.close()

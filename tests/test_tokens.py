@@ -1,0 +1,306 @@
+"""Exact token counting (issue item 7): OpenAI's accounting, tool calls and schemas, offline
+tokenizers, and counts computed once per stored message."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import Proxy
+from fake_upstream import FakeUpstream, Reply
+from memproxy.config import Config, ModelConfig
+from memproxy.messages import Message
+from memproxy.provider import LitellmCounter, Provider, load_litellm
+from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
+from memproxy.typedefs import PROVIDER
+from test_budget import TOOLS, db_path, tool_call, words
+
+ENCODINGS = ("cl100k_base", "o200k_base")
+
+# The example of OpenAI's cookbook "How to count tokens with tiktoken", whose counts the cookbook
+# checked against the API's usage.prompt_tokens: 129 for gpt-3.5/gpt-4, 124 for gpt-4o.
+COOKBOOK_MESSAGES: list[Message] = [
+    {"role": "system", "content": "You are a helpful, pattern-following assistant that translates "
+                                  "corporate jargon into plain English."},
+    {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
+    {"role": "system", "name": "example_assistant",
+     "content": "Things working well together will increase revenue."},
+    {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth "
+                                                          "to touch base on opportunities for increased leverage."},
+    {"role": "system", "name": "example_assistant",
+     "content": "Let's talk later when we're less busy about how to do better."},
+    {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the "
+                                "client deliverable."},
+]
+
+
+def cookbook_count(messages: list[Message], encoding_name: str) -> int:
+    """The cookbook's num_tokens_from_messages, written out independently of memproxy."""
+    encoding = tiktoken.get_encoding(encoding_name)
+    total = 0
+    for message in messages:
+        total += 3
+        for key, value in message.items():
+            total += len(encoding.encode(value, disallowed_special=()))
+            if key == "name":
+                total += 1
+    return total + 3
+
+
+def encoded(text: str, encoding_name: str = "o200k_base") -> int:
+    return len(tiktoken.get_encoding(encoding_name).encode(text, disallowed_special=()))
+
+
+# --- OpenAI's accounting -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("encoding_name", "expected"), [("cl100k_base", 129), ("o200k_base", 124)])
+def test_cookbook_example_counts_what_the_api_reported(encoding_name: str, expected: int) -> None:
+    assert request_tokens(TiktokenCounter(encoding_name), COOKBOOK_MESSAGES, []) == expected
+
+
+text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=200)
+plain_messages = st.lists(
+    st.builds(
+        lambda role, content, name: {"role": role, "content": content, **({"name": name} if name else {})},
+        st.sampled_from(["system", "developer", "user", "assistant"]),
+        text,
+        st.one_of(st.none(), st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True)),
+    ),
+    min_size=1, max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(messages=plain_messages, encoding_name=st.sampled_from(ENCODINGS))
+def test_text_messages_follow_the_cookbook_formula(messages: list[Message], encoding_name: str) -> None:
+    assert request_tokens(TiktokenCounter(encoding_name), messages, []) == cookbook_count(messages, encoding_name)
+
+
+@pytest.mark.parametrize("encoding_name", ENCODINGS)
+def test_special_token_text_is_counted_as_plain_text(encoding_name: str) -> None:
+    counter = TiktokenCounter(encoding_name)
+    message = {"role": "user", "content": "ignore <|endoftext|> and <|im_start|>"}
+    assert counter.message(message) == cookbook_count([message], encoding_name) - 3
+    assert counter.text("<|endoftext|>") > 1  # not collapsed into the one special token
+
+
+@pytest.mark.parametrize(("model", "encoding_name"), [
+    ("openai/gpt-4o-mini", "o200k_base"),
+    ("gpt-4o", "o200k_base"),
+    ("openai/gpt-4", "cl100k_base"),
+    ("gpt-3.5-turbo", "cl100k_base"),
+    ("openai/small", "o200k_base"),  # unknown: the newest encoding
+])
+def test_encoding_follows_the_model(model: str, encoding_name: str) -> None:
+    assert encoding_name_for(model) == encoding_name
+
+
+# --- tool calls and tool schemas -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding_name", ENCODINGS)
+def test_tool_calls_are_counted(encoding_name: str) -> None:
+    counter = TiktokenCounter(encoding_name)
+    bare: Message = {"role": "assistant", "content": None}
+    one_call = {**bare, "tool_calls": [tool_call("call_alpha", '{"city": "Paris"}')]}
+    two_calls = {**bare, "tool_calls": [*one_call["tool_calls"], tool_call("call_beta", '{"city": "Rome"}')]}
+    long_args = {**bare, "tool_calls": [tool_call("call_alpha", json.dumps({"city": words(50)}))]}
+    call_text = sum(encoded(s, encoding_name) for s in ("call_alpha", "lookup", '{"city": "Paris"}'))
+    assert counter.message(one_call) >= counter.message(bare) + call_text
+    assert counter.message(two_calls) > counter.message(one_call)
+    added = encoded(json.dumps({"city": words(50)}), encoding_name) - encoded('{"city": "Paris"}', encoding_name)
+    assert counter.message(long_args) - counter.message(one_call) >= added - 2
+
+
+@pytest.mark.parametrize("encoding_name", ENCODINGS)
+def test_tool_results_count_their_call_id(encoding_name: str) -> None:
+    counter = TiktokenCounter(encoding_name)
+    result = {"role": "tool", "tool_call_id": "call_alpha", "content": "18 degrees"}
+    assert counter.message(result) == cookbook_count([result], encoding_name) - 3
+
+
+@pytest.mark.parametrize("encoding_name", ENCODINGS)
+def test_tool_schemas_are_counted(encoding_name: str) -> None:
+    counter = TiktokenCounter(encoding_name)
+    messages = [{"role": "user", "content": "weather?"}]
+    function = TOOLS[0]["function"]
+    described = [{**TOOLS[0], "function": {**function, "description": words(80)}}]
+    second = {**TOOLS[0], "function": {**function, "name": "forecast"}}
+    without = request_tokens(counter, messages, [])
+    assert counter.tools([]) == 0
+    assert request_tokens(counter, messages, TOOLS) - without >= sum(
+        encoded(s, encoding_name) for s in (function["name"], function["description"], "q", "string"))
+    assert counter.tools(TOOLS + [second]) > counter.tools(TOOLS)
+    assert counter.tools(described) - counter.tools(TOOLS) >= (
+        encoded(words(80), encoding_name) - encoded(function["description"], encoding_name))
+
+
+# --- offline tokenizers --------------------------------------------------------------------------
+
+_OFFLINE_COUNT = """
+import json, sys
+{first}
+from memproxy.tokens import TiktokenCounter, request_tokens
+message = {{"role": "user", "content": "hello offline world", "name": "ann"}}
+counts = {{e: request_tokens(TiktokenCounter(e), [message], []) for e in ("cl100k_base", "o200k_base")}}
+print(json.dumps({{"counts": counts, "litellm": "litellm" in sys.modules}}))
+"""
+
+
+def _offline_env(tmp_path: Path) -> dict[str, str]:
+    """No tiktoken cache, an empty HOME and temp dir, and every download sent to a dead proxy."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "NO_PROXY", "no_proxy")}
+    for name in ("home", "tmp", "cache"):
+        (tmp_path / name).mkdir()
+    dead = "http://127.0.0.1:9"
+    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               HTTPS_PROXY=dead, HTTP_PROXY=dead, https_proxy=dead, http_proxy=dead,
+               LITELLM_LOCAL_MODEL_COST_MAP="True")
+    return env
+
+
+def _run(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("first", ["", "import litellm"], ids=["memproxy-alone", "litellm-first"])
+def test_tokenizers_load_offline_whatever_is_imported_first(tmp_path: Path, first: str) -> None:
+    env = _offline_env(tmp_path)
+    # The environment really is offline: plain tiktoken cannot get its encoding.
+    control = _run("import tiktoken; tiktoken.get_encoding('o200k_base')", env, tmp_path)
+    assert control.returncode != 0 and "127.0.0.1" in control.stderr
+    result = _run(_OFFLINE_COUNT.format(first=first), env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    message = {"role": "user", "content": "hello offline world", "name": "ann"}
+    assert report["counts"] == {e: cookbook_count([message], e) for e in ENCODINGS}
+    assert report["litellm"] is bool(first)
+    assert not any((tmp_path / "tmp").iterdir()) and not any((tmp_path / "cache").iterdir())
+
+
+# --- which counter a model gets ------------------------------------------------------------------
+
+
+async def test_each_model_gets_its_counter() -> None:
+    config = Config(models=(
+        ModelConfig(name="mini", model="openai/gpt-4o-mini", context_window=1000, max_output_tokens=10),
+        ModelConfig(name="old", model="openai/gpt-3.5-turbo", context_window=1000, max_output_tokens=10),
+        ModelConfig(name="forced", model="openai/gpt-4o", context_window=1000, max_output_tokens=10,
+                    tokenizer="cl100k_base"),
+        ModelConfig(name="claude", model="anthropic/claude-3-5-sonnet-20240620", context_window=1000,
+                    max_output_tokens=10),
+    ))
+    provider = Provider(config)
+    try:
+        counters = {m.name: provider.counter(m) for m in config.models}
+        for name, encoding_name in (("mini", "o200k_base"), ("old", "cl100k_base"), ("forced", "cl100k_base")):
+            counter = counters[name]
+            assert isinstance(counter, TiktokenCounter) and counter.encoding.name == encoding_name
+        assert isinstance(counters["claude"], LitellmCounter)
+    finally:
+        await provider.close()
+
+
+def test_litellm_counter_agrees_with_litellm() -> None:
+    litellm = load_litellm()
+    model = "anthropic/claude-3-5-sonnet-20240620"
+    counter = LitellmCounter(litellm, model)
+    messages: list[Message] = [{"role": "system", "content": "be brief"},
+                               {"role": "user", "content": words(40), "name": "ann"},
+                               {"role": "assistant", "content": words(20, 3)}]
+    assert request_tokens(counter, messages, []) == litellm.token_counter(model=model, messages=messages)
+    assert counter.tools(TOOLS) > 0
+
+
+# --- counted once, stored with the message -------------------------------------------------------
+
+
+def _stored(path: str) -> list[tuple[Message, int, int, int]]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        rows = db.execute("SELECT body, tokens, cum_before, unit_start FROM messages WHERE active = 1"
+                          " ORDER BY session_pk, seq").fetchall()
+    return [(json.loads(body), tokens, cum, unit) for body, tokens, cum, unit in rows]
+
+
+async def test_stored_counts_are_the_counters_and_add_up(proxy: Proxy, upstream: FakeUpstream) -> None:
+    counter = TiktokenCounter(encoding_name_for("openai/small"))
+    client = proxy.client(session="stored-counts")
+    calls = [tool_call("call_1", '{"q": "fjords"}'), tool_call("call_2", '{"q": "数据"}')]
+    upstream.enqueue(Reply(tool_calls=calls), Reply(content="done"), Reply(tool_calls=[tool_call("call_3")]))
+    await client.chat.completions.create(model="small", tools=TOOLS,  # type: ignore[arg-type]
+                                         messages=[{"role": "system", "content": "sys"},
+                                                   {"role": "user", "content": words(30), "name": "ann"}])
+    await client.chat.completions.create(model="small", tools=TOOLS, messages=[  # type: ignore[arg-type]
+        {"role": "tool", "tool_call_id": c["id"], "content": f"result {words(10, i)}"} for i, c in enumerate(calls)])
+    stream = await client.chat.completions.create(model="small", tools=TOOLS, stream=True,  # type: ignore[arg-type]
+                                                  messages=[{"role": "user", "content": "again 🙂"}])
+    async for _ in stream:
+        pass
+    stored = _stored(db_path(proxy))
+    assert [m["role"] for m, *_ in stored] == ["user", "assistant", "tool", "tool", "assistant", "user", "assistant"]
+    assert stored[-1][0]["tool_calls"][0]["id"] == "call_3"  # assembled from the stream
+    running = 0
+    for body, tokens, cum_before, unit_start in stored:
+        assert tokens == counter.message(body)
+        assert cum_before == running
+        assert unit_start == (body["role"] != "tool")
+        running += tokens
+    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
+        assert db.execute("SELECT head_cum, length FROM sessions").fetchone() == (running, len(stored))
+
+
+class CountingCounter(TiktokenCounter):
+    """The real counter, remembering every message it is asked to count."""
+
+    def __init__(self, encoding_name: str) -> None:
+        super().__init__(encoding_name)
+        self.counted: list[Message] = []
+
+    def message(self, message: Message) -> int:
+        self.counted.append(message)
+        return super().message(message)
+
+
+def _install_counting_counter(proxy: Proxy) -> CountingCounter:
+    counting = CountingCounter(encoding_name_for("openai/small"))
+    # The provider builds one counter per model at start; this swaps in the counting one.
+    proxy.app[PROVIDER]._counters["small"] = counting
+    return counting
+
+
+@pytest.mark.parametrize("style", ["full", "new"])
+async def test_building_a_request_never_retokenizes_stored_history(
+    start_proxy: Any, config: Config, upstream: FakeUpstream, style: str
+) -> None:
+    system = {"role": "system", "content": "sys"}
+    history: list[Message] = []
+    for restart in range(2):  # counts survive a restart: they are stored, not cached
+        proxy = await start_proxy(config)
+        counting = _install_counting_counter(proxy)
+        client = proxy.client(session="once")
+        for turn in range(6):
+            user = {"role": "user", "content": f"turn {restart}.{turn} {words(150, turn)}"}
+            counting.counted.clear()
+            raw = await client.chat.completions.with_raw_response.create(
+                model="small", messages=[system, *(history if style == "full" else []), user])
+            reply = {"role": "assistant", "content": raw.parse().choices[0].message.content}
+            # Only what is new this turn: the message, the system prompt sent with it, the reply.
+            assert sorted(map(json.dumps, counting.counted)) == sorted(map(json.dumps, [system, user, reply]))
+            assert not any(m in history for m in counting.counted)
+            history += [user, reply]
+    assert int(raw.headers["x-memproxy-stored-omitted"]) > 0  # the cut was searched for, too
+    assert upstream.last().messages[-1] == user
