@@ -91,8 +91,9 @@ def _parse(config: Config, body: dict[str, Any]) -> Exchange:
                        code="model_not_found", param="model")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    if "tools" in body and not isinstance(body["tools"], list):
-        raise BadRequest("'tools' must be an array", param="tools")
+    for key in ("tools", "functions"):
+        if key in body and not isinstance(body[key], list):
+            raise BadRequest(f"'{key}' must be an array", param=key)
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
     return Exchange(model=model, messages=messages, params=params)
 
@@ -135,7 +136,7 @@ async def _prepare(
     budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
     turn = await prepare_turn(
         app[STORE], provider.counter(exchange.model), budget, tenant, session_id,
-        exchange.messages, list(body.get("tools") or []), mode, exchange.model.name,
+        exchange.messages, _prompt_schemas(body), mode, exchange.model.name,
     )
     exchange.turn = turn
     exchange.messages = turn.context.messages
@@ -147,6 +148,16 @@ async def _prepare(
         "X-Memproxy-Stored-Included": str(turn.context.included),
         "X-Memproxy-Stored-Omitted": str(turn.context.omitted),
     })
+
+
+def _prompt_schemas(body: dict[str, Any]) -> list[Any]:
+    """What the provider renders into the prompt besides the messages: tool and (legacy) function
+    schemas, and a JSON schema the output must follow. They count against the budget."""
+    schemas = [*(body.get("tools") or []), *(body.get("functions") or [])]
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("json_schema"):
+        schemas.append(response_format["json_schema"])
+    return schemas
 
 
 async def _forward(request: web.Request, exchange: Exchange) -> web.StreamResponse:

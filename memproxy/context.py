@@ -3,7 +3,8 @@
 budget = max input tokens - output reserve - safety margin. The request sent is the system prompt,
 then the newest stored messages that fit, then the client's new messages. Stored history is dropped
 oldest first in whole units (a message and the tool results that answer it), so no tool result is
-ever sent without its call, nor a call without its results. What must be sent (system, tools, new
+ever sent without its call, nor a call without its results (a call the client never answered is left
+out of what is sent). What must be sent (system, tools, new
 messages, and the stored unit a new tool result answers) is checked first: if that alone cannot fit,
 `ContextLengthExceeded` is raised before anything is sent or stored.
 
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 from .errors import ContextLengthExceeded
 from .messages import Message, starts_unit
-from .store import SessionState, Store
-from .tokens import REPLY_PRIMING
+from .store import SessionState, Store, StoredMessage
+from .tokens import REPLY_PRIMING, TokenCounter
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ async def build_context(
     tools_tokens: int,
     budget: Budget,
     model_name: str,
+    counter: TokenCounter,
 ) -> Context:
     fixed = system_tokens + new_tokens + tools_tokens + REPLY_PRIMING
     available = budget.input_tokens - fixed
@@ -71,13 +73,51 @@ async def build_context(
         start = must_start
     stored = await store.active_range(session, start, base)
     stored_tokens = cum_base - stored[0].cum_before if stored else 0
+    history, saved = drop_unanswered_calls(stored, new, counter)
     return Context(
-        messages=system + [m.body for m in stored] + new,
-        tokens=fixed + stored_tokens,
-        included=len(stored),
-        omitted=base - len(stored),
+        messages=system + history + new,
+        tokens=fixed + stored_tokens - saved,
+        included=len(history),
+        omitted=base - len(history),
         base_cum=cum_base,
     )
+
+
+def drop_unanswered_calls(
+    stored: list[StoredMessage], new: list[Message], counter: TokenCounter
+) -> tuple[list[Message], int]:
+    """The stored messages to send, without tool calls that no tool result answers.
+
+    A client may get tool calls back and move on without running them; providers refuse a request
+    holding an unanswered call. Such calls are left out of what is sent (the store keeps them), and
+    a message left with neither calls nor content is not sent. Returns the tokens this saved.
+    """
+    sequence = [m.body for m in stored] + new
+    history: list[Message] = []
+    saved = 0
+    for i, message in enumerate(stored):
+        calls = message.body.get("tool_calls")
+        if not calls:
+            history.append(message.body)
+            continue
+        answered = set()
+        for following in sequence[i + 1 :]:
+            if following.get("role") != "tool":
+                break
+            answered.add(following.get("tool_call_id"))
+        kept = [call for call in calls if call.get("id") in answered]
+        if len(kept) == len(calls):
+            history.append(message.body)
+            continue
+        body = {k: v for k, v in message.body.items() if k != "tool_calls"}
+        if kept:
+            body["tool_calls"] = kept
+        elif not body.get("content"):
+            saved += message.tokens
+            continue
+        saved += message.tokens - counter.message(body)
+        history.append(body)
+    return history, saved
 
 
 def _check_fits(available: int, must_tokens: int, fixed: int, budget: Budget, model: str) -> None:

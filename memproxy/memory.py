@@ -37,7 +37,7 @@ async def prepare_turn(
     tenant: str,
     session_id: str,
     messages: list[Message],
-    tools: list[Any],
+    schemas: list[Any],
     history_mode: str,
     model_name: str,
 ) -> PreparedTurn:
@@ -60,9 +60,10 @@ async def prepare_turn(
         sum(counter.message(m) for m in system),
         reconciled.new,
         sum(m.tokens for m in new),
-        counter.tools(tools),
+        counter.tools(schemas),
         budget,
         model_name,
+        counter,
     )
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context)
 

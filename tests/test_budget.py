@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -230,10 +231,13 @@ async def test_long_conversation_stays_in_budget_keeping_the_newest_turns(
     for turn in range(16):
         user = {"role": "user", "content": f"question {turn}: {words(70, turn)}"}
         first_user = first_user or user["content"]
+        started = time.perf_counter()
         kept, headers = await chat.send([user])
+        elapsed_ms = (time.perf_counter() - started) * 1000
         kept_per_turn.append(kept)
         timing = re.fullmatch(r"memory;dur=(\d+\.\d+), upstream;dur=(\d+\.\d+)", headers["server-timing"])
         assert timing is not None, headers["server-timing"]
+        assert float(timing[1]) + float(timing[2]) <= elapsed_ms  # two parts of what the client waited
     assert kept_per_turn[:3] == [0, 2, 4]  # at first everything fits
     assert kept_per_turn[-1] < 2 * 15  # later the oldest turns are left out
     assert int(headers["x-memproxy-stored-omitted"]) > 0
@@ -451,3 +455,39 @@ async def test_agent_loop_refuses_when_the_stored_call_and_its_results_cannot_fi
     with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
         roles = [r for (r,) in db.execute("SELECT role FROM messages ORDER BY seq")]
     assert roles == ["user", "assistant", "tool", "assistant"]
+
+
+async def test_a_call_the_client_abandoned_is_not_sent_unanswered(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A new-turn-only agent gets tool calls back, does not run them, and asks something else."""
+    chat = Chat(proxy, upstream, "new", "abandoned", tools=TOOLS)
+    await chat.send([{"role": "user", "content": "look two things up"}],
+                    Reply(tool_calls=[tool_call("call_1"), tool_call("call_2")]))
+    raw = await chat.client.chat.completions.with_raw_response.create(
+        model="small", tools=TOOLS, messages=[{"role": "user", "content": "never mind, say hi"}])  # type: ignore[arg-type]
+    sent = upstream.last().messages
+    assert_tool_units_whole(sent)
+    # The call-only assistant message is left out of what is sent; the store keeps it.
+    assert sent == [{"role": "user", "content": "look two things up"},
+                    {"role": "user", "content": "never mind, say hi"}]
+    assert int(raw.headers["X-Memproxy-Context-Tokens"]) == tokens(sent) + COUNTER.tools(TOOLS) + REPLY_PRIMING
+    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
+        roles = [r for (r,) in db.execute("SELECT role FROM messages WHERE active = 1 ORDER BY seq")]
+    assert roles == ["user", "assistant", "user", "assistant"]
+
+
+async def test_function_and_output_schemas_count_against_the_budget(proxy: Proxy, upstream: FakeUpstream) -> None:
+    schema = {"name": "answer", "schema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+    functions = [{"name": "lookup", "parameters": {"type": "object", "properties": {}}}]
+    message = [{"role": "user", "content": "hi"}]
+    client = proxy.client(session=None, **{"X-Session-Id": "schemas"})
+    plain = await client.chat.completions.with_raw_response.create(model="small", messages=message)  # type: ignore[arg-type]
+    with_schemas = await client.chat.completions.with_raw_response.create(
+        model="small", messages=message,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": schema},  # type: ignore[typeddict-item]
+        functions=functions,  # type: ignore[list-item]
+        extra_headers={"X-Memproxy-History": "new"},
+    )
+    grown = int(with_schemas.headers["X-Memproxy-Context-Tokens"]) - int(plain.headers["X-Memproxy-Context-Tokens"])
+    stored_turn = COUNTER.message({"role": "assistant", "content": "reply 1"}) + COUNTER.message(message[0])
+    assert grown == stored_turn + COUNTER.tools([*functions, schema])
+    assert upstream.last().body["response_format"] == {"type": "json_schema", "json_schema": schema}

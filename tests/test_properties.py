@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import Proxy
@@ -55,6 +55,7 @@ class Call:
 @dataclass(frozen=True)
 class Round:
     calls: tuple[Call, ...]
+    preamble_words: int  # text the assistant says along with its calls
     max_tokens: int | None  # of the request that sends this round's results
 
 
@@ -78,8 +79,9 @@ class Script:
 
 
 max_tokens = st.one_of(st.none(), st.integers(1, 1700), st.integers(1, WINDOW + 100))
-calls = st.builds(Call, st.integers(0, 20), st.integers(0, 500))
-rounds = st.builds(Round, st.lists(calls, min_size=1, max_size=3).map(tuple), max_tokens)
+calls = st.builds(Call, st.integers(0, 150), st.integers(0, 500))
+rounds = st.builds(Round, st.lists(calls, min_size=1, max_size=3).map(tuple),
+                   st.one_of(st.just(0), st.integers(1, 200)), max_tokens)
 turns = st.builds(Turn, st.integers(0, 250), max_tokens, st.lists(rounds, max_size=2).map(tuple),
                   st.integers(0, 120))
 scripts = st.builds(
@@ -117,7 +119,7 @@ class Client:
     async def play(self) -> None:
         salt = self.script.salt
         for t, turn in enumerate(self.script.turns):
-            replies = [Reply(tool_calls=[
+            replies = [Reply(content=words(round_.preamble_words, salt) or None, tool_calls=[
                 tool_call(f"call_{t}_{r}_{k}", json.dumps({"q": words(c.argument_words, salt + k)}))
                 for k, c in enumerate(round_.calls)
             ]) for r, round_ in enumerate(turn.rounds)]
@@ -170,6 +172,8 @@ class Client:
                           budget=budget)
         if kept < len(self.history):
             event("older history left out" + (" in an agent loop" if new[0]["role"] == "tool" else ""))
+        if new[0]["role"] == "tool" and kept == mandatory_tail(self.history, new) < len(self.history):
+            event("only the stored call went with its results")
         self.history += [*new, assistant_from(reply)]
         if sent_system:
             self.stored_system = sent_system
@@ -191,6 +195,7 @@ class Client:
 
 
 @settings(max_examples=40, deadline=None, database=None,
+          phases=[Phase.explicit, Phase.generate, Phase.shrink],  # "explain" replays hundreds of runs
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(script=scripts)
 async def test_every_request_fits_and_keeps_units_whole_or_is_refused_up_front(

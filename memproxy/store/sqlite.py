@@ -125,7 +125,7 @@ class SQLiteStore:
         self, session: SessionState, floor: int, min_cum_before: int
     ) -> int | None:
         async with self._reader.execute(
-            "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+            "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
             " AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
             (session.pk, min_cum_before, floor),
         ) as cur:
