@@ -58,12 +58,6 @@ class NotFound(ProxyError):
     code = "not_found"
 
 
-class PayloadTooLarge(ProxyError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
-
-
 class Conflict(ProxyError):
     status = 409
     type = "invalid_request_error"

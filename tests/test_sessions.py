@@ -243,38 +243,25 @@ async def test_edit_supersedes_the_stored_tail_and_continues_the_new_branch(
     assert_chain_consistent(config)
 
 
-async def test_edit_of_the_first_message_with_the_full_history_header(
-    proxy: Proxy, upstream: FakeUpstream, config: Config
+@pytest.mark.parametrize("headers", [{"X-Memproxy-History": "full"}, {}], ids=["header", "learned"])
+async def test_edit_of_the_first_message_by_a_full_history_client(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, headers: dict[str, str]
 ) -> None:
-    client = proxy.client(**{"X-Memproxy-History": "full"})
+    """Said by the header, or learned from the client resending everything (`continue`)."""
+    client = proxy.client(**headers)
     history = [user("q1")]
     history.append(assistant((await chat(client, history))[0]))
     history.append(user("q2"))
-    history.append(assistant((await chat(client, history))[0]))
+    reply, response_headers = await chat(client, history)
+    assert response_headers["X-Memproxy-Reconcile"] == "continue"
+    history.append(assistant(reply))
 
-    # Nothing the client sends is stored: with the header that is an edit from the start, not new turns.
-    reply, headers = await chat(client, [user("q1, edited")])
-    assert headers["X-Memproxy-Reconcile"] == "edit"
+    # Nothing the client sends is stored: that is an edit from the start, not new turns.
+    reply, response_headers = await chat(client, [user("q1, edited")])
+    assert response_headers["X-Memproxy-Reconcile"] == "edit"
     assert upstream.last().messages == [user("q1, edited")]
     assert stored(config) == [user("q1, edited"), assistant(reply)]
     assert stored(config, active=0) == history
-    assert_chain_consistent(config)
-
-
-async def test_edit_of_the_first_message_by_a_known_full_history_client(
-    proxy: Proxy, upstream: FakeUpstream, config: Config
-) -> None:
-    client = proxy.client()
-    history = [user("q1")]
-    history.append(assistant((await chat(client, history))[0]))
-    history.append(user("q2"))
-    _, headers = await chat(client, history)  # resending everything: the session learns "full"
-    assert headers["X-Memproxy-Reconcile"] == "continue"
-
-    reply, headers = await chat(client, [user("q1, edited")])
-    assert headers["X-Memproxy-Reconcile"] == "edit"
-    assert upstream.last().messages == [user("q1, edited")]
-    assert stored(config) == [user("q1, edited"), assistant(reply)]
     assert_chain_consistent(config)
 
 

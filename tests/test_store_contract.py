@@ -17,6 +17,7 @@ import pytest
 from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import NewMessage, SessionState, SQLiteStore, Store, TurnRecord, Usage
+from memproxy.store.sqlite import QUERIES
 
 Opener = Callable[[], Awaitable[Store]]
 
@@ -186,3 +187,20 @@ async def test_usage_and_system_prompt_are_kept(open_store: Opener, tmp_path: Pa
     with sqlite3.connect(tmp_path / "contract.db") as db:
         usage = db.execute("SELECT prompt_tokens, completion_tokens, model FROM turns").fetchall()
     assert usage == [(7, 3, "small"), (7, 3, "small")]
+
+
+def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:
+    """No query on the hot path scans a table: its cost follows the request, not the history."""
+    asyncio.run(_open_and_close(tmp_path / "plans.db"))
+    with sqlite3.connect(tmp_path / "plans.db") as db:
+        for name, sql in QUERIES.items():
+            sql = sql.format(marks="?,?,?")
+            params = [1] * sql.count("?")
+            plan = " | ".join(row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+            assert "SCAN" not in plan.replace("SCAN CONSTANT", ""), f"{name}: {plan}"
+            assert "INDEX" in plan, f"{name}: {plan}"
+
+
+async def _open_and_close(path: Path) -> None:
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    await store.close()

@@ -22,6 +22,25 @@ from .base import SessionState, StoredMessage, TurnRecord
 
 _HASH_CHUNK = 500
 
+# The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
+# the plans), so their cost does not grow with the length of a session's history.
+QUERIES = {
+    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, system_prompt,"
+    " history_mode, created_at, updated_at FROM sessions WHERE tenant = ? AND session_id = ?",
+    "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
+    " AND chain_hash IN ({marks})",
+    "cum_at": "SELECT cum_before FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    # Walks back from `seq` through one unit's tool results at most.
+    "last_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND seq < ? ORDER BY seq DESC LIMIT 1",
+    "first_fitting_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
+    "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
+    "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
+}
+
 
 def sqlite_path(url: str) -> str:
     """`sqlite:///relative.db`, `sqlite:////abs/path.db` or `sqlite:///:memory:` to a path."""
@@ -72,9 +91,7 @@ class SQLiteStore:
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
         async with self._reader.execute(
-            "SELECT pk, tenant, session_id, length, head_hash, head_cum, system_prompt,"
-            " history_mode, created_at, updated_at FROM sessions WHERE tenant = ? AND session_id = ?",
-            (tenant, session_id),
+            QUERIES["get_session"], (tenant, session_id),
         ) as cur:
             row = await cur.fetchone()
         if row is None:
@@ -91,9 +108,7 @@ class SQLiteStore:
             chunk = list(hashes[i : i + _HASH_CHUNK])
             marks = ",".join("?" * len(chunk))
             async with self._reader.execute(
-                f"SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
-                f" AND chain_hash IN ({marks})",
-                (session.pk, *chunk),
+                QUERIES["matched_prefix"].format(marks=marks), (session.pk, *chunk),
             ) as cur:
                 row = await cur.fetchone()
             if row is not None and row[0] is not None:
@@ -104,8 +119,7 @@ class SQLiteStore:
         if seq >= session.length:
             return session.head_cum
         async with self._reader.execute(
-            "SELECT cum_before FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
-            (session.pk, seq),
+            QUERIES["cum_at"], (session.pk, seq),
         ) as cur:
             row = await cur.fetchone()
         if row is None:
@@ -114,9 +128,7 @@ class SQLiteStore:
 
     async def last_unit_start(self, session: SessionState, before: int) -> int:
         async with self._reader.execute(
-            "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
-            " AND seq < ?",
-            (session.pk, before),
+            QUERIES["last_unit_start"], (session.pk, before),
         ) as cur:
             row = await cur.fetchone()
         return before if row is None or row[0] is None else int(row[0])
@@ -125,9 +137,7 @@ class SQLiteStore:
         self, session: SessionState, floor: int, min_cum_before: int
     ) -> int | None:
         async with self._reader.execute(
-            "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
-            " AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
-            (session.pk, min_cum_before, floor),
+            QUERIES["first_fitting_unit_start"], (session.pk, min_cum_before, floor),
         ) as cur:
             row = await cur.fetchone()
         return None if row is None else int(row[0])
@@ -136,9 +146,7 @@ class SQLiteStore:
         if start >= stop:
             return []
         async with self._reader.execute(
-            "SELECT seq, body, tokens, cum_before, unit_start, chain_hash FROM messages"
-            " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
-            (session.pk, start, stop),
+            QUERIES["active_range"], (session.pk, start, stop),
         ) as cur:
             rows = await cur.fetchall()
         return [
@@ -179,10 +187,7 @@ class SQLiteStore:
                 raise Conflict("the session changed while this turn was in flight; retry it")
         assert pk is not None
         if turn.base < turn.expected_length:
-            await db.execute(
-                "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
-                (pk, turn.base),
-            )
+            await db.execute(QUERIES["supersede"], (pk, turn.base))
         parent_id = await self._message_id(pk, turn.base - 1)
         async with db.execute(
             "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
@@ -213,9 +218,7 @@ class SQLiteStore:
     async def _message_id(self, pk: int, seq: int) -> int | None:
         if seq < 0:
             return None
-        async with self._writer.execute(
-            "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?", (pk, seq)
-        ) as cur:
+        async with self._writer.execute(QUERIES["message_id"], (pk, seq)) as cur:
             row = await cur.fetchone()
         return None if row is None else int(row[0])
 
