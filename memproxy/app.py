@@ -1,6 +1,6 @@
 """The application factory: routes, the error and auth middlewares, and one cleanup context per
-resource (store, provider, background tasks), which aiohttp unwinds in reverse order so pending
-writes finish before the store closes."""
+resource (store, provider, background tasks, summarizer), which aiohttp unwinds in reverse order so
+pending writes finish before the provider and the store close."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from .errors import ProxyError, error_body
 from .provider import Provider
 from .routes import healthz, models, readyz
 from .store import open_store
-from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS, TENANT
+from .summarize import Summarizer
+from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
 
 log = logging.getLogger("memproxy")
 
@@ -34,7 +35,7 @@ def create_app(config: Config) -> web.Application:
     )
     app[CONFIG] = config
     app[LOCKS] = SessionLocks()
-    app.cleanup_ctx.extend([_store, _provider, _tasks])
+    app.cleanup_ctx.extend([_store, _provider, _tasks, _summarizer])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/models", models)
@@ -59,6 +60,11 @@ async def _tasks(app: web.Application) -> AsyncIterator[None]:
     app[TASKS] = BackgroundTasks()
     yield
     await app[TASKS].close()
+
+
+async def _summarizer(app: web.Application) -> AsyncIterator[None]:
+    app[SUMMARIZER] = Summarizer(app[CONFIG], app[STORE], app[PROVIDER], app[TASKS])
+    yield
 
 
 @web.middleware

@@ -10,7 +10,6 @@ upstream call stores nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -27,8 +26,9 @@ from .errors import BadRequest, ContextLengthExceeded, NotFound, ProxyError
 from .memory import PreparedTurn, prepare_turn, turn_record
 from .messages import Message, validate_messages
 from .reconcile import HISTORY_MODES
+from .redact import session_digest
 from .streaming import StreamAssembler
-from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS, TENANT
+from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
 
 log = logging.getLogger("memproxy.chat")
 
@@ -49,6 +49,7 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     memory_ms: float = 0.0
     turn: PreparedTurn | None = None
+    recorded: bool = False
 
     @property
     def stream(self) -> bool:
@@ -135,18 +136,24 @@ async def _prepare(
     window = provider.window(exchange.model)
     budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
     turn = await prepare_turn(
-        app[STORE], provider.counter(exchange.model), budget, tenant, session_id,
-        exchange.messages, _prompt_schemas(body), mode, exchange.model.name,
+        app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model), budget,
+        config.memory, tenant, session_id, exchange.messages, _prompt_schemas(body), mode,
     )
     exchange.turn = turn
     exchange.messages = turn.context.messages
     exchange.memory_ms = (time.perf_counter() - exchange.started) * 1000
+    context = turn.context
     exchange.headers.update({
         "X-Memproxy-Reconcile": turn.reconciled.kind,
-        "X-Memproxy-Context-Tokens": str(turn.context.tokens),
+        "X-Memproxy-Context-Tokens": str(context.tokens),
         "X-Memproxy-Input-Budget": str(budget.input_tokens),
-        "X-Memproxy-Stored-Included": str(turn.context.included),
-        "X-Memproxy-Stored-Omitted": str(turn.context.omitted),
+        "X-Memproxy-Stored-Included": str(context.included),
+        "X-Memproxy-Stored-Omitted": str(context.omitted),
+        "X-Memproxy-Summary-Version": str(context.summary.version if context.summary else 0),
+        "X-Memproxy-Summarized": str(context.summary.covers if context.summary else 0),
+        "X-Memproxy-Unsummarized-Omitted": str(context.unsummarised_omitted),
+        "X-Memproxy-Tool-Outputs-Trimmed": str(context.trimmed),
+        "X-Memproxy-Deduplicated": str(context.deduplicated),
     })
 
 
@@ -172,6 +179,11 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
     exchange.headers["Server-Timing"] = _timing(exchange.memory_ms, "upstream", upstream_ms)
     response = web.json_response(result, headers=exchange.headers, dumps=_dumps)
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    finally:
+        _after_response(request, exchange)
     _log(exchange, response.status, upstream_ms)
     return response
 
@@ -206,6 +218,7 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
         _log(exchange, 499, first_ms)  # the client went away before the answer was complete
         return response
     await _write_quietly_eof(response)
+    _after_response(request, exchange)
     _log(exchange, 200, first_ms)
     return response
 
@@ -222,9 +235,16 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     turn = exchange.turn
     assert turn is not None
     app = request.app
-    record = turn_record(turn, app[PROVIDER].counter(exchange.model), reply, exchange.model.name,
-                         usage, upstream_ms)
+    record = turn_record(turn, app[PROVIDER].counter(exchange.model), app[CONFIG].memory, reply,
+                         exchange.model.name, usage, upstream_ms)
     await app[TASKS].run(app[STORE].record_turn(record))
+    exchange.recorded = True
+
+
+def _after_response(request: web.Request, exchange: Exchange) -> None:
+    """Once the answer is out, a recorded turn may start a background summary."""
+    if exchange.recorded and exchange.turn is not None:
+        request.app[SUMMARIZER].after_turn(exchange.turn.tenant, exchange.turn.session_id, exchange.model)
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
@@ -255,8 +275,7 @@ def _log(exchange: Exchange, status: int, upstream_ms: float) -> None:
         log.info("chat status=%d model=%s session=- upstream_ms=%.1f", status, exchange.model.name,
                  upstream_ms)
         return
-    # The session id may name a person; the log carries only a short digest of it.
-    digest = hashlib.sha256(f"{turn.tenant}\x00{turn.session_id}".encode()).hexdigest()[:12]
+    digest = session_digest(turn.tenant, turn.session_id)
     log.info(
         "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d"
         " memory_ms=%.2f upstream_ms=%.1f",

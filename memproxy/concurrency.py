@@ -20,15 +20,20 @@ T = TypeVar("T")
 class BackgroundTasks:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._optional: set[asyncio.Task[Any]] = set()
         self._closing = False
 
-    def spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    def spawn(self, work: Coroutine[Any, Any, T], optional: bool = False) -> asyncio.Task[T]:
+        """Own `work`; an `optional` task (a summary) is cancelled at shutdown instead of awaited."""
         if self._closing:
             work.close()
             raise RuntimeError("shutting down")
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if optional:
+            self._optional.add(task)
+            task.add_done_callback(self._optional.discard)
         return task
 
     async def run(self, work: Coroutine[Any, Any, T]) -> T:
@@ -47,6 +52,8 @@ class BackgroundTasks:
 
     async def close(self) -> None:
         self._closing = True
+        for task in self._optional:
+            task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 

@@ -59,15 +59,39 @@ class ModelConfig:
     timeout_seconds: float = 600.0
 
 
+OVERFLOW_POLICIES = ("summarize", "marker", "drop")
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
+    """Budget and summary settings. The `None` defaults scale with the model's context window."""
+
     summarizer_model: str | None = None
     safety_margin_tokens: int | None = None
+    summaries: bool = True
+    chunk_threshold_tokens: int | None = None
+    tail_turns: int = 3
+    tail_tokens: int | None = None
+    summary_max_tokens: int | None = None
+    overflow: str = "summarize"
+    sync_summary_timeout_seconds: float = 30.0
+    failure_backoff_seconds: float = 60.0
+    tool_output_max_tokens: int = 1000
+    dedupe_min_tokens: int = 200
 
     def safety_margin(self, context_window: int) -> int:
         if self.safety_margin_tokens is not None:
             return self.safety_margin_tokens
         return max(16, context_window // 100)
+
+    def chunk_threshold(self, context_window: int) -> int:
+        return self.chunk_threshold_tokens or context_window // 2
+
+    def tail_token_limit(self, context_window: int) -> int:
+        return self.tail_tokens or context_window * 3 // 10
+
+    def summary_cap(self, context_window: int) -> int:
+        return self.summary_max_tokens or min(max(context_window // 16, 256), 4096)
 
 
 @dataclass(frozen=True)
@@ -288,9 +312,29 @@ def _models(data: _Section) -> tuple[ModelConfig, ...]:
 
 
 def _memory(s: _Section) -> MemoryConfig:
+    d = MemoryConfig()
+    overflow = s.string("overflow", d.overflow) or d.overflow
+    if overflow not in OVERFLOW_POLICIES:
+        raise ConfigError(s.key("overflow"), f"must be one of {', '.join(OVERFLOW_POLICIES)}")
+    tail_turns = s.integer("tail_turns", d.tail_turns, minimum=1)
+    tool_output = s.integer("tool_output_max_tokens", d.tool_output_max_tokens)
+    dedupe = s.integer("dedupe_min_tokens", d.dedupe_min_tokens)
+    assert tail_turns is not None and tool_output is not None and dedupe is not None
+    if 0 < tool_output < 64:
+        raise ConfigError(s.key("tool_output_max_tokens"), "must be 0 (off) or at least 64")
     config = MemoryConfig(
         summarizer_model=s.string("summarizer_model"),
         safety_margin_tokens=s.integer("safety_margin_tokens", None),
+        summaries=s.boolean("summaries", d.summaries),
+        chunk_threshold_tokens=s.integer("chunk_threshold_tokens", None, minimum=1),
+        tail_turns=tail_turns,
+        tail_tokens=s.integer("tail_tokens", None, minimum=1),
+        summary_max_tokens=s.integer("summary_max_tokens", None, minimum=16),
+        overflow=overflow,
+        sync_summary_timeout_seconds=s.number("sync_summary_timeout_seconds", d.sync_summary_timeout_seconds),
+        failure_backoff_seconds=s.number("failure_backoff_seconds", d.failure_backoff_seconds),
+        tool_output_max_tokens=tool_output,
+        dedupe_min_tokens=dedupe,
     )
     s.finish()
     return config

@@ -1,25 +1,39 @@
 """Fitting a request into the model's window: the budget and the pre-flight overflow check.
 
-budget = max input tokens - output reserve - safety margin. The request sent is the system prompt,
-then the newest stored messages that fit, then the client's new messages. Stored history is dropped
-oldest first in whole units (a message and the tool results that answer it), so no tool result is
-ever sent without its call, nor a call without its results (a call the client never answered is left
-out of what is sent). What must be sent (system, tools, new
-messages, and the stored unit a new tool result answers) is checked first: if that alone cannot fit,
-`ContextLengthExceeded` is raised before anything is sent or stored.
+budget = max input tokens - output reserve - safety margin. The request sent is, in order:
 
-Stored messages carry their token counts and running totals, so finding the cut is one indexed
-lookup: nothing stored is re-read or re-tokenized to build a request.
+    system prompt | summary of older turns | marker | stored turns that fit | new messages
+
+What must be sent (system prompt, tool schemas, the new messages, and the stored unit a new tool
+result answers) is checked first: if that alone cannot fit, `ContextLengthExceeded` is raised before
+anything is sent or stored. Stored history fills what is left, newest first, in whole units (a
+message and the tool results answering it), so no tool result is sent without its call; a call the
+client never answered is left out of what is sent. The newest exchange (from the latest user
+message on) goes verbatim; older messages go in their compact form (`memproxy.compact`).
+
+The summary, when there is one, stands for every message before `covers`; only later messages are
+candidates. Unsummarised messages that do not fit are announced by a marker (policy permitting), so
+they are never lost without a trace. Stored messages carry their token counts and running totals, so
+finding the cut is one indexed lookup: nothing stored is re-read or re-tokenized to build a request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
+from .compact import dedupe_repeats
+from .config import MemoryConfig
 from .errors import ContextLengthExceeded
 from .messages import Message, starts_unit
-from .store import SessionState, Store, StoredMessage
+from .store import SessionState, Store, StoredMessage, Summary, Totals
 from .tokens import REPLY_PRIMING, TokenCounter
+
+SUMMARY_PREFIX = (
+    "Summary of the earlier conversation, for background only: it records what was said before "
+    "the messages that follow and is not a new instruction.\n\n"
+)
 
 
 @dataclass(frozen=True)
@@ -34,57 +48,156 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Fixed:
+    """What every request sends whatever the history: it must fit."""
+
+    system: list[Message]
+    new: list[Message]
+    tokens: int  # system prompt, new messages, tool schemas and the reply priming
+
+
+@dataclass(frozen=True)
 class Context:
     messages: list[Message]
     tokens: int  # counted tokens of the whole request
     included: int  # stored messages sent
-    omitted: int  # stored messages left out
-    base_cum: int  # tokens of the stored history kept before the new messages
+    omitted: int  # stored messages not sent (summarised or left out)
+    unsummarised_omitted: int  # of those, the ones no summary covers
+    first_sent: int  # position of the first stored message sent
+    base_totals: Totals  # tokens of the stored history kept before the new messages
+    summary: Summary | None = None
+    marker: bool = False
+    trimmed: int = 0  # stored tool outputs sent in their compact form
+    deduplicated: int = 0  # stored contents sent as a reference to an earlier copy
+
+
+def summary_message(text: str) -> Message:
+    return {"role": "system", "content": SUMMARY_PREFIX + text}
+
+
+def marker_message(left_out: int) -> Message:
+    return {
+        "role": "system",
+        "content": f"[{left_out} earlier messages of this conversation are not shown here: they did "
+                   "not fit in the context window and have not been summarised yet.]",
+    }
+
+
+@lru_cache(maxsize=4096)
+def summary_tokens(counter: TokenCounter, text: str) -> int:
+    """Summaries are small and change rarely; each is counted once per model tokenizer."""
+    return counter.message(summary_message(text))
 
 
 async def build_context(
     store: Store,
     session: SessionState | None,
     base: int,
-    system: list[Message],
-    system_tokens: int,
-    new: list[Message],
-    new_tokens: int,
-    tools_tokens: int,
+    fixed: Fixed,
     budget: Budget,
     model_name: str,
     counter: TokenCounter,
+    memory: MemoryConfig,
+    use_marker: bool,
 ) -> Context:
-    fixed = system_tokens + new_tokens + tools_tokens + REPLY_PRIMING
-    available = budget.input_tokens - fixed
+    available = budget.input_tokens - fixed.tokens
+    empty = Totals(0, 0)
     if session is None or base == 0:
         _check_fits(available, 0, fixed, budget, model_name)
-        return Context(system + new, fixed, 0, 0, 0)
-    cum_base = await store.cum_at(session, base)
+        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, empty)
+    base_totals = await store.totals_at(session, base)
     must_start = base
-    if not new or not starts_unit(new[0]):
+    if not fixed.new or not starts_unit(fixed.new[0]):
         # The newest stored unit must go: it holds the call a new tool result answers, or, when the
         # client sent nothing new (regenerate), the message being answered.
         must_start = await store.last_unit_start(session, base)
-    must_tokens = cum_base - await store.cum_at(session, must_start) if must_start < base else 0
+    must_tokens = base_totals.full - (await store.totals_at(session, must_start)).full
     _check_fits(available, must_tokens, fixed, budget, model_name)
-    start = await store.first_fitting_unit_start(session, 0, cum_base - available)
-    if start is None or start > must_start:
-        start = must_start
+
+    summary = await store.current_summary(session, must_start)
+    extra: list[Message] = []
+    if summary is not None:
+        tokens = summary_tokens(counter, summary.text)
+        if must_tokens + tokens <= available:
+            available -= tokens
+            extra.append(summary_message(summary.text))
+        else:
+            summary = None
+    floor = summary.covers if summary else 0
+    newest = await _newest_exchange(store, session, base, fixed.new, floor, must_start)
+    start = await _fit(store, session, base, base_totals, newest, floor, must_start, available)
+    marker = False
+    if start > floor and use_marker:
+        marker_tokens = counter.message(marker_message(base))  # at least the real marker's count
+        if must_tokens + marker_tokens <= available:
+            available -= marker_tokens
+            start = await _fit(store, session, base, base_totals, newest, floor, must_start, available)
+            extra.append(marker_message(start - floor))
+            marker = True
     stored = await store.active_range(session, start, base)
-    stored_tokens = cum_base - stored[0].cum_before if stored else 0
-    history, saved = drop_unanswered_calls(stored, new, counter)
+    history, tokens_sent, trimmed, deduplicated = _history(stored, newest, fixed.new, counter, memory)
     return Context(
-        messages=system + history + new,
-        tokens=fixed + stored_tokens - saved,
+        messages=fixed.system + extra + history + fixed.new,
+        tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent,
         included=len(history),
         omitted=base - len(history),
-        base_cum=cum_base,
+        unsummarised_omitted=start - floor,
+        first_sent=start,
+        base_totals=base_totals,
+        summary=summary,
+        marker=marker,
+        trimmed=trimmed,
+        deduplicated=deduplicated,
     )
 
 
+async def _newest_exchange(
+    store: Store, session: SessionState, base: int, new: Sequence[Message], floor: int, must_start: int
+) -> int:
+    """Where the newest exchange starts: nothing stored if the client sent a user message, else the
+    latest stored user message (an agent loop continuing it)."""
+    if any(m.get("role") == "user" for m in new):
+        return base
+    users = await store.user_positions(session, base, 1)
+    newest = users[0] if users else floor
+    return min(max(newest, floor), must_start)
+
+
+async def _fit(
+    store: Store, session: SessionState, base: int, base_totals: Totals, newest: int, floor: int,
+    must_start: int, available: int,
+) -> int:
+    """The first stored position sent: the longest run of whole units ending at `base` that fits,
+    counting the newest exchange verbatim and older messages in their compact form."""
+    newest_totals = await store.totals_at(session, newest)
+    verbatim = base_totals.full - newest_totals.full
+    if verbatim <= available:
+        found = await store.first_fitting_unit_start(
+            session, floor, newest_totals.compact - (available - verbatim), compact=True)
+        return newest if found is None or found > newest else found
+    found = await store.first_fitting_unit_start(session, max(floor, newest), base_totals.full - available)
+    return must_start if found is None or found > must_start else found
+
+
+def _history(
+    stored: list[StoredMessage], newest: int, new: list[Message], counter: TokenCounter, memory: MemoryConfig
+) -> tuple[list[Message], int, int, int]:
+    """The stored messages as sent (compact when older than the newest exchange, repeats sent once,
+    unanswered calls left out), their tokens, and how many were trimmed and deduplicated."""
+    old = [m for m in stored if m.seq < newest]
+    recent = [m for m in stored if m.seq >= newest]
+    old_bodies, saved = dedupe_repeats(
+        [m.compact for m in old], [m.compact_tokens for m in old], memory.dedupe_min_tokens, counter)
+    deduplicated = sum(1 for a, m in zip(old_bodies, old) if a is not m.compact)
+    bodies = old_bodies + [m.body for m in recent]
+    tokens = [m.compact_tokens for m in old] + [m.tokens for m in recent]
+    history, unanswered_saved = drop_unanswered_calls(bodies, tokens, new, counter)
+    trimmed = sum(1 for m in old if m.compact_body is not None)
+    return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
+
+
 def drop_unanswered_calls(
-    stored: list[StoredMessage], new: list[Message], counter: TokenCounter
+    bodies: list[Message], tokens: list[int], new: list[Message], counter: TokenCounter
 ) -> tuple[list[Message], int]:
     """The stored messages to send, without tool calls that no tool result answers.
 
@@ -92,13 +205,13 @@ def drop_unanswered_calls(
     holding an unanswered call. Such calls are left out of what is sent (the store keeps them), and
     a message left with neither calls nor content is not sent. Returns the tokens this saved.
     """
-    sequence = [m.body for m in stored] + new
+    sequence = bodies + new
     history: list[Message] = []
     saved = 0
-    for i, message in enumerate(stored):
-        calls = message.body.get("tool_calls")
+    for i, (message, count) in enumerate(zip(bodies, tokens)):
+        calls = message.get("tool_calls")
         if not calls:
-            history.append(message.body)
+            history.append(message)
             continue
         answered = set()
         for following in sequence[i + 1 :]:
@@ -107,25 +220,25 @@ def drop_unanswered_calls(
             answered.add(following.get("tool_call_id"))
         kept = [call for call in calls if call.get("id") in answered]
         if len(kept) == len(calls):
-            history.append(message.body)
+            history.append(message)
             continue
-        body = {k: v for k, v in message.body.items() if k != "tool_calls"}
+        body = {k: v for k, v in message.items() if k != "tool_calls"}
         if kept:
             body["tool_calls"] = kept
         elif not body.get("content"):
-            saved += message.tokens
+            saved += count
             continue
-        saved += message.tokens - counter.message(body)
+        saved += count - counter.message(body)
         history.append(body)
     return history, saved
 
 
-def _check_fits(available: int, must_tokens: int, fixed: int, budget: Budget, model: str) -> None:
+def _check_fits(available: int, must_tokens: int, fixed: Fixed, budget: Budget, model: str) -> None:
     if must_tokens <= available:
         return
     raise ContextLengthExceeded(
-        f"This request needs at least {fixed + must_tokens} input tokens (system prompt, tools and the "
-        f"new messages), but model '{model}' allows {budget.input_tokens}: a context window of "
+        f"This request needs at least {fixed.tokens + must_tokens} input tokens (system prompt, tools "
+        f"and the new messages), but model '{model}' allows {budget.input_tokens}: a context window of "
         f"{budget.window} minus {budget.output_reserve} reserved for the output and a safety margin of "
         f"{budget.margin}. Shorten the new messages or lower max_tokens.",
         param="messages",

@@ -1,21 +1,27 @@
 """A turn of memory: plan what to send from what is stored, then record what happened.
 
 `prepare_turn` reconciles the client's messages with the session, counts the new ones (the only
-tokenizing a turn does), and builds the request under the budget. Nothing is written until the
-upstream call has succeeded; `turn_record` then describes the whole turn (superseded tail, new
-messages, reply, usage) for the store to write in one transaction.
+tokenizing a turn does), and builds the request under the budget. When unsummarised turns must be
+left out and the overflow policy is `summarize`, it folds them into the summary first (bounded by a
+timeout; a marker stands in if that fails). Nothing is written until the upstream call has
+succeeded; `turn_record` then describes the whole turn (superseded tail, new messages, reply, usage)
+for the store to write in one transaction.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from .context import Budget, Context, build_context
+from .compact import trimmed_tool_output
+from .config import MemoryConfig, ModelConfig
+from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
 from .reconcile import Reconciled, reconcile
 from .store import NewMessage, SessionState, Store, TurnRecord, Usage
-from .tokens import TokenCounter
+from .summarize import Summarizer
+from .tokens import REPLY_PRIMING, TokenCounter
 
 
 @dataclass(frozen=True)
@@ -30,16 +36,31 @@ class PreparedTurn:
     context: Context
 
 
+def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
+    """A message as it will be stored: counted once, with its compact form if it has one."""
+    compact = trimmed_tool_output(body, memory.tool_output_max_tokens, counter)
+    return NewMessage(
+        body=body,
+        tokens=counter.message(body),
+        unit_start=starts_unit(body),
+        chain_hash=chain,
+        compact_body=compact,
+        compact_tokens=None if compact is None else counter.message(compact),
+    )
+
+
 async def prepare_turn(
     store: Store,
+    summarizer: Summarizer,
+    model: ModelConfig,
     counter: TokenCounter,
     budget: Budget,
+    memory: MemoryConfig,
     tenant: str,
     session_id: str,
     messages: list[Message],
     schemas: list[Any],
     history_mode: str,
-    model_name: str,
 ) -> PreparedTurn:
     session = await store.get_session(tenant, session_id)
     system, conversation = split_system(messages)
@@ -48,29 +69,33 @@ async def prepare_turn(
         system = session.system
     reconciled = await reconcile(store, session, conversation, history_mode)
     hashes = chain_hashes(reconciled.base_hash, reconciled.new)
-    new = [
-        NewMessage(body=m, tokens=counter.message(m), unit_start=starts_unit(m), chain_hash=h)
-        for m, h in zip(reconciled.new, hashes)
-    ]
-    context = await build_context(
-        store,
-        session,
-        reconciled.base,
-        system,
-        sum(counter.message(m) for m in system),
-        reconciled.new,
-        sum(m.tokens for m in new),
-        counter.tools(schemas),
-        budget,
-        model_name,
-        counter,
+    new = [new_message(m, h, counter, memory) for m, h in zip(reconciled.new, hashes)]
+    fixed = Fixed(
+        system=system,
+        new=reconciled.new,
+        tokens=sum(counter.message(m) for m in system) + sum(m.tokens for m in new)
+        + counter.tools(schemas) + REPLY_PRIMING,
     )
+
+    async def build() -> Context:
+        return await build_context(store, session, reconciled.base, fixed, budget, model.name, counter,
+                                   memory, use_marker=memory.overflow != "drop")
+
+    context = await build()
+    if context.unsummarised_omitted and memory.overflow == "summarize" and session is not None:
+        try:
+            await asyncio.wait_for(summarizer.fold(tenant, session_id, model, upto=context.first_sent),
+                                   memory.sync_summary_timeout_seconds)
+        except asyncio.TimeoutError:
+            pass  # the fold goes on in the background; this request gets a marker meanwhile
+        context = await build()
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context)
 
 
 def turn_record(
     turn: PreparedTurn,
     counter: TokenCounter,
+    memory: MemoryConfig,
     reply: Message,
     model: str,
     usage: dict[str, Any] | None,
@@ -78,17 +103,15 @@ def turn_record(
 ) -> TurnRecord:
     body = assistant_message(reply)
     parent = turn.new[-1].chain_hash if turn.new else turn.reconciled.base_hash
-    answer = NewMessage(body=body, tokens=counter.message(body), unit_start=True,
-                        chain_hash=chain_hash(parent, body))
+    answer = new_message(body, chain_hash(parent, body), counter, memory)
     session = turn.session
-    base = turn.reconciled.base
     return TurnRecord(
         tenant=turn.tenant,
         session_id=turn.session_id,
         expected_length=session.length if session else 0,
         expected_head_hash=session.head_hash if session else "",
-        base=base,
-        base_cum=turn.context.base_cum,
+        base=turn.reconciled.base,
+        base_totals=turn.context.base_totals,
         base_hash=turn.reconciled.base_hash,
         messages=[*turn.new, answer],
         system=turn.system if turn.system_changed else None,

@@ -47,6 +47,9 @@ class LitellmCounter:
         self._litellm = litellm
         self._model = model
 
+    def text(self, text: str) -> int:
+        return int(self._litellm.token_counter(model=self._model, text=text))
+
     def message(self, message: Message) -> int:
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3
 

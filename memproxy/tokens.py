@@ -33,6 +33,10 @@ TOKENS_PER_IMAGE = 765  # a high-detail 512px tile set; images are never cut, so
 
 
 class TokenCounter(Protocol):
+    def __hash__(self) -> int: ...  # counters key caches of counts
+
+    def text(self, text: str) -> int: ...
+
     def message(self, message: Message) -> int: ...
 
     def tools(self, tools: Sequence[Any]) -> int: ...

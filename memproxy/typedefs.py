@@ -11,11 +11,13 @@ if TYPE_CHECKING:
     from .config import Config
     from .provider import Provider
     from .store import Store
+    from .summarize import Summarizer
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
 STORE: web.AppKey[Store] = web.AppKey("store")
 PROVIDER: web.AppKey[Provider] = web.AppKey("provider")
 TASKS: web.AppKey[BackgroundTasks] = web.AppKey("tasks")
 LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
+SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
 
 TENANT: web.RequestKey[str] = web.RequestKey("tenant", str)  # the tenant of the caller's API key

@@ -36,6 +36,11 @@ def upstream(upstream_server: FakeUpstream) -> FakeUpstream:
     return upstream_server
 
 
+# The core tests see the plain sliding window; tests of summaries and compaction turn them on.
+CORE_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "drop", "tool_output_max_tokens": 0,
+                               "dedupe_min_tokens": 0}
+
+
 def make_config(db: Path, upstream_url: str, **memory: Any) -> Config:
     return Config(
         server=ServerConfig(host="127.0.0.1", port=0),
@@ -46,7 +51,8 @@ def make_config(db: Path, upstream_url: str, **memory: Any) -> Config:
             ModelConfig(name="big", model="openai/gpt-4o-mini", api_base=upstream_url,
                         api_key="upstream-secret", context_window=100_000, max_output_tokens=1000),
         ),
-        memory=MemoryConfig(summarizer_model="small", safety_margin_tokens=memory.get("margin", 20)),
+        memory=MemoryConfig(**{"summarizer_model": "small", "safety_margin_tokens": 20, **CORE_MEMORY,
+                               **memory}),
         auth=AuthConfig(keys=(ApiKey(PROXY_KEY, "a"), ApiKey(OTHER_KEY, "b"))),
     )
 

@@ -7,8 +7,10 @@ what was committed, not what one connection happens to see.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,8 @@ import pytest
 
 from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import NewMessage, SessionState, SQLiteStore, Store, TurnRecord, Usage
-from memproxy.store.sqlite import QUERIES
+from memproxy.store import NewMessage, SessionState, SQLiteStore, Store, Summary, Totals, TurnRecord, Usage
+from memproxy.store.sqlite import QUERIES, migrations
 
 Opener = Callable[[], Awaitable[Store]]
 
@@ -66,7 +68,7 @@ def turn(
         tenant=tenant, session_id=session_id,
         expected_length=extra.pop("expected_length", length),
         expected_head_hash=session.head_hash if session else "",
-        base=base, base_cum=base * tokens, base_hash=base_hash,
+        base=base, base_totals=Totals(base * tokens, base * tokens), base_hash=base_hash,
         messages=[NewMessage(m, tokens, starts_unit(m), h) for m, h in zip(messages, hashes)],
         system=system, history_mode=extra.pop("history_mode", None), model="small", kind="test",
         context_tokens=123, latency_ms=1.5, usage=Usage(7, 3),
@@ -79,7 +81,8 @@ async def test_blank_database_gets_every_migration_once(open_store: Opener, tmp_
     with sqlite3.connect(tmp_path / "contract.db") as db:
         ids = [row[0] for row in db.execute("SELECT id FROM schema_migrations")]
         mode = db.execute("PRAGMA journal_mode").fetchone()[0]
-    assert ids == ["0001_initial"]
+    assert ids == [migration_id for migration_id, _ in migrations()]
+    assert ids[:2] == ["0001_initial", "0002_summaries"]
     assert mode == "wal"
 
 
@@ -122,9 +125,11 @@ async def test_lookups_by_hash_position_and_running_total(open_store: Opener) ->
     assert await store.matched_prefix(session, hashes) == 7
     assert await store.matched_prefix(session, hashes[:3]) == 3
     assert await store.matched_prefix(session, chain_hashes(ROOT_HASH, [user("other")])) == 0
-    assert await store.cum_at(session, 0) == 0
-    assert await store.cum_at(session, 4) == 40
-    assert await store.cum_at(session, 7) == 70
+    assert await store.totals_at(session, 0) == Totals(0, 0)
+    assert await store.totals_at(session, 4) == Totals(40, 40)
+    assert await store.totals_at(session, 7) == Totals(70, 70)
+    assert await store.user_positions(session, 7, 5) == [5, 0]
+    assert await store.user_positions(session, 5, 1) == [0]
     # Tool results are not unit starts: the unit holding position 3 starts at the call, position 1.
     assert await store.last_unit_start(session, 4) == 1
     assert await store.last_unit_start(session, 0) == 0
@@ -204,3 +209,85 @@ def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:
 async def _open_and_close(path: Path) -> None:
     store = await SQLiteStore.open(f"sqlite:///{path}")
     await store.close()
+
+
+async def test_compact_forms_keep_their_own_running_total(open_store: Opener) -> None:
+    store = await open_store()
+    long_output = tool("c1", "x" * 1000)
+    short_form = tool("c1", "x…x")
+    messages = [user("q"), assistant(None, ["c1"]), long_output, assistant("done")]
+    hashes = chain_hashes(ROOT_HASH, messages)
+    record = turn(None, messages)
+    news = [NewMessage(m, 10, starts_unit(m), h) for m, h in zip(messages, hashes)]
+    news[2] = NewMessage(long_output, 100, False, hashes[2], compact_body=short_form, compact_tokens=5)
+    await store.record_turn(dataclasses.replace(record, messages=news))
+    session = await store.get_session("t", "s")
+    assert session is not None and (session.head_cum, session.head_compact_cum) == (130, 35)
+    assert await store.totals_at(session, 3) == Totals(120, 25)
+    stored = await store.active_range(session, 0, 4)
+    assert stored[2].body == long_output and stored[2].compact == short_form
+    assert stored[1].compact == stored[1].body  # no compact form: sent as stored
+    assert await store.first_fitting_unit_start(session, 0, 25, compact=True) == 3
+    assert await store.first_fitting_unit_start(session, 0, 25) == 3
+    assert await store.first_fitting_unit_start(session, 0, 11, compact=True) == 3
+
+
+def summary(covers: int, covers_hash: str, text: str = "s") -> Summary:
+    return Summary(version=0, text=text, covers=covers, covers_hash=covers_hash, tokens=5,
+                   replaced_tokens=50, model="small")
+
+
+async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(open_store: Opener) -> None:
+    store, other = await open_store(), await open_store()
+    history = [user("1"), assistant("a"), user("2"), assistant("b"), user("3"), assistant("c")]
+    await store.record_turn(turn(None, history))
+    session = await store.get_session("t", "s")
+    assert session is not None
+    hashes = chain_hashes(ROOT_HASH, history)
+    assert await store.current_summary(session, 6) is None
+    await store.save_summary(session, 0, summary(2, hashes[1], "first"))
+    await store.save_summary(session, 1, summary(4, hashes[3], "second"))
+    current = await other.current_summary(session, 6)
+    assert current is not None and (current.version, current.text, current.covers) == (2, "second", 4)
+    # A summary covering more than the messages kept is not used for them: the older one is.
+    older = await other.current_summary(session, 3)
+    assert older is not None and older.text == "first"
+    with pytest.raises(Conflict):  # another version was saved meanwhile
+        await store.save_summary(session, 1, summary(4, hashes[3]))
+    with pytest.raises(Conflict):  # it covers messages that are not the active history
+        await store.save_summary(session, 2, summary(4, chain_hashes(ROOT_HASH, [user("x")])[0]))
+    # An edit at position 2 supersedes what "second" covers: "first" is used again.
+    await store.record_turn(turn(session, [user("2 edited"), assistant("d")], base=2, base_hash=hashes[1]))
+    edited = await store.get_session("t", "s")
+    assert edited is not None
+    rebased = await store.current_summary(edited, edited.length)
+    assert rebased is not None and rebased.text == "first"
+    assert [s.text for s in await other.summary_history(edited)] == ["first", "second"]
+
+
+def test_the_oldest_schema_migrates_with_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    first = migrations()[0]
+    with closing(sqlite3.connect(path)) as db:
+        db.executescript(first[1])
+        db.execute("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+        db.execute("INSERT INTO schema_migrations VALUES (?, 0)", (first[0],))
+        db.execute("INSERT INTO sessions (pk, tenant, session_id, created_at, updated_at, length, head_hash,"
+                   " head_cum) VALUES (1, 't', 's', 0, 0, 1, 'h', 12)")
+        db.execute("INSERT INTO turns VALUES (1, 1, 0, 'small', 'new', 12, NULL, NULL, 1.0)")
+        db.execute("INSERT INTO messages (id, session_pk, turn_id, seq, role, body, tokens, cum_before,"
+                   " unit_start, chain_hash, created_at) VALUES (1, 1, 1, 0, 'user', '{}', 12, 0, 1, 'h', 0)")
+        db.commit()
+
+    async def check() -> None:
+        store = await SQLiteStore.open(f"sqlite:///{path}")
+        try:
+            session = await store.get_session("t", "s")
+            assert session is not None and session.head_compact_cum == 12
+            [message] = await store.active_range(session, 0, 1)
+            assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
+            assert await store.current_summary(session, 1) is None
+        finally:
+            await store.close()
+
+    asyncio.run(check())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import StorageConfig
-from .base import NewMessage, SessionState, Store, StoredMessage, TurnRecord, Usage
+from .base import NewMessage, SessionState, Store, StoredMessage, Summary, Totals, TurnRecord, Usage
 from .sqlite import SQLiteStore
 
 __all__ = [
@@ -12,6 +12,8 @@ __all__ = [
     "SessionState",
     "Store",
     "StoredMessage",
+    "Summary",
+    "Totals",
     "TurnRecord",
     "Usage",
     "open_store",

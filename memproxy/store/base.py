@@ -27,6 +27,7 @@ class SessionState:
     length: int  # messages on the active chain
     head_hash: str  # chained hash of the last active message ("" when empty)
     head_cum: int  # tokens of the whole active chain
+    head_compact_cum: int  # the same, with older messages in their compact form
     system: list[Message] | None  # the last system prompt the client sent
     history_mode: str | None  # "full" or "new", as learned from the client
     created_at: float
@@ -41,6 +42,13 @@ class StoredMessage:
     cum_before: int
     unit_start: bool
     chain_hash: str
+    compact_body: Message | None = None  # how it is sent once older than the newest exchange
+    compact_tokens: int = 0
+    compact_cum_before: int = 0
+
+    @property
+    def compact(self) -> Message:
+        return self.compact_body if self.compact_body is not None else self.body
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,28 @@ class NewMessage:
     tokens: int
     unit_start: bool
     chain_hash: str
+    compact_body: Message | None = None
+    compact_tokens: int | None = None  # None: the same as `tokens`
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Tokens of the active chain before a position: as stored, and with compact forms."""
+
+    full: int
+    compact: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    version: int
+    text: str
+    covers: int  # active messages with seq < covers are folded into it
+    covers_hash: str  # chained hash of message covers - 1 when it was written
+    tokens: int  # of the summary message as sent
+    replaced_tokens: int  # of what it replaced: the previous summary and the messages folded in
+    model: str
+    created_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +101,7 @@ class TurnRecord:
     expected_length: int
     expected_head_hash: str
     base: int
-    base_cum: int
+    base_totals: Totals
     base_hash: str
     messages: Sequence[NewMessage]
     system: list[Message] | None
@@ -92,7 +122,7 @@ class Store(Protocol):
         """How many leading `hashes` are on the session's active chain (they match position by position)."""
         ...
 
-    async def cum_at(self, session: SessionState, seq: int) -> int:
+    async def totals_at(self, session: SessionState, seq: int) -> Totals:
         """Tokens of the active chain before position `seq` (`seq <= length`)."""
         ...
 
@@ -100,11 +130,27 @@ class Store(Protocol):
         """The greatest unit-start position below `before`, or `before` if there is none."""
         ...
 
-    async def first_fitting_unit_start(
-        self, session: SessionState, floor: int, min_cum_before: int
-    ) -> int | None:
-        """The least unit-start position >= `floor` with `cum_before >= min_cum_before`."""
+    async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
+        """Positions of the newest `limit` active user messages below `before`, newest first."""
         ...
+
+    async def first_fitting_unit_start(
+        self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
+    ) -> int | None:
+        """The least unit-start position >= `floor` whose running total before it (compact or
+        as stored) is >= `min_cum_before`."""
+        ...
+
+    async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
+        """The newest summary covering at most `upto` messages that are still the active history."""
+        ...
+
+    async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
+        """Store `summary` as version `expected_version + 1`; `Conflict` if another version was saved
+        meanwhile or the messages it covers are no longer the active history."""
+        ...
+
+    async def summary_history(self, session: SessionState) -> list[Summary]: ...
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 

@@ -18,25 +18,36 @@ from typing import Any
 import aiosqlite
 
 from ..errors import Conflict
-from .base import SessionState, StoredMessage, TurnRecord
+from .base import SessionState, StoredMessage, Summary, Totals, TurnRecord
 
 _HASH_CHUNK = 500
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the plans), so their cost does not grow with the length of a session's history.
 QUERIES = {
-    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, system_prompt,"
-    " history_mode, created_at, updated_at FROM sessions WHERE tenant = ? AND session_id = ?",
+    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
+    " system_prompt, history_mode, created_at, updated_at FROM sessions"
+    " WHERE tenant = ? AND session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
     " AND chain_hash IN ({marks})",
-    "cum_at": "SELECT cum_before FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "totals_at": "SELECT cum_before, compact_cum_before FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq = ?",
     # Walks back from `seq` through one unit's tool results at most.
     "last_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
     " AND unit_start = 1 AND seq < ? ORDER BY seq DESC LIMIT 1",
+    "user_positions": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user'"
+    " AND seq < ? ORDER BY seq DESC LIMIT ?",
     "first_fitting_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
     " AND unit_start = 1 AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
-    "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash FROM messages"
+    "first_fitting_compact_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND compact_cum_before >= ? AND seq >= ? ORDER BY compact_cum_before LIMIT 1",
+    "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash, compact_body,"
+    " compact_tokens, compact_cum_before FROM messages"
     " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
+    "current_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
+    " s.model, s.created_at FROM summaries s JOIN messages m ON m.session_pk = s.session_pk"
+    " AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
+    " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
 }
@@ -90,16 +101,14 @@ class SQLiteStore:
             await cur.fetchone()
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
-        async with self._reader.execute(
-            QUERIES["get_session"], (tenant, session_id),
-        ) as cur:
+        async with self._reader.execute(QUERIES["get_session"], (tenant, session_id)) as cur:
             row = await cur.fetchone()
         if row is None:
             return None
         return SessionState(
             pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
-            head_cum=row[5], system=json.loads(row[6]) if row[6] else None,
-            history_mode=row[7], created_at=row[8], updated_at=row[9],
+            head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
+            history_mode=row[8], created_at=row[9], updated_at=row[10],
         )
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
@@ -115,16 +124,14 @@ class SQLiteStore:
                 best = max(best, int(row[0]))
         return best + 1
 
-    async def cum_at(self, session: SessionState, seq: int) -> int:
+    async def totals_at(self, session: SessionState, seq: int) -> Totals:
         if seq >= session.length:
-            return session.head_cum
-        async with self._reader.execute(
-            QUERIES["cum_at"], (session.pk, seq),
-        ) as cur:
+            return Totals(session.head_cum, session.head_compact_cum)
+        async with self._reader.execute(QUERIES["totals_at"], (session.pk, seq)) as cur:
             row = await cur.fetchone()
         if row is None:
             raise LookupError(f"no active message at position {seq}")
-        return int(row[0])
+        return Totals(int(row[0]), int(row[1]))
 
     async def last_unit_start(self, session: SessionState, before: int) -> int:
         async with self._reader.execute(
@@ -133,12 +140,15 @@ class SQLiteStore:
             row = await cur.fetchone()
         return before if row is None or row[0] is None else int(row[0])
 
+    async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
+        async with self._reader.execute(QUERIES["user_positions"], (session.pk, before, limit)) as cur:
+            return [int(row[0]) for row in await cur.fetchall()]
+
     async def first_fitting_unit_start(
-        self, session: SessionState, floor: int, min_cum_before: int
+        self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
     ) -> int | None:
-        async with self._reader.execute(
-            QUERIES["first_fitting_unit_start"], (session.pk, min_cum_before, floor),
-        ) as cur:
+        query = QUERIES["first_fitting_compact_unit_start" if compact else "first_fitting_unit_start"]
+        async with self._reader.execute(query, (session.pk, min_cum_before, floor)) as cur:
             row = await cur.fetchone()
         return None if row is None else int(row[0])
 
@@ -151,9 +161,54 @@ class SQLiteStore:
             rows = await cur.fetchall()
         return [
             StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
-                          unit_start=bool(r[4]), chain_hash=r[5])
+                          unit_start=bool(r[4]), chain_hash=r[5],
+                          compact_body=json.loads(r[6]) if r[6] else None, compact_tokens=r[7],
+                          compact_cum_before=r[8])
             for r in rows
         ]
+
+    async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
+        async with self._reader.execute(QUERIES["current_summary"], (session.pk, upto)) as cur:
+            row = await cur.fetchone()
+        return None if row is None else _summary(row)
+
+    async def summary_history(self, session: SessionState) -> list[Summary]:
+        async with self._reader.execute(
+            "SELECT version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
+            " FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,)
+        ) as cur:
+            return [_summary(row) for row in await cur.fetchall()]
+
+    async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
+        async with self._write_lock:
+            await self._writer.execute("BEGIN IMMEDIATE")
+            try:
+                await self._save_summary(session, expected_version, summary)
+            except BaseException:
+                await self._writer.execute("ROLLBACK")
+                raise
+            await self._writer.execute("COMMIT")
+
+    async def _save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
+        db = self._writer
+        async with db.execute(
+            "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None or row[0] != expected_version:
+            raise Conflict("another summary of this session was saved meanwhile")
+        async with db.execute(
+            "SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
+            (session.pk, summary.covers - 1, summary.covers_hash),
+        ) as cur:
+            if await cur.fetchone() is None:
+                raise Conflict("the history this summary covers has changed since it was read")
+        await db.execute(
+            "INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
+            " replaced_tokens, model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
+             summary.tokens, summary.replaced_tokens, summary.model, time.time()),
+        )
 
     async def record_turn(self, turn: TurnRecord) -> None:
         async with self._write_lock:
@@ -196,22 +251,27 @@ class SQLiteStore:
              turn.usage.completion_tokens, turn.latency_ms),
         ) as cur:
             turn_id = cur.lastrowid
-        seq, cum, head_hash = turn.base, turn.base_cum, turn.base_hash
+        seq, head_hash = turn.base, turn.base_hash
+        cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
         for message in turn.messages:
+            compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
             async with db.execute(
                 "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
-                " cum_before, unit_start, chain_hash, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
+                " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
-                 message.tokens, cum, int(message.unit_start), message.chain_hash, now),
+                 message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                 None if message.compact_body is None else _dumps(message.compact_body),
+                 compact_tokens, compact_cum),
             ) as cur:
                 parent_id = cur.lastrowid
-            seq, cum, head_hash = seq + 1, cum + message.tokens, message.chain_hash
+            seq, head_hash = seq + 1, message.chain_hash
+            cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
         await db.execute(
-            "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, updated_at = ?,"
-            " system_prompt = coalesce(?, system_prompt), history_mode = coalesce(?, history_mode)"
-            " WHERE pk = ?",
-            (seq, head_hash, cum, now, _dumps(turn.system) if turn.system else None,
+            "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
+            " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
+            " history_mode = coalesce(?, history_mode) WHERE pk = ?",
+            (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
              turn.history_mode, pk),
         )
 
@@ -221,6 +281,11 @@ class SQLiteStore:
         async with self._writer.execute(QUERIES["message_id"], (pk, seq)) as cur:
             row = await cur.fetchone()
         return None if row is None else int(row[0])
+
+
+def _summary(row: Any) -> Summary:
+    return Summary(version=row[0], text=row[1], covers=row[2], covers_hash=row[3], tokens=row[4],
+                   replaced_tokens=row[5], model=row[6], created_at=row[7])
 
 
 def _dumps(value: Any) -> str:

@@ -1,0 +1,77 @@
+"""How older messages are sent smaller, without touching what is stored.
+
+- A tool result larger than `tool_output_max_tokens` is sent, once it is older than the newest
+  exchange, as its head and tail around a marker giving the full size. The compact form is computed
+  once, when the message is stored, and is itself under the limit, so trimming again changes nothing.
+- A large content repeated later (the same file read or pasted twice) is sent once: in the older part
+  of a request, a later copy becomes a short reference to the earlier one, which is sent too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from .messages import Message
+from .tokens import TokenCounter
+
+_TRIM_MARKER = "\n[... {omitted} of {total} characters of this tool output left out here ...]\n"
+
+
+def content_text(message: Message) -> str | None:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return None
+
+
+def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter) -> Message | None:
+    """The compact form of a tool result over `max_tokens`, or None if it is sent as it is."""
+    if max_tokens <= 0 or message.get("role") not in ("tool", "function"):
+        return None
+    text = content_text(message)
+    if text is None or counter.text(text) <= max_tokens:
+        return None
+    keep = len(text) * max_tokens // max(counter.text(text), 1)
+    while True:
+        head, tail = keep * 2 // 3, keep // 3
+        marker = _TRIM_MARKER.format(omitted=len(text) - head - tail, total=len(text))
+        trimmed = text[:head] + marker + (text[-tail:] if tail else "")
+        if counter.text(trimmed) <= max_tokens or keep == 0:
+            return {**message, "content": trimmed}
+        keep = keep * 4 // 5
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def dedupe_repeats(
+    messages: Sequence[Message], tokens: Sequence[int], min_tokens: int, counter: TokenCounter
+) -> tuple[list[Message], int]:
+    """Later copies of a large content replaced by a reference to the first; returns the tokens saved."""
+    if min_tokens <= 0:
+        return list(messages), 0
+    seen: dict[str, int] = {}
+    out: list[Message] = []
+    saved = 0
+    for index, (message, count) in enumerate(zip(messages, tokens)):
+        text = content_text(message)
+        if text is None or count < min_tokens or message.get("role") == "assistant":
+            out.append(message)
+            continue
+        digest = _digest(text)
+        if digest not in seen:
+            seen[digest] = index
+            out.append(message)
+            continue
+        reference: dict[str, Any] = {
+            **message,
+            "content": f"[The same {len(text)} characters as an earlier message above; not repeated.]",
+        }
+        saved += count - counter.message(reference)
+        out.append(reference)
+    return out, saved
