@@ -16,6 +16,7 @@ from .config import Config
 from .errors import ProxyError, error_body
 from .provider import Provider
 from .routes import healthz, models, readyz
+from .sessions import compact
 from .store import open_store
 from .summarize import Summarizer
 from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
@@ -41,6 +42,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_post("/v1/sessions/{session_id}/compact", compact)
     return app
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,14 +26,13 @@ from .memory import PreparedTurn, prepare_turn, turn_record
 from .messages import Message, validate_messages
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
+from .session_ids import SESSION_HEADER, is_session_id
 from .streaming import StreamAssembler
 from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
 
 log = logging.getLogger("memproxy.chat")
 
-SESSION_HEADER = "X-Session-Id"
 HISTORY_HEADER = "X-Memproxy-History"
-_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _NOT_PARAMS = frozenset({"model", "messages"})
 
 
@@ -103,7 +101,7 @@ def _session_id(request: web.Request) -> str | None:
     value = request.headers.get(SESSION_HEADER)
     if value is None:
         return None
-    if not _SESSION_ID.fullmatch(value):
+    if not is_session_id(value):
         raise BadRequest(f"{SESSION_HEADER} must be 1-128 characters of A-Z a-z 0-9 . _ : -",
                          code="invalid_session_id", param=SESSION_HEADER)
     return value

@@ -57,7 +57,7 @@ _MAX_BACKOFF_SECONDS = 3600.0
 class FoldResult:
     outcome: str  # applied | nothing | discarded | stale | failed
     summary: Summary | None  # the summary in use afterwards
-    folded: int = 0  # messages folded in by this run
+    messages_folded: int = 0  # by this run
     tokens_before: int = 0  # previous summary + the messages folded
     tokens_after: int = 0  # the new summary
     detail: str = ""
@@ -144,6 +144,11 @@ class Summarizer:
             return
         self._start(key, chat_model, None, check_threshold=True)
 
+    async def wait_idle(self) -> None:
+        """Wait until no fold is running (folds started meanwhile included)."""
+        while self._running:
+            await asyncio.wait(list(self._running.values()))
+
     async def fold(
         self, tenant: str, session_id: str, chat_model: ModelConfig, upto: int | None = None
     ) -> FoldResult:
@@ -186,7 +191,8 @@ class Summarizer:
             log.info(
                 "summary session=%s outcome=%s messages_folded=%d tokens_before=%d tokens_after=%d"
                 " duration_ms=%.0f model=%s version=%s%s",
-                session_digest(*key), result.outcome, result.folded, result.tokens_before, result.tokens_after,
+                session_digest(*key), result.outcome, result.messages_folded, result.tokens_before,
+                result.tokens_after,
                 (time.perf_counter() - started) * 1000, model.name,
                 result.summary.version if result.summary else "-",
                 f" detail={result.detail!r}" if result.detail else "",

@@ -14,10 +14,14 @@ import json
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+
+SUMMARIZER_OPENING = "You keep the running summary of a conversation"
 
 
 @dataclass
@@ -43,12 +47,20 @@ class Received:
     def messages(self) -> list[dict[str, Any]]:
         return list(self.body.get("messages", []))
 
+    @property
+    def is_summary(self) -> bool:
+        """A request from memproxy's summariser, told apart by its instructions."""
+        first = (self.body.get("messages") or [{}])[0]
+        return first.get("role") == "system" and str(first.get("content", "")).startswith(SUMMARIZER_OPENING)
+
 
 @dataclass
 class FakeUpstream:
     received: list[Received] = field(default_factory=list)
     arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _script: deque[Reply] = field(default_factory=deque)
+    # Answers summariser requests when set (else they take the next scripted reply like any other).
+    summarizer: Callable[[Received], Reply] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
@@ -68,8 +80,13 @@ class FakeUpstream:
             raise TimeoutError("the fake upstream received no request")
 
     def chat_requests(self) -> list[Received]:
+        """The chat requests the proxy forwarded (summariser requests are listed apart)."""
         with self._lock:
-            return [r for r in self.received if r.path.endswith("/chat/completions")]
+            return [r for r in self.received if r.path.endswith("/chat/completions") and not r.is_summary]
+
+    def summary_requests(self) -> list[Received]:
+        with self._lock:
+            return [r for r in self.received if r.is_summary]
 
     def last(self) -> Received:
         return self.chat_requests()[-1]
@@ -78,6 +95,7 @@ class FakeUpstream:
         with self._lock:
             self.received.clear()
             self._script.clear()
+            self.summarizer = None
         while self.arrived.acquire(blocking=False):
             pass
 
@@ -116,10 +134,15 @@ class FakeUpstream:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        received = Received(request.path, dict(request.headers), body)
         with self._lock:
-            self.received.append(Received(request.path, dict(request.headers), body))
-            number = len([r for r in self.received if r.path.endswith("/chat/completions")])
-            reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
+            self.received.append(received)
+            number = len([r for r in self.received
+                          if r.path.endswith("/chat/completions") and not r.is_summary])
+            if received.is_summary and self.summarizer is not None:
+                reply = self.summarizer(received)
+            else:
+                reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
         self.arrived.release()
         if reply.gate is not None:
             gate = reply.gate
