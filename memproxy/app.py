@@ -4,7 +4,9 @@ pending writes finish before the provider and the store close."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -16,10 +18,10 @@ from .config import Config
 from .errors import ProxyError, error_body
 from .provider import Provider
 from .routes import healthz, models, readyz
-from .sessions import compact
-from .store import open_store
+from .sessions import add_routes as add_session_routes
+from .store import Store, open_store
 from .summarize import Summarizer
-from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
+from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")
 
@@ -36,13 +38,13 @@ def create_app(config: Config) -> web.Application:
     )
     app[CONFIG] = config
     app[LOCKS] = SessionLocks()
-    app.cleanup_ctx.extend([_store, _provider, _tasks, _summarizer])
+    app.cleanup_ctx.extend([_store, _provider, _tasks, _summarizer, _retention])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
-    app.router.add_post("/v1/sessions/{session_id}/compact", compact)
+    add_session_routes(app)
     return app
 
 
@@ -67,6 +69,26 @@ async def _tasks(app: web.Application) -> AsyncIterator[None]:
 async def _summarizer(app: web.Application) -> AsyncIterator[None]:
     app[SUMMARIZER] = Summarizer(app[CONFIG], app[STORE], app[PROVIDER], app[TASKS])
     yield
+
+
+async def _retention(app: web.Application) -> AsyncIterator[None]:
+    """With an idle TTL, a sweep deletes expired sessions every `sweep_interval_seconds`."""
+    retention = app[CONFIG].retention
+    if retention.idle_ttl_seconds is not None:
+        app[TASKS].spawn(_sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds),
+                         optional=True)
+    yield
+
+
+async def _sweep(store: Store, ttl: float, interval: float) -> None:
+    while True:
+        try:
+            removed = await store.prune(time.time() - ttl)
+            if removed:
+                log.info("retention sweep removed=%d", removed)
+        except Exception as exc:  # the next sweep tries again
+            log.error("retention sweep failed: %s", type(exc).__name__)
+        await asyncio.sleep(interval)
 
 
 @web.middleware
@@ -96,5 +118,5 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith("/v1/") or request.path == "/chat/completions":
-        request[TENANT] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
+        request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
     return await handler(request)

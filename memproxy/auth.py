@@ -1,13 +1,16 @@
-"""Proxy API keys: `Authorization: Bearer <key>` names the caller's tenant.
+"""Proxy API keys: `Authorization: Bearer <key>` names the caller.
 
-Keys are compared in constant time. With no keys configured every caller is the tenant `default`
-(the CLI refuses to bind a non-loopback address in that case unless told to). The client's key is
-only ever used here: upstream keys come from the model config.
+A tenant key scopes everything the caller sees to its tenant; an admin key (`auth.admin_keys`) may
+use the session admin API across every tenant but cannot chat. Keys are compared in constant time.
+With no keys configured every caller is the tenant `default` (the CLI refuses to bind a non-loopback
+address in that case unless told to). The client's key is only ever used here: upstream keys come
+from the model config.
 """
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 from .config import AuthConfig
 from .errors import Unauthorized
@@ -15,17 +18,26 @@ from .errors import Unauthorized
 DEFAULT_TENANT = "default"
 
 
-def authenticate(auth: AuthConfig, header: str | None) -> str:
-    if not auth.keys:
-        return DEFAULT_TENANT
+@dataclass(frozen=True)
+class Caller:
+    tenant: str | None  # None for an admin key
+    admin: bool = False
+
+
+def authenticate(auth: AuthConfig, header: str | None) -> Caller:
+    if not auth.keys and not auth.admin_keys:
+        return Caller(DEFAULT_TENANT)
     scheme, _, token = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <proxy key>'.")
     given = token.strip().encode()
-    tenant = None
+    caller = None
     for key in auth.keys:
         if hmac.compare_digest(given, key.key.encode()):
-            tenant = key.tenant
-    if tenant is None:
+            caller = Caller(key.tenant)
+    for admin_key in auth.admin_keys:
+        if hmac.compare_digest(given, admin_key.encode()):
+            caller = Caller(None, admin=True)
+    if caller is None:
         raise Unauthorized("Incorrect API key provided.")
-    return tenant
+    return caller

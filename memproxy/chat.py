@@ -21,14 +21,15 @@ from aiohttp import web
 
 from .config import Config, ModelConfig
 from .context import Budget
-from .errors import BadRequest, ContextLengthExceeded, NotFound, ProxyError
+from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
 from .memory import PreparedTurn, prepare_turn, turn_record
 from .messages import Message, validate_messages
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
+from .store import Store
 from .streaming import StreamAssembler
-from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS, TENANT
+from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy.chat")
 
@@ -58,10 +59,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     body = await _read_json(request)
     exchange = _parse(config, body)
+    tenant = request[CALLER].tenant
+    if tenant is None:
+        raise Forbidden("An admin key manages sessions; chat with a tenant's key.")
     session_id = _session_id(request)
     if session_id is None:
         return await _forward(request, exchange)
-    tenant: str = request[TENANT]
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
         await _prepare(request, exchange, tenant, session_id, body)
@@ -136,6 +139,7 @@ async def _prepare(
     turn = await prepare_turn(
         app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model), budget,
         config.memory, tenant, session_id, exchange.messages, _prompt_schemas(body), mode,
+        idle_ttl=config.retention.idle_ttl_seconds,
     )
     exchange.turn = turn
     exchange.messages = turn.context.messages
@@ -233,16 +237,30 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     turn = exchange.turn
     assert turn is not None
     app = request.app
-    record = turn_record(turn, app[PROVIDER].counter(exchange.model), app[CONFIG].memory, reply,
-                         exchange.model.name, usage, upstream_ms)
+    provider = app[PROVIDER]
+    record = turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
+                         exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.recorded = True
 
 
 def _after_response(request: web.Request, exchange: Exchange) -> None:
-    """Once the answer is out, a recorded turn may start a background summary."""
-    if exchange.recorded and exchange.turn is not None:
-        request.app[SUMMARIZER].after_turn(exchange.turn.tenant, exchange.turn.session_id, exchange.model)
+    """Once the answer is out, a recorded turn may start a background summary and trim the
+    session to its message cap."""
+    turn = exchange.turn
+    if not exchange.recorded or turn is None:
+        return
+    app = request.app
+    app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model)
+    cap = app[CONFIG].retention.max_messages_per_session
+    if cap is not None:
+        app[TASKS].spawn(_cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)
+
+
+async def _cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
+    session = await store.get_session(tenant, session_id)
+    if session is not None:
+        await store.cap_messages(session, cap)
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -1,6 +1,7 @@
-"""The `memproxy` command: `serve` runs the daemon, `check-config` validates a config file.
+"""The `memproxy` command: `serve` runs the daemon, `check-config` validates a config file,
+`sessions ...` manages stored sessions (`memproxy.sessions_cli`).
 
-Only `serve` imports litellm (once, when the server starts); the other commands stay light.
+Only `serve` and `sessions context` import litellm (once); the other commands stay light.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Sequence
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, sessions_cli
 from .app import create_app
 from .config import Config, ConfigError, load_config
 
@@ -36,12 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True)
 
+    sessions_cli.add_parser(commands)
+
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config) if args.config else Config()
     except ConfigError as exc:
         print(f"memproxy: config error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "sessions":
+        return sessions_cli.run(args, config)
     if args.command == "check-config":
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {config.storage.url})")

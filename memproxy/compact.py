@@ -72,6 +72,10 @@ def dedupe_repeats(
             **message,
             "content": f"[The same {len(text)} characters as an earlier message above; not repeated.]",
         }
-        saved += count - counter.message(reference)
+        smaller = count - counter.message(reference)
+        if smaller <= 0:  # a repeat shorter than its reference goes as it is: never grow a request
+            out.append(message)
+            continue
+        saved += smaller
         out.append(reference)
     return out, saved

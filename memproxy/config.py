@@ -103,6 +103,16 @@ class ApiKey:
 @dataclass(frozen=True)
 class AuthConfig:
     keys: tuple[ApiKey, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # the session admin API across every tenant
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """All off by default: memproxy keeps every conversation until told otherwise."""
+
+    idle_ttl_seconds: float | None = None
+    sweep_interval_seconds: float = 300.0
+    max_messages_per_session: int | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class Config:
     models: tuple[ModelConfig, ...] = ()
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def model(self, name: str) -> ModelConfig | None:
         for model in self.models:
@@ -141,6 +152,7 @@ def parse_config(text: str, environ: dict[str, str] | None = None) -> Config:
         models=_models(data),
         memory=_memory(data.section("memory")),
         auth=_auth(data),
+        retention=_retention(data.section("retention")),
     )
     data.finish()
     _cross_check(config)
@@ -353,10 +365,31 @@ def _auth(data: _Section) -> AuthConfig:
             raise ConfigError(k.key("key"), "must be at least 8 characters")
         keys.append(ApiKey(key=key, tenant=k.required_string("tenant")))
         k.finish()
-    if len({k.key for k in keys}) != len(keys):
+    raw_admin = s.get("admin_keys", [])
+    if not isinstance(raw_admin, list):
+        raise ConfigError(s.key("admin_keys"), "must be a list")
+    admin_keys = []
+    for i, value in enumerate(raw_admin):
+        if not isinstance(value, str) or len(value) < 8:
+            raise ConfigError(f"auth.admin_keys[{i}]", "must be a string of at least 8 characters")
+        admin_keys.append(value)
+    every = [k.key for k in keys] + admin_keys
+    if len(set(every)) != len(every):
         raise ConfigError(s.key("keys"), "the same key is listed twice")
     s.finish()
-    return AuthConfig(keys=tuple(keys))
+    return AuthConfig(keys=tuple(keys), admin_keys=tuple(admin_keys))
+
+
+def _retention(s: _Section) -> RetentionConfig:
+    d = RetentionConfig()
+    ttl = s.get("idle_ttl_seconds")
+    config = RetentionConfig(
+        idle_ttl_seconds=None if ttl is None else s.number("idle_ttl_seconds", 1.0),
+        sweep_interval_seconds=s.number("sweep_interval_seconds", d.sweep_interval_seconds),
+        max_messages_per_session=s.integer("max_messages_per_session", None, minimum=2),
+    )
+    s.finish()
+    return config
 
 
 def _cross_check(config: Config) -> None:

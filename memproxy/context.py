@@ -64,6 +64,7 @@ class Context:
     omitted: int  # stored messages not sent (summarised or left out)
     unsummarised_omitted: int  # of those, the ones no summary covers
     first_sent: int  # position of the first stored message sent
+    mandatory_start: int  # stored messages from here on must be sent
     base_totals: Totals  # tokens of the stored history kept before the new messages
     summary: Summary | None = None
     marker: bool = False
@@ -104,7 +105,7 @@ async def build_context(
     empty = Totals(0, 0)
     if session is None or base == 0:
         _check_fits(available, 0, fixed, budget, model_name)
-        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, empty)
+        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, base, empty)
     base_totals = await store.totals_at(session, base)
     must_start = base
     if not fixed.new or not starts_unit(fixed.new[0]):
@@ -143,6 +144,7 @@ async def build_context(
         omitted=base - len(history),
         unsummarised_omitted=start - floor,
         first_sent=start,
+        mandatory_start=must_start,
         base_totals=base_totals,
         summary=summary,
         marker=marker,
@@ -192,7 +194,8 @@ def _history(
     bodies = old_bodies + [m.body for m in recent]
     tokens = [m.compact_tokens for m in old] + [m.tokens for m in recent]
     history, unanswered_saved = drop_unanswered_calls(bodies, tokens, new, counter)
-    trimmed = sum(1 for m in old if m.compact_body is not None)
+    # A trimmed output sent as a reference to an earlier copy counts as deduplicated, not trimmed.
+    trimmed = sum(1 for a, m in zip(old_bodies, old) if m.compact_body is not None and a is m.compact_body)
     return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
 
 

@@ -52,6 +52,12 @@ class Unauthorized(ProxyError):
     code = "invalid_api_key"
 
 
+class Forbidden(ProxyError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(ProxyError):
     status = 404
     type = "invalid_request_error"

@@ -11,10 +11,11 @@ for the store to write in one transaction.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from .compact import trimmed_tool_output
+from .compact import content_text, trimmed_tool_output
 from .config import MemoryConfig, ModelConfig
 from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
@@ -34,6 +35,8 @@ class PreparedTurn:
     system: list[Message]
     system_changed: bool
     context: Context
+    full_tokens: int  # what resending the whole history would cost
+    expired: bool  # the stored session idled past its TTL and is started afresh
 
 
 def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
@@ -61,8 +64,14 @@ async def prepare_turn(
     messages: list[Message],
     schemas: list[Any],
     history_mode: str,
+    idle_ttl: float | None = None,
+    preview: bool = False,
 ) -> PreparedTurn:
+    """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
     session = await store.get_session(tenant, session_id)
+    expired = session is not None and idle_ttl is not None and time.time() - session.updated_at > idle_ttl
+    if expired:
+        session = None
     system, conversation = split_system(messages)
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
@@ -82,14 +91,19 @@ async def prepare_turn(
                                    memory, use_marker=memory.overflow != "drop")
 
     context = await build()
-    if context.unsummarised_omitted and memory.overflow == "summarize" and session is not None:
+    if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
+        # Fold at least what was left out, and everything older than the verbatim tail, so the room
+        # the new summary takes does not push more unsummarised turns out.
+        tail = await summarizer.tail_start(session, budget.window)
+        upto = min(max(context.first_sent, tail), context.mandatory_start)
         try:
-            await asyncio.wait_for(summarizer.fold(tenant, session_id, model, upto=context.first_sent),
+            await asyncio.wait_for(summarizer.fold(tenant, session_id, model, upto=upto),
                                    memory.sync_summary_timeout_seconds)
         except asyncio.TimeoutError:
             pass  # the fold goes on in the background; this request gets a marker meanwhile
         context = await build()
-    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context)
+    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
+                        full_tokens=fixed.tokens + context.base_totals.full, expired=expired)
 
 
 def turn_record(
@@ -100,6 +114,7 @@ def turn_record(
     model: str,
     usage: dict[str, Any] | None,
     latency_ms: float,
+    cost: float | None = None,
 ) -> TurnRecord:
     body = assistant_message(reply)
     parent = turn.new[-1].chain_hash if turn.new else turn.reconciled.base_hash
@@ -124,7 +139,21 @@ def turn_record(
             prompt_tokens=_int(usage, "prompt_tokens"),
             completion_tokens=_int(usage, "completion_tokens"),
         ),
+        full_tokens=turn.full_tokens,
+        cost=cost,
+        title=_title(turn),
+        replaces_expired=turn.expired,
     )
+
+
+def _title(turn: PreparedTurn) -> str | None:
+    """The first user prompt, cut to 100 characters: a session's title when it has none yet."""
+    for message in turn.new:
+        if message.body.get("role") == "user":
+            text = content_text(message.body)
+            if text:
+                return text.strip()[:100]
+    return None
 
 
 def _int(usage: dict[str, Any] | None, key: str) -> int | None:

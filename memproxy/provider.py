@@ -80,6 +80,18 @@ class Provider:
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]
 
+    def cost(self, model: ModelConfig, usage: dict[str, Any] | None) -> float | None:
+        """What a call cost upstream, where litellm knows the model's price."""
+        prompt, completion = (usage or {}).get("prompt_tokens"), (usage or {}).get("completion_tokens")
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return None
+        try:
+            prompt_cost, completion_cost = self._litellm.cost_per_token(
+                model=model.model, prompt_tokens=prompt, completion_tokens=completion)
+        except Exception:  # an unpriced model (a local server, a custom name)
+            return None
+        return float(prompt_cost + completion_cost)
+
     def _resolve_window(self, index: int, model: ModelConfig) -> int:
         if model.context_window is not None:
             return model.context_window

@@ -1,8 +1,11 @@
-"""Session endpoints under `/v1/sessions`, scoped to the caller's tenant.
+"""The session admin API under `/v1/sessions` (and `/v1/usage`), scoped to the caller's tenant.
 
-`POST /v1/sessions/{id}/compact` folds everything but the verbatim tail into the summary now and
-returns the summary and token counts. A session of another tenant is a 404, like one that does not
-exist: its existence is never confirmed.
+A tenant key sees its own sessions only; another tenant's session is a 404, exactly like one that
+does not exist, so its existence is never confirmed. An admin key (`auth.admin_keys`) sees every
+tenant and names one with `?tenant=` where a session is addressed. Metadata values are the agents'
+own state: they are stored and returned, never logged.
+
+The work is done by `memproxy.admin`, which the CLI shares; this module only speaks HTTP.
 """
 
 from __future__ import annotations
@@ -12,39 +15,52 @@ from typing import Any
 
 from aiohttp import web
 
+from . import admin
 from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
 from .session_ids import is_session_id
-from .typedefs import CONFIG, STORE, SUMMARIZER, TENANT
+from .store import SessionState
+from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
 
 
-async def compact(request: web.Request) -> web.Response:
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/sessions", list_sessions)
+    r.add_post("/v1/sessions/import", import_session)
+    r.add_get("/v1/sessions/{session_id}", show)
+    r.add_delete("/v1/sessions/{session_id}", delete)
+    r.add_post("/v1/sessions/{session_id}/clear", clear)
+    r.add_post("/v1/sessions/{session_id}/fork", fork)
+    r.add_get("/v1/sessions/{session_id}/export", export)
+    r.add_get("/v1/sessions/{session_id}/context", context)
+    r.add_post("/v1/sessions/{session_id}/context", context)
+    r.add_post("/v1/sessions/{session_id}/compact", compact)
+    r.add_get("/v1/sessions/{session_id}/metadata", get_metadata)
+    r.add_put("/v1/sessions/{session_id}/metadata", put_metadata)
+    r.add_patch("/v1/sessions/{session_id}/metadata", patch_metadata)
+    r.add_get("/v1/usage", usage)
+
+
+def _tenant(request: web.Request, listing: bool = False) -> str | None:
+    """The tenant addressed: the caller's own, or for an admin key the `tenant` parameter (every
+    tenant when listing without one)."""
+    caller = request[CALLER]
+    wanted = request.query.get("tenant")
+    if not caller.admin:
+        return caller.tenant
+    if wanted is None and not listing:
+        raise BadRequest("an admin key must name the session's tenant: ?tenant=...", param="tenant")
+    return wanted
+
+
+async def _session(request: web.Request) -> tuple[str, SessionState]:
+    tenant = _tenant(request)
+    assert tenant is not None
     session_id = request.match_info["session_id"]
-    tenant = request[TENANT]
-    model = _model(request, await _body(request))
-    store = request.app[STORE]
-    if not is_session_id(session_id) or await store.get_session(tenant, session_id) is None:
+    session = await request.app[STORE].get_session(tenant, session_id) if is_session_id(session_id) else None
+    if session is None:
         raise NotFound(f"No session '{session_id}'.", code="session_not_found")
-    result = await request.app[SUMMARIZER].fold(tenant, session_id, model)
-    if result.outcome == "failed":
-        raise UpstreamError(f"the summariser failed: {result.detail}", code="summarization_failed")
-    summary = result.summary
-    return web.json_response({
-        "object": "session.compaction",
-        "session_id": session_id,
-        "outcome": result.outcome,
-        "detail": result.detail or None,
-        "messages_folded": result.messages_folded,
-        "tokens_before": result.tokens_before,
-        "tokens_after": result.tokens_after,
-        "summary": None if summary is None else {
-            "version": summary.version,
-            "text": summary.text,
-            "covers_messages": summary.covers,
-            "tokens": summary.tokens,
-            "model": summary.model,
-        },
-    })
+    return tenant, session
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -60,14 +76,132 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _model(request: web.Request, body: dict[str, Any]) -> ModelConfig:
-    """The model whose window sizes the tail: the one named, else the summariser, else the first."""
+def _model(request: web.Request, name: Any) -> ModelConfig:
+    """The model named, else the summariser's, else the first configured."""
     config = request.app[CONFIG]
-    name = body.get("model") or config.memory.summarizer_model
+    name = name or config.memory.summarizer_model or (config.models[0].name if config.models else None)
     model = config.model(name) if isinstance(name, str) else None
-    if model is None and name is None and config.models:
-        model = config.models[0]
     if model is None:
         raise NotFound(f"The model '{name}' does not exist on this proxy.", code="model_not_found",
                        param="model")
     return model
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", "50"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
+    page = await admin.list_sessions(request.app[STORE], _tenant(request, listing=True), limit,
+                                     request.query.get("after"))
+    return web.json_response(page)
+
+
+async def show(request: web.Request) -> web.Response:
+    _, session = await _session(request)
+    return web.json_response(await admin.show(request.app[STORE], session))
+
+
+async def delete(request: web.Request) -> web.Response:
+    _, session = await _session(request)
+    await request.app[STORE].delete_session(session)
+    return web.json_response({"id": session.session_id, "object": "session.deleted", "deleted": True})
+
+
+async def clear(request: web.Request) -> web.Response:
+    _, session = await _session(request)
+    await request.app[STORE].clear_session(session)
+    return web.json_response({"id": session.session_id, "object": "session.cleared", "cleared": True})
+
+
+async def fork(request: web.Request) -> web.Response:
+    tenant, session = await _session(request)
+    body = await _body(request)
+    new_id = body.get("new_id")
+    if not isinstance(new_id, str) or not is_session_id(new_id):
+        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+                         param="new_id")
+    at = body.get("at", session.length)
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
+        raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
+    await admin.fork(request.app[STORE], session, tenant, new_id, at)
+    return web.json_response({"id": new_id, "object": "session", "forked_from": session.session_id,
+                              "messages": at}, status=201)
+
+
+async def export(request: web.Request) -> web.Response:
+    _, session = await _session(request)
+    records = await request.app[STORE].export_session(session)
+    return web.Response(text=admin.to_jsonl(records), content_type="application/x-ndjson")
+
+
+async def import_session(request: web.Request) -> web.Response:
+    tenant = _tenant(request)
+    assert tenant is not None
+    records = admin.from_jsonl(await request.text())
+    session_id = request.query.get("session_id") or admin.exported_id(records)
+    if not is_session_id(session_id):
+        raise BadRequest("'session_id' must be a session id", param="session_id")
+    await request.app[STORE].import_session(tenant, session_id, records)
+    return web.json_response({"id": session_id, "object": "session", "imported": True}, status=201)
+
+
+async def context(request: web.Request) -> web.Response:
+    """What the next request would send upstream, part by part, with token counts."""
+    tenant, session = await _session(request)
+    body = await _body(request) if request.method == "POST" else {}
+    model = _model(request, body.get("model") or request.query.get("model"))
+    messages = body.get("messages")
+    if messages is None and request.query.get("message"):
+        messages = [{"role": "user", "content": request.query["message"]}]
+    app = request.app
+    preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
+                                  tenant, session, messages or [], body)
+    return web.json_response(preview)
+
+
+async def compact(request: web.Request) -> web.Response:
+    tenant, session = await _session(request)
+    model = _model(request, (await _body(request)).get("model"))
+    result = await request.app[SUMMARIZER].fold(tenant, session.session_id, model)
+    if result.outcome == "failed":
+        raise UpstreamError(f"the summariser failed: {result.detail}", code="summarization_failed")
+    return web.json_response(admin.compaction(session.session_id, result))
+
+
+async def get_metadata(request: web.Request) -> web.Response:
+    _, session = await _session(request)
+    return web.json_response(await request.app[STORE].get_metadata(session))
+
+
+async def put_metadata(request: web.Request) -> web.Response:
+    """Replace the metadata; creates the session if needed, so an agent can set state first."""
+    tenant = _tenant(request)
+    assert tenant is not None
+    session_id = request.match_info["session_id"]
+    if not is_session_id(session_id):
+        raise BadRequest("not a session id", param="session_id")
+    metadata = await _body(request)
+    await request.app[STORE].set_metadata(tenant, session_id, metadata)
+    return web.json_response(metadata)
+
+
+async def patch_metadata(request: web.Request) -> web.Response:
+    """Merge the given top-level keys into the metadata; a key set to null is removed."""
+    _, session = await _session(request)
+    store = request.app[STORE]
+    metadata = await store.get_metadata(session)
+    for key, value in (await _body(request)).items():
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = value
+    await store.set_metadata(session.tenant, session.session_id, metadata)
+    return web.json_response(metadata)
+
+
+async def usage(request: web.Request) -> web.Response:
+    tenant = _tenant(request, listing=True)
+    return web.json_response(admin.usage_json(tenant, await request.app[STORE].usage(tenant)))

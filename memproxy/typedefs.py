@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from .auth import Caller
     from .concurrency import BackgroundTasks, SessionLocks
     from .config import Config
     from .provider import Provider
@@ -20,4 +21,4 @@ TASKS: web.AppKey[BackgroundTasks] = web.AppKey("tasks")
 LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
 SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
 
-TENANT: web.RequestKey[str] = web.RequestKey("tenant", str)  # the tenant of the caller's API key
+CALLER: web.RequestKey[Caller] = web.RequestKey("caller")  # who the API key names

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from ..config import StorageConfig
-from .base import NewMessage, SessionState, Store, StoredMessage, Summary, Totals, TurnRecord, Usage
+from .base import (
+    MessageRecord,
+    NewMessage,
+    SessionInfo,
+    SessionState,
+    Store,
+    StoredMessage,
+    Summary,
+    Totals,
+    TurnRecord,
+    Usage,
+    UsageTotals,
+)
 from .sqlite import SQLiteStore
 
 __all__ = [
+    "MessageRecord",
+    "SessionInfo",
+    "UsageTotals",
     "NewMessage",
     "SQLiteStore",
     "SessionState",

@@ -111,6 +111,58 @@ class TurnRecord:
     context_tokens: int
     latency_ms: float
     usage: Usage = field(default_factory=Usage)
+    full_tokens: int = 0  # what the request would have cost resending the whole history
+    cost: float | None = None  # upstream cost, where litellm knows the price
+    title: str | None = None  # the session's title, if it has none yet
+    replaces_expired: bool = False  # the session idled past its TTL: start it afresh
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session as listed: activity, size, usage."""
+
+    tenant: str
+    session_id: str
+    title: str | None
+    created_at: float
+    updated_at: float
+    messages: int  # on the active chain
+    tokens_stored: int
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float | None
+    tokens_saved: int  # resending everything would have cost this much more
+    summary_version: int
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """Any stored message, superseded ones included."""
+
+    id: int
+    seq: int
+    active: bool
+    parent_id: int | None
+    role: str
+    body: Message
+    tokens: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    sessions: int
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float | None
+    context_tokens: int  # what memproxy sent
+    full_tokens: int  # what resending everything would have sent
+
+    @property
+    def tokens_saved(self) -> int:
+        return self.full_tokens - self.context_tokens
 
 
 class Store(Protocol):
@@ -151,6 +203,49 @@ class Store(Protocol):
         ...
 
     async def summary_history(self, session: SessionState) -> list[Summary]: ...
+
+    # Managing sessions (the admin API and the CLI). `tenant=None` means every tenant.
+
+    async def list_sessions(
+        self, tenant: str | None, limit: int, before: tuple[float, int] | None = None
+    ) -> tuple[list[SessionInfo], tuple[float, int] | None]:
+        """Newest activity first, `limit` at a time; returns the page and the cursor of the next."""
+        ...
+
+    async def session_info(self, session: SessionState) -> SessionInfo: ...
+
+    async def all_messages(self, session: SessionState) -> list[MessageRecord]: ...
+
+    async def delete_session(self, session: SessionState) -> None: ...
+
+    async def clear_session(self, session: SessionState) -> None:
+        """Start afresh: every message superseded, no system prompt; the record stays."""
+        ...
+
+    async def get_metadata(self, session: SessionState) -> Any: ...
+
+    async def set_metadata(self, tenant: str, session_id: str, metadata: Any) -> None:
+        """Creates the session if it does not exist yet (an agent may set state before a turn)."""
+        ...
+
+    async def usage(self, tenant: str | None) -> UsageTotals: ...
+
+    async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
+        """Every record of the session as plain JSON-able dicts, ids numbered within the export."""
+        ...
+
+    async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:
+        """Recreate an exported session under `session_id`; `Conflict` if that id exists."""
+        ...
+
+    async def prune(self, older_than: float, tenant: str | None = None) -> int:
+        """Delete sessions idle since before `older_than`; returns how many."""
+        ...
+
+    async def cap_messages(self, session: SessionState, keep: int) -> int:
+        """Delete the oldest stored messages beyond `keep` that can never be sent again (superseded,
+        or covered by the summary in use); returns how many."""
+        ...
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 

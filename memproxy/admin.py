@@ -1,0 +1,226 @@
+"""Managing sessions: what the admin HTTP API and the CLI share, as plain data in and out.
+
+Listing pages newest activity first with an opaque cursor; `show` gives the active conversation in
+order with superseded branches apart, the summary and its history, metadata and usage; `context`
+plans the next request exactly as the chat endpoint would (same code, no summary folded) and labels
+its parts; a fork is an export of the kept prefix imported under a new id; exports are JSON lines
+that import back to the same records.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .config import Config, ModelConfig
+from .context import Budget
+from .errors import BadRequest
+from .memory import prepare_turn
+from .provider import Provider
+from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, UsageTotals
+from .summarize import FoldResult, Summarizer
+from .tokens import REPLY_PRIMING
+
+
+def _cursor(value: tuple[float, int] | None) -> str | None:
+    return None if value is None else f"{value[0]!r}_{value[1]}"
+
+
+def _parse_cursor(value: str | None) -> tuple[float, int] | None:
+    if value is None:
+        return None
+    try:
+        updated, pk = value.split("_")
+        return float(updated), int(pk)
+    except ValueError as exc:
+        raise BadRequest("'after' is not a cursor this API returned", param="after") from exc
+
+
+def info_json(info: SessionInfo) -> dict[str, Any]:
+    return {
+        "id": info.session_id,
+        "object": "session",
+        "tenant": info.tenant,
+        "title": info.title,
+        "created_at": info.created_at,
+        "updated_at": info.updated_at,
+        "message_count": info.messages,
+        "tokens_stored": info.tokens_stored,
+        "summary_version": info.summary_version,
+        "usage": {
+            "turns": info.turns,
+            "prompt_tokens": info.prompt_tokens,
+            "completion_tokens": info.completion_tokens,
+            "cost": info.cost,
+            "tokens_saved": info.tokens_saved,
+        },
+    }
+
+
+async def list_sessions(store: Store, tenant: str | None, limit: int, after: str | None) -> dict[str, Any]:
+    page, cursor = await store.list_sessions(tenant, limit, _parse_cursor(after))
+    return {"object": "list", "data": [info_json(i) for i in page], "next": _cursor(cursor)}
+
+
+def _message_json(message: MessageRecord) -> dict[str, Any]:
+    return {"position": message.seq, "message": message.body, "tokens": message.tokens,
+            "created_at": message.created_at}
+
+
+def summary_json(summary: Summary) -> dict[str, Any]:
+    return {"version": summary.version, "text": summary.text, "covers_messages": summary.covers,
+            "tokens": summary.tokens, "replaced_tokens": summary.replaced_tokens, "model": summary.model,
+            "created_at": summary.created_at}
+
+
+def branches(messages: list[MessageRecord]) -> list[dict[str, Any]]:
+    """Superseded messages grouped into the branches they formed, in the order they were stored."""
+    result: list[dict[str, Any]] = []
+    last_id: int | None = None
+    for message in messages:
+        if message.active:
+            continue
+        if not result or message.parent_id != last_id:
+            result.append({"forked_at": message.seq, "messages": []})
+        result[-1]["messages"].append(_message_json(message))
+        last_id = message.id
+    return result
+
+
+async def show(store: Store, session: SessionState) -> dict[str, Any]:
+    messages = await store.all_messages(session)
+    summary = await store.current_summary(session, session.length)
+    return {
+        **info_json(await store.session_info(session)),
+        "system": session.system,
+        "history_mode": session.history_mode,
+        "messages": [_message_json(m) for m in sorted((m for m in messages if m.active), key=lambda m: m.seq)],
+        "superseded": branches(messages),
+        "summary": summary_json(summary) if summary else None,
+        "summary_history": [summary_json(s) for s in await store.summary_history(session)],
+        "metadata": await store.get_metadata(session),
+    }
+
+
+def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
+    return {
+        "object": "usage",
+        "tenant": tenant,
+        "sessions": usage.sessions,
+        "turns": usage.turns,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cost": usage.cost,
+        "context_tokens": usage.context_tokens,
+        "full_history_tokens": usage.full_tokens,
+        "tokens_saved": usage.tokens_saved,
+    }
+
+
+def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:
+    return {
+        "object": "session.compaction",
+        "session_id": session_id,
+        "outcome": result.outcome,
+        "detail": result.detail or None,
+        "messages_folded": result.messages_folded,
+        "tokens_before": result.tokens_before,
+        "tokens_after": result.tokens_after,
+        "summary": summary_json(result.summary) if result.summary else None,
+    }
+
+
+def to_jsonl(records: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
+
+
+def from_jsonl(text: str) -> list[dict[str, Any]]:
+    try:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as exc:
+        raise BadRequest(f"not JSON lines: {exc}") from exc
+    kinds = [r.get("type") if isinstance(r, dict) else None for r in records]
+    if kinds.count("session") != 1 or any(k not in ("session", "turn", "message", "summary") for k in kinds):
+        raise BadRequest("an export holds one session record and turn, message and summary records")
+    return records
+
+
+def exported_id(records: list[dict[str, Any]]) -> str:
+    return str(next(r for r in records if r["type"] == "session").get("session_id") or "")
+
+
+async def fork(store: Store, session: SessionState, tenant: str, new_id: str, at: int) -> None:
+    """A new session holding the first `at` active messages (and the summaries covering no more)."""
+    records = await store.export_session(session)
+    kept = sorted((r for r in records if r["type"] == "message" and r["active"] and r["seq"] < at),
+                  key=lambda r: r["seq"])
+    head = dict(next(r for r in records if r["type"] == "session"))
+    last = kept[-1] if kept else None
+    head.update(
+        length=at,
+        head_hash=last["chain_hash"] if last else "",
+        head_cum=last["cum_before"] + last["tokens"] if last else 0,
+        head_compact_cum=last["compact_cum_before"] + last["compact_tokens"] if last else 0,
+    )
+    turn = {"type": "turn", "id": 1, "created_at": head["updated_at"], "model": "-", "kind": "fork",
+            "context_tokens": 0, "prompt_tokens": None, "completion_tokens": None, "latency_ms": 0.0,
+            "cost": None, "full_tokens": 0}
+    messages = [{**m, "id": i + 1, "turn": 1, "parent": i or None} for i, m in enumerate(kept)]
+    hashes = {m["seq"]: m["chain_hash"] for m in kept}
+    summaries = [s for s in records if s["type"] == "summary"
+                 and s["covers"] <= at and hashes.get(s["covers"] - 1) == s["covers_hash"]]
+    await store.import_session(tenant, new_id, [head, turn, *messages, *summaries])
+
+
+async def context(
+    store: Store, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
+    tenant: str, session: SessionState, new: list[Any], params: dict[str, Any],
+) -> dict[str, Any]:
+    """The request the session's next turn would send, labelled part by part."""
+    window = provider.window(model)
+    reserve = params.get("max_completion_tokens") or params.get("max_tokens") or model.max_output_tokens
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 < reserve < window:
+        raise BadRequest(f"the output reserve must be an integer from 1 to {window - 1}", param="max_tokens")
+    budget = Budget(window, reserve, config.memory.safety_margin(window))
+    counter = provider.counter(model)
+    schemas = [*(params.get("tools") or []), *(params.get("functions") or [])]
+    turn = await prepare_turn(store, summarizer, model, counter, budget, config.memory, tenant,
+                              session.session_id, list(new), schemas, "new",
+                              idle_ttl=config.retention.idle_ttl_seconds, preview=True)
+    ctx = turn.context
+    sent = ctx.messages
+    n_system, n_new = len(turn.system), len(turn.reconciled.new)
+    n_extra = int(ctx.summary is not None) + int(ctx.marker)
+    kept = sent[n_system + n_extra : len(sent) - n_new]
+
+    def tokens(messages: list[Any]) -> int:
+        return sum(counter.message(m) for m in messages)
+
+    covered = ctx.summary.covers if ctx.summary else 0
+    parts: list[dict[str, Any]] = [{"part": "system", "messages": n_system, "tokens": tokens(sent[:n_system])}]
+    if ctx.summary:
+        parts.append({"part": "summary", "version": ctx.summary.version, "covers_messages": covered,
+                      "tokens": tokens(sent[n_system : n_system + 1])})
+    if ctx.marker:
+        parts.append({"part": "marker", "tokens": tokens(sent[n_system + n_extra - 1 : n_system + n_extra])})
+    parts += [
+        {"part": "kept", "messages": len(kept), "from_position": ctx.first_sent, "tokens": tokens(kept),
+         "tool_outputs_trimmed": ctx.trimmed, "deduplicated": ctx.deduplicated},
+        {"part": "left_out", "messages": ctx.omitted, "summarised": covered,
+         "unsummarised": ctx.unsummarised_omitted},
+        {"part": "new", "messages": n_new, "tokens": tokens(sent[len(sent) - n_new :] if n_new else [])},
+        {"part": "tools_and_priming", "tokens": counter.tools(schemas) + REPLY_PRIMING},
+    ]
+    return {
+        "object": "session.context",
+        "session_id": session.session_id,
+        "model": model.name,
+        "budget": {"window": window, "output_reserve": reserve, "safety_margin": budget.margin,
+                   "input_tokens": budget.input_tokens},
+        "tokens": ctx.tokens,
+        "expired": turn.expired,
+        "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize",
+        "parts": parts,
+        "messages": sent,
+    }
+

@@ -1,0 +1,240 @@
+"""`memproxy sessions ...`: the admin verbs on the store directly, whether the server runs or not.
+
+SQLite in WAL mode lets the CLI read and write while a server holds the file (writes wait on the
+busy timeout). Tables for people, `--json` for scripts. Only `context` loads litellm (it must count
+tokens and know the model's window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from . import admin
+from .concurrency import BackgroundTasks
+from .config import Config
+from .errors import ProxyError
+from .provider import Provider
+from .session_ids import is_session_id
+from .store import SessionState, Store, open_store
+from .summarize import Summarizer
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def add_parser(commands: Any) -> None:
+    sessions = commands.add_parser("sessions", help="list, inspect, export, delete sessions")
+    sessions.add_argument("-c", "--config", help="YAML config file (for storage.url and models)")
+    sessions.add_argument("--tenant", help="the tenant (default: 'default'; list: every tenant)")
+    sessions.add_argument("--json", action="store_true", help="machine-readable output")
+    verbs = sessions.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="sessions, newest activity first")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--after", help="the cursor a previous page printed")
+    verbs.add_parser("show", help="a session's messages, branches, summary and metadata").add_argument("id")
+    context = verbs.add_parser("context", help="what the next request would send, part by part")
+    context.add_argument("id")
+    context.add_argument("--model", help="the model the request names (default: the summariser's)")
+    context.add_argument("--message", help="the new user message of that request")
+    export = verbs.add_parser("export", help="a session as JSON lines")
+    export.add_argument("id")
+    export.add_argument("-o", "--output", help="file to write (default: standard output)")
+    imported = verbs.add_parser("import", help="a session from an export")
+    imported.add_argument("file", help="an export, or - for standard input")
+    imported.add_argument("--id", help="the new session id (default: the exported one)")
+    verbs.add_parser("rm", help="delete a session and everything about it, for good").add_argument("id")
+    verbs.add_parser("clear", help="start a session afresh, keeping its record").add_argument("id")
+    fork = verbs.add_parser("fork", help="copy a session's first messages into a new session")
+    fork.add_argument("id")
+    fork.add_argument("new_id")
+    fork.add_argument("--at", type=int, help="messages to keep (default: all)")
+    prune = verbs.add_parser("prune", help="delete sessions idle for longer than a duration")
+    prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s (0s: every session)")
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    try:
+        return asyncio.run(_run(args, config))
+    except ProxyError as exc:
+        print(f"memproxy: {exc.message}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace, config: Config) -> int:
+    store = await open_store(config.storage)
+    try:
+        verb: Callable[[argparse.Namespace, Config, Store], Awaitable[int]] = _VERBS[args.verb]
+        return await verb(args, config, store)
+    finally:
+        await store.close()
+
+
+def _tenant(args: argparse.Namespace) -> str:
+    return str(args.tenant or "default")
+
+
+async def _session(args: argparse.Namespace, store: Store, session_id: str) -> SessionState:
+    session = await store.get_session(_tenant(args), session_id) if is_session_id(session_id) else None
+    if session is None:
+        raise ProxyError(f"no session '{session_id}' in tenant '{_tenant(args)}'")
+    return session
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, ensure_ascii=False, indent=2))
+
+
+def _when(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+async def _list(args: argparse.Namespace, config: Config, store: Store) -> int:
+    page = await admin.list_sessions(store, args.tenant, args.limit, args.after)
+    if args.json:
+        _print_json(page)
+        return 0
+    _table([[s["tenant"], s["id"], _when(s["updated_at"]), str(s["message_count"]), str(s["tokens_stored"]),
+             str(s["usage"]["prompt_tokens"] + s["usage"]["completion_tokens"]), str(s["summary_version"]),
+             (s["title"] or "")[:40]] for s in page["data"]],
+           ["TENANT", "SESSION", "UPDATED (UTC)", "MESSAGES", "TOKENS", "SPENT", "SUMMARY", "TITLE"])
+    if page["next"]:
+        print(f"more: --after {page['next']}")
+    return 0
+
+
+async def _show(args: argparse.Namespace, config: Config, store: Store) -> int:
+    detail = await admin.show(store, await _session(args, store, args.id))
+    if args.json:
+        _print_json(detail)
+        return 0
+    print(f"session {detail['id']} (tenant {detail['tenant']}): {detail['message_count']} messages, "
+          f"{detail['tokens_stored']} tokens, summary v{detail['summary_version']}")
+    for message in detail["system"] or []:
+        print(f"  [system] {_text(message)}")
+    if detail["summary"]:
+        print(f"  [summary v{detail['summary']['version']} of {detail['summary']['covers_messages']} "
+              f"messages] {detail['summary']['text']}")
+    for item in detail["messages"]:
+        print(f"  {item['position']:>4} {item['message'].get('role'):<9} {_text(item['message'])}")
+    for branch in detail["superseded"]:
+        print(f"  superseded branch from position {branch['forked_at']}: {len(branch['messages'])} messages")
+    if detail["metadata"]:
+        print(f"  metadata keys: {', '.join(sorted(detail['metadata']))}")
+    return 0
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    calls = message.get("tool_calls")
+    if calls:
+        text = f"{text or ''} [calls {', '.join(c['function']['name'] for c in calls)}]".strip()
+    return text.replace("\n", " ")[:120]
+
+
+async def _context(args: argparse.Namespace, config: Config, store: Store) -> int:
+    session = await _session(args, store, args.id)
+    name = args.model or config.memory.summarizer_model or (config.models[0].name if config.models else None)
+    model = config.model(name) if name else None
+    if model is None:
+        raise ProxyError(f"no model '{name}' in the config")
+    provider = Provider(config)
+    summarizer = Summarizer(config, store, provider, BackgroundTasks())
+    new = [{"role": "user", "content": args.message}] if args.message else []
+    preview = await admin.context(store, summarizer, provider, config, model, _tenant(args), session, new, {})
+    await provider.close()
+    if args.json:
+        _print_json(preview)
+        return 0
+    budget = preview["budget"]
+    print(f"model {preview['model']}: {preview['tokens']} of {budget['input_tokens']} input tokens "
+          f"(window {budget['window']} - output {budget['output_reserve']} - margin {budget['safety_margin']})")
+    for part in preview["parts"]:
+        details = ", ".join(f"{k}={v}" for k, v in part.items() if k != "part")
+        print(f"  {part['part']:<18} {details}")
+    return 0
+
+
+async def _export(args: argparse.Namespace, config: Config, store: Store) -> int:
+    text = admin.to_jsonl(await store.export_session(await _session(args, store, args.id)))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+async def _import(args: argparse.Namespace, config: Config, store: Store) -> int:
+    if args.file == "-":
+        text = sys.stdin.read()
+    else:
+        with open(args.file, encoding="utf-8") as handle:
+            text = handle.read()
+    records = admin.from_jsonl(text)
+    session_id = args.id or admin.exported_id(records)
+    if not is_session_id(session_id):
+        raise ProxyError(f"not a session id: {session_id!r}")
+    await store.import_session(_tenant(args), session_id, records)
+    _done(args, {"id": session_id, "imported": True}, f"imported {session_id}")
+    return 0
+
+
+async def _rm(args: argparse.Namespace, config: Config, store: Store) -> int:
+    await store.delete_session(await _session(args, store, args.id))
+    _done(args, {"id": args.id, "deleted": True}, f"deleted {args.id}")
+    return 0
+
+
+async def _clear(args: argparse.Namespace, config: Config, store: Store) -> int:
+    await store.clear_session(await _session(args, store, args.id))
+    _done(args, {"id": args.id, "cleared": True}, f"cleared {args.id}")
+    return 0
+
+
+async def _fork(args: argparse.Namespace, config: Config, store: Store) -> int:
+    session = await _session(args, store, args.id)
+    at = session.length if args.at is None else args.at
+    if not 0 <= at <= session.length or not is_session_id(args.new_id):
+        raise ProxyError(f"--at must be from 0 to {session.length} and the new id a session id")
+    await admin.fork(store, session, _tenant(args), args.new_id, at)
+    _done(args, {"id": args.new_id, "forked_from": args.id, "messages": at},
+          f"forked {args.id} at {at} into {args.new_id}")
+    return 0
+
+
+async def _prune(args: argparse.Namespace, config: Config, store: Store) -> int:
+    match = _DURATION.fullmatch(args.older_than.strip())
+    if match is None:
+        raise ProxyError("--older-than takes a duration such as 30d, 12h, 15m or 0s")
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    removed = await store.prune(time.time() - seconds, args.tenant)
+    _done(args, {"deleted": removed}, f"deleted {removed} sessions")
+    return 0
+
+
+def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    if args.json:
+        _print_json(result)
+    else:
+        print(text)
+
+
+_VERBS: dict[str, Callable[[argparse.Namespace, Config, Store], Awaitable[int]]] = {
+    "list": _list, "show": _show, "context": _context, "export": _export, "import": _import,
+    "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune,
+}
