@@ -92,32 +92,47 @@ def summarizer_messages(previous: str | None, transcript: str, cap: int) -> list
 
 
 def chunks(
-    messages: Sequence[StoredMessage], rendered: Sequence[str], sizes: Sequence[int], room: int
+    messages: Sequence[StoredMessage], rendered: Sequence[str], sizes: Sequence[int], room: int,
+    counter: TokenCounter,
 ) -> list[tuple[list[StoredMessage], str]]:
     """Whole units grouped so each chunk's transcript fits `room` tokens; a unit larger than that
-    alone is cut short to fit."""
+    alone, wherever it falls, is cut short to fit."""
     units: list[list[int]] = []
     for i, message in enumerate(messages):
         if message.unit_start or not units:
             units.append([])
         units[-1].append(i)
     result: list[tuple[list[StoredMessage], str]] = []
+
+    def close(indices: list[int], used: int) -> None:
+        text = "\n\n".join(rendered[i] for i in indices)
+        if used > room:  # one unit alone is too large: keep its head and tail
+            text = _head_and_tail(text, room, counter)
+        result.append(([messages[i] for i in indices], text))
+
     current: list[int] = []
     used = 0
     for unit in units:
         size = sum(sizes[i] for i in unit)
         if current and used + size > room:
-            result.append(([messages[i] for i in current], "\n\n".join(rendered[i] for i in current)))
+            close(current, used)
             current, used = [], 0
         current.extend(unit)
         used += size
     if current:
-        text = "\n\n".join(rendered[i] for i in current)
-        if used > room:  # one unit alone is too large: keep its head and tail
-            keep = max(len(text) * room // used, 200)
-            text = f"{text[: keep // 2]}\n[... left out ...]\n{text[-keep // 2:]}"
-        result.append(([messages[i] for i in current], text))
+        close(current, used)
     return result
+
+
+def _head_and_tail(text: str, room: int, counter: TokenCounter) -> str:
+    """The head and tail of `text` in at most `room` tokens, counted, not estimated."""
+    keep = len(text) * room // max(counter.text(text), 1)
+    while True:
+        half = keep // 2
+        cut = f"{text[:half]}\n[... left out ...]\n{text[len(text) - half:]}"
+        if counter.text(cut) <= room or keep == 0:
+            return cut
+        keep = keep * 9 // 10
 
 
 class Summarizer:
@@ -237,7 +252,7 @@ class Summarizer:
         sizes = [counter.text(text) + 2 for text in rendered]
         previous = current
         folded: list[StoredMessage] = []
-        for chunk, transcript in chunks(messages, rendered, sizes, room):
+        for chunk, transcript in chunks(messages, rendered, sizes, room, counter):
             replaced = _size(chat_counter, previous) + sum(m.compact_tokens for m in chunk)
             text, error = await self._summarise(model, previous.text if previous else None, transcript, cap)
             outcome = "failed" if error else "discarded"

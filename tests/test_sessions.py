@@ -703,7 +703,7 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
                 request = asyncio.create_task(http.post(url, json=body, headers=headers))
                 try:
                     # The answer came back and the turn is waiting for the write lock.
-                    write_lock: asyncio.Lock = getattr(store, "_write_lock")  # SQLiteStore's writer lock
+                    write_lock: asyncio.Lock = getattr(getattr(store, "_db"), "_write_lock")  # SQLite's
                     await until(write_lock.locked, "the turn is being written")
                 finally:
                     request.cancel()  # the client hangs up

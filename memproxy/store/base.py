@@ -204,6 +204,13 @@ class Store(Protocol):
 
     async def summary_history(self, session: SessionState) -> list[Summary]: ...
 
+    async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
+        """Claim the right to summarise the session for `seconds`, across every process sharing
+        the store; False while someone else holds an unexpired lease."""
+        ...
+
+    async def release_summary_lease(self, session: SessionState, holder: str) -> None: ...
+
     # Managing sessions (the admin API and the CLI). `tenant=None` means every tenant.
 
     async def list_sessions(
@@ -241,6 +248,10 @@ class Store(Protocol):
     async def prune(self, older_than: float, tenant: str | None = None) -> int:
         """Delete sessions idle since before `older_than`; returns how many."""
         ...
+
+    async def counts(self) -> dict[str, int]: ...
+
+    async def tenants_sessions(self) -> list[tuple[str, str]]: ...
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
         """Delete the oldest stored messages beyond `keep` that can never be sent again (superseded,

@@ -1,0 +1,473 @@
+"""The Store, written once in the SQL that SQLite and PostgreSQL share.
+
+A `Backend` supplies three things: reads that see only committed data, write transactions, and the
+dialect's row lock. Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING`
+for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
+
+Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
+SQLite the whole write transaction is exclusive): recording a turn, saving a summary. A turn planned
+against a history that has since moved is refused with `Conflict`; the caller decides whether it can
+be rebased (`memproxy.memory.rebase`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from ..errors import Conflict
+from .base import (
+    MessageRecord,
+    SessionInfo,
+    SessionState,
+    StoredMessage,
+    Summary,
+    Totals,
+    TurnRecord,
+    UsageTotals,
+)
+
+Row = Sequence[Any]
+_HASH_CHUNK = 500
+
+# The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
+# the plans), so their cost does not grow with the length of a session's history.
+QUERIES = {
+    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
+    " system_prompt, history_mode, created_at, updated_at FROM sessions"
+    " WHERE tenant = ? AND session_id = ?",
+    "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
+    " AND chain_hash IN ({marks})",
+    "totals_at": "SELECT cum_before, compact_cum_before FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq = ?",
+    # Walks back from `seq` through one unit's tool results at most.
+    "last_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND seq < ? ORDER BY seq DESC LIMIT 1",
+    "user_positions": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user'"
+    " AND seq < ? ORDER BY seq DESC LIMIT ?",
+    "first_fitting_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
+    "first_fitting_compact_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
+    " AND unit_start = 1 AND compact_cum_before >= ? AND seq >= ? ORDER BY compact_cum_before LIMIT 1",
+    "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash, compact_body,"
+    " compact_tokens, compact_cum_before FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
+    "current_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
+    " s.model, s.created_at FROM summaries s JOIN messages m ON m.session_pk = s.session_pk"
+    " AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
+    " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
+    "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
+}
+
+# The columns an export carries, as they are named in the tables and in the export records.
+_SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
+                    " history_mode, title, metadata")
+_TURN_COLUMNS = ("created_at, model, kind, context_tokens, prompt_tokens, completion_tokens, latency_ms,"
+                 " cost, full_tokens")
+_MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, chain_hash, created_at,"
+                    " compact_body, compact_tokens, compact_cum_before")
+_SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
+_JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body"})
+
+
+class Transaction(Protocol):
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run a statement; returns the rows it affected."""
+        ...
+
+
+class Backend(Protocol):
+    row_lock: str  # appended to a SELECT that must lock the rows it reads
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """A read outside any transaction: it sees committed data only."""
+        ...
+
+    def transaction(self) -> AbstractAsyncContextManager[Transaction]: ...
+
+    async def close(self) -> None: ...
+
+
+class SQLStore:
+    def __init__(self, backend: Backend) -> None:
+        self._db = backend
+
+    async def close(self) -> None:
+        await self._db.close()
+
+    async def _one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        rows = await self._db.fetch(sql, params)
+        return rows[0] if rows else None
+
+    async def ping(self) -> None:
+        await self._db.fetch("SELECT 1")
+
+    # --- serving a turn ------------------------------------------------------------------------
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
+        row = await self._one(QUERIES["get_session"], (tenant, session_id))
+        if row is None:
+            return None
+        return SessionState(
+            pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
+            head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
+            history_mode=row[8], created_at=row[9], updated_at=row[10],
+        )
+
+    async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
+        best = -1
+        for i in range(0, len(hashes), _HASH_CHUNK):
+            chunk = list(hashes[i : i + _HASH_CHUNK])
+            sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
+            row = await self._one(sql, (session.pk, *chunk))
+            if row is not None and row[0] is not None:
+                best = max(best, int(row[0]))
+        return best + 1
+
+    async def totals_at(self, session: SessionState, seq: int) -> Totals:
+        if seq >= session.length:
+            return Totals(session.head_cum, session.head_compact_cum)
+        row = await self._one(QUERIES["totals_at"], (session.pk, seq))
+        if row is None:
+            raise LookupError(f"no active message at position {seq}")
+        return Totals(int(row[0]), int(row[1]))
+
+    async def last_unit_start(self, session: SessionState, before: int) -> int:
+        row = await self._one(QUERIES["last_unit_start"], (session.pk, before))
+        return before if row is None else int(row[0])
+
+    async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
+        rows = await self._db.fetch(QUERIES["user_positions"], (session.pk, before, limit))
+        return [int(row[0]) for row in rows]
+
+    async def first_fitting_unit_start(
+        self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
+    ) -> int | None:
+        query = QUERIES["first_fitting_compact_unit_start" if compact else "first_fitting_unit_start"]
+        row = await self._one(query, (session.pk, min_cum_before, floor))
+        return None if row is None else int(row[0])
+
+    async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
+        if start >= stop:
+            return []
+        rows = await self._db.fetch(QUERIES["active_range"], (session.pk, start, stop))
+        return [
+            StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
+                          unit_start=bool(r[4]), chain_hash=r[5],
+                          compact_body=json.loads(r[6]) if r[6] else None, compact_tokens=r[7],
+                          compact_cum_before=r[8])
+            for r in rows
+        ]
+
+    async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
+        row = await self._one(QUERIES["current_summary"], (session.pk, upto))
+        return None if row is None else _summary(row)
+
+    async def summary_history(self, session: SessionState) -> list[Summary]:
+        rows = await self._db.fetch(
+            f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,))
+        return [_summary(row) for row in rows]
+
+    async def _lock_session(self, tx: Transaction, tenant: str, session_id: str) -> Row | None:
+        rows = await tx.fetch(
+            "SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
+            + self._db.row_lock, (tenant, session_id))
+        return rows[0] if rows else None
+
+    async def record_turn(self, turn: TurnRecord) -> None:
+        now = time.time()
+        async with self._db.transaction() as tx:
+            row = await self._lock_session(tx, turn.tenant, turn.session_id)
+            if row is not None and turn.replaces_expired:
+                await tx.execute("DELETE FROM sessions WHERE pk = ?", (row[0],))
+                row = None
+            if row is None:
+                if turn.expected_length != 0:
+                    raise Conflict("the session was deleted while this turn was in flight")
+                created = await tx.fetch(
+                    "INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+                    (turn.tenant, turn.session_id, now, now))
+                if not created:  # another replica created it meanwhile
+                    raise Conflict("the session changed while this turn was in flight; retry it")
+                pk = int(created[0][0])
+            else:
+                pk = int(row[0])
+                if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+                    raise Conflict("the session changed while this turn was in flight; retry it")
+            if turn.base < turn.expected_length:
+                await tx.execute(QUERIES["supersede"], (pk, turn.base))
+            parents = await tx.fetch(QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
+            parent_id = parents[0][0] if parents else None
+            [(turn_id,)] = await tx.fetch(
+                "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+                " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " RETURNING id",
+                (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
+                 turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens))
+            seq, head_hash = turn.base, turn.base_hash
+            cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
+            for message in turn.messages:
+                compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+                [(parent_id,)] = await tx.fetch(
+                    "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
+                    " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
+                    " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
+                     message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                     None if message.compact_body is None else _dumps(message.compact_body),
+                     compact_tokens, compact_cum))
+                seq, head_hash = seq + 1, message.chain_hash
+                cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
+            await tx.execute(
+                "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
+                " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
+                " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
+                (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
+                 turn.history_mode, turn.title, pk))
+
+    async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
+        async with self._db.transaction() as tx:
+            await self._lock_session(tx, session.tenant, session.session_id)
+            [(version,)] = await tx.fetch(
+                "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,))
+            if version != expected_version:
+                raise Conflict("another summary of this session was saved meanwhile")
+            covered = await tx.fetch(
+                "SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
+                (session.pk, summary.covers - 1, summary.covers_hash))
+            if not covered:
+                raise Conflict("the history this summary covers has changed since it was read")
+            await tx.execute(
+                "INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
+                " replaced_tokens, model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
+                 summary.tokens, summary.replaced_tokens, summary.model, time.time()))
+
+    async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
+        now = time.time()
+        async with self._db.transaction() as tx:
+            taken = await tx.fetch(
+                "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
+                " expires_at = excluded.expires_at"
+                " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
+                " RETURNING holder",
+                (session.pk, holder, now + seconds, now))
+        return bool(taken)
+
+    async def release_summary_lease(self, session: SessionState, holder: str) -> None:
+        async with self._db.transaction() as tx:
+            await tx.execute("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?",
+                             (session.pk, holder))
+
+    # --- managing sessions ---------------------------------------------------------------------
+
+    async def list_sessions(
+        self, tenant: str | None, limit: int, before: tuple[float, int] | None = None
+    ) -> tuple[list[SessionInfo], tuple[float, int] | None]:
+        where = ["(CAST(? AS TEXT) IS NULL OR tenant = ?)"]
+        params: list[Any] = [tenant, tenant]
+        if before is not None:
+            where.append("(updated_at, pk) < (?, ?)")
+            params.extend(before)
+        rows = await self._infos(" AND ".join(where), params, limit + 1)
+        page = [info for info, _ in rows[:limit]]
+        cursor = (rows[limit - 1][0].updated_at, rows[limit - 1][1]) if len(rows) > limit else None
+        return page, cursor
+
+    async def session_info(self, session: SessionState) -> SessionInfo:
+        [(info, _)] = await self._infos("pk = ?", [session.pk], 1)
+        return info
+
+    async def _infos(self, where: str, params: list[Any], limit: int) -> list[tuple[SessionInfo, int]]:
+        columns = "pk, tenant, session_id, title, created_at, updated_at, length, head_cum"
+        rows = await self._db.fetch(
+            f"WITH page AS (SELECT {columns} FROM sessions WHERE {where}"
+            " ORDER BY updated_at DESC, pk DESC LIMIT ?)"
+            " SELECT page.*, count(t.id), coalesce(sum(t.prompt_tokens), 0),"
+            " coalesce(sum(t.completion_tokens), 0), sum(t.cost),"
+            " coalesce(sum(coalesce(t.full_tokens, t.context_tokens) - t.context_tokens), 0),"
+            " (SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = page.pk)"
+            " FROM page LEFT JOIN turns t ON t.session_pk = page.pk"
+            f" GROUP BY {', '.join('page.' + c for c in columns.split(', '))}"
+            " ORDER BY page.updated_at DESC, page.pk DESC",
+            (*params, limit))
+        return [
+            (SessionInfo(tenant=r[1], session_id=r[2], title=r[3], created_at=r[4], updated_at=r[5],
+                         messages=r[6], tokens_stored=r[7], turns=int(r[8]), prompt_tokens=int(r[9]),
+                         completion_tokens=int(r[10]), cost=None if r[11] is None else float(r[11]),
+                         tokens_saved=int(r[12]), summary_version=int(r[13])),
+             int(r[0]))
+            for r in rows
+        ]
+
+    async def all_messages(self, session: SessionState) -> list[MessageRecord]:
+        rows = await self._db.fetch(
+            "SELECT id, seq, active, parent_id, role, body, tokens, created_at FROM messages"
+            " WHERE session_pk = ? ORDER BY id", (session.pk,))
+        return [MessageRecord(id=r[0], seq=r[1], active=bool(r[2]), parent_id=r[3], role=r[4],
+                              body=json.loads(r[5]), tokens=r[6], created_at=r[7]) for r in rows]
+
+    async def delete_session(self, session: SessionState) -> None:
+        async with self._db.transaction() as tx:
+            await tx.execute("DELETE FROM sessions WHERE pk = ?", (session.pk,))
+
+    async def clear_session(self, session: SessionState) -> None:
+        async with self._db.transaction() as tx:
+            await self._lock_session(tx, session.tenant, session.session_id)
+            await tx.execute("UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (session.pk,))
+            await tx.execute(
+                "UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
+                " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?",
+                (time.time(), session.pk))
+
+    async def get_metadata(self, session: SessionState) -> Any:
+        row = await self._one("SELECT metadata FROM sessions WHERE pk = ?", (session.pk,))
+        return json.loads(row[0]) if row and row[0] else {}
+
+    async def set_metadata(self, tenant: str, session_id: str, metadata: Any) -> None:
+        now = time.time()
+        async with self._db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO sessions (tenant, session_id, created_at, updated_at, metadata)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id)"
+                " DO UPDATE SET metadata = excluded.metadata, updated_at = excluded.updated_at",
+                (tenant, session_id, now, now, _dumps(metadata)))
+
+    async def usage(self, tenant: str | None) -> UsageTotals:
+        row = await self._one(
+            "SELECT count(DISTINCT s.pk), count(t.id), coalesce(sum(t.prompt_tokens), 0),"
+            " coalesce(sum(t.completion_tokens), 0), sum(t.cost), coalesce(sum(t.context_tokens), 0),"
+            " coalesce(sum(coalesce(t.full_tokens, t.context_tokens)), 0)"
+            " FROM sessions s LEFT JOIN turns t ON t.session_pk = s.pk"
+            " WHERE (CAST(? AS TEXT) IS NULL OR s.tenant = ?)",
+            (tenant, tenant))
+        assert row is not None
+        return UsageTotals(sessions=int(row[0]), turns=int(row[1]), prompt_tokens=int(row[2]),
+                           completion_tokens=int(row[3]), cost=None if row[4] is None else float(row[4]),
+                           context_tokens=int(row[5]), full_tokens=int(row[6]))
+
+    async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
+        head = await self._one(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))
+        assert head is not None
+        records: list[dict[str, Any]] = [{"type": "session", "format": 1, "session_id": session.session_id,
+                                          **_record(_SESSION_COLUMNS, head)}]
+        turn_ids: dict[int, int] = {}
+        for row in await self._db.fetch(
+                f"SELECT id, {_TURN_COLUMNS} FROM turns WHERE session_pk = ? ORDER BY id", (session.pk,)):
+            turn_ids[row[0]] = len(turn_ids) + 1
+            records.append({"type": "turn", "id": turn_ids[row[0]], **_record(_TURN_COLUMNS, row[1:])})
+        message_ids: dict[int, int] = {}
+        for row in await self._db.fetch(
+                f"SELECT id, turn_id, parent_id, {_MESSAGE_COLUMNS} FROM messages WHERE session_pk = ?"
+                " ORDER BY id", (session.pk,)):
+            message_ids[row[0]] = len(message_ids) + 1
+            records.append({"type": "message", "id": message_ids[row[0]], "turn": turn_ids[row[1]],
+                            "parent": message_ids.get(row[2]) if row[2] is not None else None,
+                            **_record(_MESSAGE_COLUMNS, row[3:])})
+        for row in await self._db.fetch(
+                f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,)):
+            records.append({"type": "summary", **_record(_SUMMARY_COLUMNS, row)})
+        return records
+
+    async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:
+        async with self._db.transaction() as tx:
+            [head] = [r for r in records if r["type"] == "session"]
+            created = await tx.fetch(
+                f"INSERT INTO sessions (tenant, session_id, {_SESSION_COLUMNS})"
+                f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
+                " RETURNING pk",
+                (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
+            if not created:
+                raise Conflict(f"a session '{session_id}' already exists")
+            pk = created[0][0]
+            turn_ids: dict[int, int] = {}
+            for record in (r for r in records if r["type"] == "turn"):
+                [(turn_ids[record["id"]],)] = await tx.fetch(
+                    f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)})"
+                    " RETURNING id", (pk, *_values(_TURN_COLUMNS, record)))
+            message_ids: dict[int, int] = {}
+            for record in (r for r in records if r["type"] == "message"):
+                parent = message_ids[record["parent"]] if record.get("parent") is not None else None
+                [(message_ids[record["id"]],)] = await tx.fetch(
+                    f"INSERT INTO messages (session_pk, turn_id, parent_id, {_MESSAGE_COLUMNS})"
+                    f" VALUES (?, ?, ?, {_marks(_MESSAGE_COLUMNS)}) RETURNING id",
+                    (pk, turn_ids[record["turn"]], parent, *_values(_MESSAGE_COLUMNS, record)))
+            for record in (r for r in records if r["type"] == "summary"):
+                await tx.execute(
+                    f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
+                    (pk, *_values(_SUMMARY_COLUMNS, record)))
+
+    async def prune(self, older_than: float, tenant: str | None = None) -> int:
+        async with self._db.transaction() as tx:
+            return await tx.execute(
+                "DELETE FROM sessions WHERE updated_at < ? AND (CAST(? AS TEXT) IS NULL OR tenant = ?)",
+                (older_than, tenant, tenant))
+
+    async def cap_messages(self, session: SessionState, keep: int) -> int:
+        summary = await self.current_summary(session, session.length)
+        covers = summary.covers if summary else 0
+        async with self._db.transaction() as tx:
+            await self._lock_session(tx, session.tenant, session.session_id)
+            [(count,)] = await tx.fetch("SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,))
+            excess = int(count) - keep
+            if excess <= 0:
+                return 0
+            # Superseded messages first, then what the summary in use stands for (its last message
+            # stays: it proves the summary still matches the history).
+            rows = await tx.fetch(
+                "SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
+                " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
+            ids = [r[0] for r in rows]
+            if not ids:
+                return 0
+            marks = ",".join("?" * len(ids))
+            await tx.execute(f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids)
+            await tx.execute(f"DELETE FROM messages WHERE id IN ({marks})", ids)
+            return len(ids)
+
+    async def counts(self) -> dict[str, int]:
+        """Rows per table: what a copy between stores must reproduce."""
+        counts = {}
+        for table in ("sessions", "turns", "messages", "summaries"):
+            [(count,)] = await self._db.fetch(f"SELECT count(*) FROM {table}")
+            counts[table] = int(count)
+        return counts
+
+    async def tenants_sessions(self) -> list[tuple[str, str]]:
+        """Every (tenant, session id), for copying a whole store."""
+        rows = await self._db.fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
+        return [(r[0], r[1]) for r in rows]
+
+
+def _marks(columns: str) -> str:
+    return ", ".join("?" * len(columns.split(", ")))
+
+
+def _record(columns: str, row: Row) -> dict[str, Any]:
+    """A table row as an export record: JSON columns decoded, so the export is plain JSON."""
+    out = {}
+    for name, value in zip(columns.split(", "), row):
+        out[name] = json.loads(value) if name in _JSON_COLUMNS and value is not None else value
+    return out
+
+
+def _values(columns: str, record: dict[str, Any]) -> list[Any]:
+    return [_dumps(record.get(c)) if c in _JSON_COLUMNS and record.get(c) is not None else record.get(c)
+            for c in columns.split(", ")]
+
+
+def _summary(row: Row) -> Summary:
+    return Summary(version=row[0], text=row[1], covers=row[2], covers_hash=row[3], tokens=row[4],
+                   replaced_tokens=row[5], model=row[6], created_at=row[7])
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
