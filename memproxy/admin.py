@@ -16,6 +16,7 @@ from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest
 from .memory import prepare_turn
+from .messages import wire_form
 from .provider import Provider
 from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, UsageTotals
 from .summarize import FoldResult, Summarizer
@@ -221,6 +222,6 @@ async def context(
         "expired": turn.expired,
         "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize",
         "parts": parts,
-        "messages": sent,
+        "messages": [wire_form(m) for m in sent],
     }
 

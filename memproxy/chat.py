@@ -23,7 +23,7 @@ from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
 from .memory import PreparedTurn, prepare_turn, turn_record
-from .messages import Message, validate_messages
+from .messages import Message, validate_messages, wire_form
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
@@ -142,7 +142,7 @@ async def _prepare(
         idle_ttl=config.retention.idle_ttl_seconds,
     )
     exchange.turn = turn
-    exchange.messages = turn.context.messages
+    exchange.messages = [wire_form(m) for m in turn.context.messages]
     exchange.memory_ms = (time.perf_counter() - exchange.started) * 1000
     context = turn.context
     exchange.headers.update({

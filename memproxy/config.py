@@ -44,7 +44,14 @@ class ServerConfig:
 @dataclass(frozen=True)
 class StorageConfig:
     url: str = "sqlite:///./memproxy.db"
-    busy_timeout_ms: int = 5000
+    busy_timeout_ms: int = 5000  # SQLite
+    pool_min_size: int = 1  # PostgreSQL
+    pool_max_size: int = 10
+    schema: str | None = None  # PostgreSQL: tables live in this schema (created if missing)
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.url.startswith(("postgresql://", "postgres://"))
 
 
 @dataclass(frozen=True)
@@ -276,12 +283,21 @@ def _server(s: _Section) -> ServerConfig:
 def _storage(s: _Section) -> StorageConfig:
     d = StorageConfig()
     url = s.string("url", d.url) or d.url
-    if not url.startswith("sqlite://"):
-        raise ConfigError(s.key("url"), f"unsupported store {url!r}: use sqlite:///path/to/file.db")
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        raise ConfigError(s.key("url"), f"unsupported store {url!r}: use sqlite:///path/to/file.db "
+                                        "or postgresql://user@host:port/database")
     busy = s.integer("busy_timeout_ms", d.busy_timeout_ms)
-    assert busy is not None
+    pool_min = s.integer("pool_min_size", d.pool_min_size, minimum=1)
+    pool_max = s.integer("pool_max_size", d.pool_max_size, minimum=1)
+    assert busy is not None and pool_min is not None and pool_max is not None
+    if pool_max < pool_min:
+        raise ConfigError(s.key("pool_max_size"), f"must be >= pool_min_size ({pool_min})")
+    schema = s.string("schema")
+    if schema is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
+        raise ConfigError(s.key("schema"), "must be a plain identifier (letters, digits, _)")
     s.finish()
-    return StorageConfig(url=url, busy_timeout_ms=busy)
+    return StorageConfig(url=url, busy_timeout_ms=busy, pool_min_size=pool_min, pool_max_size=pool_max,
+                         schema=schema)
 
 
 def _models(data: _Section) -> tuple[ModelConfig, ...]:

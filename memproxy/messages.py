@@ -76,6 +76,13 @@ def _validate_message(message: Any, where: str) -> None:
         raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
 
 
+def wire_form(message: Message) -> Message:
+    """A message as it goes upstream: the openai client litellm sends with drops top-level null
+    fields (an assistant's `content: null` beside its tool calls), so memproxy drops them itself and
+    the admin context preview shows the very bytes sent."""
+    return {k: v for k, v in message.items() if v is not None}
+
+
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:
     """The leading system/developer messages, and the conversation after them."""
     cut = 0

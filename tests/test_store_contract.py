@@ -20,17 +20,24 @@ from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import NewMessage, SessionState, SQLiteStore, Store, Summary, Totals, TurnRecord, Usage
 from memproxy.store.sqlite import QUERIES, migrations
+from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]
 
 
-@pytest.fixture(params=["sqlite"])
-async def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Opener]:
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StoreUnderTest]:
+    under_test = await store_under_test(request.param, tmp_path)
+    yield under_test
+    await under_test.drop()
+
+
+@pytest.fixture
+async def open_store(backend: StoreUnderTest) -> AsyncIterator[Opener]:
     opened: list[Store] = []
-    url = f"sqlite:///{tmp_path / 'contract.db'}"
 
     async def opener() -> Store:
-        store = await SQLiteStore.open(url)
+        store = await backend.open()
         opened.append(store)
         return store
 
@@ -75,15 +82,14 @@ def turn(
     )
 
 
-async def test_blank_database_gets_every_migration_once(open_store: Opener, tmp_path: Path) -> None:
-    await open_store()
+async def test_blank_database_gets_every_migration_once(open_store: Opener, backend: StoreUnderTest) -> None:
+    await asyncio.gather(open_store(), open_store())  # two at once apply each migration once
     await open_store()  # opening again applies nothing twice
-    with sqlite3.connect(tmp_path / "contract.db") as db:
-        ids = [row[0] for row in db.execute("SELECT id FROM schema_migrations")]
-        mode = db.execute("PRAGMA journal_mode").fetchone()[0]
-    assert ids == [migration_id for migration_id, _ in migrations()]
+    ids = [row[0] for row in await backend.query("SELECT id FROM schema_migrations ORDER BY id")]
+    assert ids == [migration_id for migration_id, _ in migrations(backend.kind)]
     assert ids[:2] == ["0001_initial", "0002_summaries"]
-    assert mode == "wal"
+    if backend.kind == "sqlite":
+        assert (await backend.query("PRAGMA journal_mode"))[0][0] == "wal"
 
 
 async def test_unknown_session_is_none(open_store: Opener) -> None:
@@ -138,7 +144,7 @@ async def test_lookups_by_hash_position_and_running_total(open_store: Opener) ->
     assert await store.first_fitting_unit_start(session, 0, 71) is None
 
 
-async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, tmp_path: Path) -> None:
+async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, backend: StoreUnderTest) -> None:
     store = await open_store()
     await store.record_turn(turn(None, [user("1"), assistant("a"), user("2"), assistant("b")]))
     session = await store.get_session("t", "s")
@@ -148,24 +154,22 @@ async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, tmp_pat
     after = await (await open_store()).get_session("t", "s")
     assert after is not None and after.length == 4
     assert [m.body["content"] for m in await store.active_range(after, 0, 4)] == ["1", "a", "2 edited", "c"]
-    with sqlite3.connect(tmp_path / "contract.db") as db:
-        rows = db.execute("SELECT seq, active FROM messages ORDER BY id").fetchall()
+    rows = await backend.query("SELECT seq, active FROM messages ORDER BY id")
     assert rows == [(0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
 
 
-async def test_stale_turn_is_refused_and_changes_nothing(open_store: Opener, tmp_path: Path) -> None:
+async def test_stale_turn_is_refused_and_changes_nothing(open_store: Opener, backend: StoreUnderTest) -> None:
     store = await open_store()
     await store.record_turn(turn(None, [user("1"), assistant("a")]))
     stale = await store.get_session("t", "s")
     await store.record_turn(turn(stale, [user("2"), assistant("b")]))
     with pytest.raises(Conflict):
         await store.record_turn(turn(stale, [user("2 again"), assistant("c")]))
-    with sqlite3.connect(tmp_path / "contract.db") as db:
-        assert db.execute("SELECT count(*) FROM messages").fetchone()[0] == 4
-        assert db.execute("SELECT count(*) FROM turns").fetchone()[0] == 2
+    assert await backend.query("SELECT count(*) FROM messages") == [(4,)]
+    assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
 
 
-async def test_concurrent_writers_on_one_session_one_wins(open_store: Opener, tmp_path: Path) -> None:
+async def test_concurrent_writers_on_one_session_one_wins(open_store: Opener, backend: StoreUnderTest) -> None:
     first, second = await open_store(), await open_store()
     await first.record_turn(turn(None, [user("1"), assistant("a")]))
     session = await first.get_session("t", "s")
@@ -175,13 +179,11 @@ async def test_concurrent_writers_on_one_session_one_wins(open_store: Opener, tm
         return_exceptions=True,
     )
     assert sorted(type(r).__name__ for r in results) == ["Conflict", "NoneType"]
-    with sqlite3.connect(tmp_path / "contract.db") as db:
-        assert db.execute("SELECT count(*) FROM messages WHERE active = 1").fetchone()[0] == 4
-        seqs = [r[0] for r in db.execute("SELECT seq FROM messages WHERE active = 1 ORDER BY seq")]
+    seqs = [r[0] for r in await backend.query("SELECT seq FROM messages WHERE active = 1 ORDER BY seq")]
     assert seqs == [0, 1, 2, 3]
 
 
-async def test_usage_and_system_prompt_are_kept(open_store: Opener, tmp_path: Path) -> None:
+async def test_usage_and_system_prompt_are_kept(open_store: Opener, backend: StoreUnderTest) -> None:
     store = await open_store()
     system = [{"role": "developer", "content": "rules"}]
     await store.record_turn(turn(None, [user("1"), assistant("a")], system=system))
@@ -189,8 +191,7 @@ async def test_usage_and_system_prompt_are_kept(open_store: Opener, tmp_path: Pa
     await store.record_turn(turn(session, [user("2"), assistant("b")], system=None))
     after = await store.get_session("t", "s")
     assert after is not None and after.system == system  # a turn without a system prompt keeps the last
-    with sqlite3.connect(tmp_path / "contract.db") as db:
-        usage = db.execute("SELECT prompt_tokens, completion_tokens, model FROM turns").fetchall()
+    usage = await backend.query("SELECT prompt_tokens, completion_tokens, model FROM turns ORDER BY id")
     assert usage == [(7, 3, "small"), (7, 3, "small")]
 
 

@@ -16,6 +16,7 @@ from .base import (
     Usage,
     UsageTotals,
 )
+from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "SessionInfo",
     "UsageTotals",
     "NewMessage",
+    "PostgresStore",
     "SQLiteStore",
     "SessionState",
     "Store",
@@ -36,4 +38,8 @@ __all__ = [
 
 
 async def open_store(config: StorageConfig) -> Store:
+    """The store `storage.url` names, migrated to the newest schema."""
+    if config.is_postgres:
+        return await PostgresStore.open(config.url, config.pool_min_size, config.pool_max_size,
+                                        config.schema)
     return await SQLiteStore.open(config.url, busy_timeout_ms=config.busy_timeout_ms)

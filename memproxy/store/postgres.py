@@ -1,0 +1,102 @@
+"""The shared store for many replicas: PostgreSQL through an asyncpg connection pool.
+
+The SQL is the one SQLite runs (`memproxy.store.sql`); `?` placeholders become `$1, $2, ...` once per
+statement text. Writes that must not interleave lock the session's row (`SELECT ... FOR UPDATE`), so
+two replicas recording turns on one session are serialised by the database, and a turn planned
+against a history that moved meanwhile is refused (and rebased or reported by the caller).
+Migrations run at start (and by `memproxy migrate`) under a transaction-scoped advisory lock, so
+replicas starting together apply each one exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from typing import Any
+
+import asyncpg
+
+from .sql import Row, SQLStore
+from .sqlite import migrations, statements
+
+
+@lru_cache(maxsize=1024)
+def numbered(sql: str) -> str:
+    """`?` placeholders as PostgreSQL's `$1, $2, ...` (the shared SQL has no `?` in literals)."""
+    parts = sql.split("?")
+    return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
+
+
+class _Transaction:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return [tuple(r) for r in await self._conn.fetch(numbered(sql), *params)]
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        status: str = await self._conn.execute(numbered(sql), *params)
+        last = status.rsplit(" ", 1)[-1]
+        return int(last) if last.isdigit() else 0
+
+
+class PostgresBackend:
+    row_lock = " FOR UPDATE"
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[_Transaction]:
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                yield _Transaction(conn)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+class PostgresStore(SQLStore):
+    @classmethod
+    async def open(
+        cls, url: str, min_size: int = 1, max_size: int = 10, schema: str | None = None
+    ) -> PostgresStore:
+        if schema:
+            await _create_schema(url, schema)
+        settings = {"search_path": schema} if schema else None
+        pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
+        assert pool is not None
+        await _migrate(pool)
+        return cls(PostgresBackend(pool))
+
+
+async def _create_schema(url: str, schema: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"memproxy-schema:{schema}")
+            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    finally:
+        await conn.close()
+
+
+async def _migrate(pool: asyncpg.Pool) -> None:
+    """All pending migrations in one transaction, under an advisory lock: a replica starting while
+    another migrates waits, then finds nothing left to do."""
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('memproxy-migrate:' || current_schema()))")
+            await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations"
+                               " (id TEXT PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)")
+            applied = {r[0] for r in await conn.fetch("SELECT id FROM schema_migrations")}
+            for migration_id, sql in migrations("postgres"):
+                if migration_id in applied:
+                    continue
+                for statement in statements(sql):
+                    await conn.execute(statement)
+                await conn.execute("INSERT INTO schema_migrations (id, applied_at)"
+                                   " VALUES ($1, extract(epoch from now()))", migration_id)
