@@ -18,7 +18,9 @@ from aiohttp import web
 
 from . import __version__, sessions_cli
 from .app import create_app
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, StorageConfig, load_config
+from .errors import ProxyError
+from .store import open_store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,16 +39,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True)
 
+    migrate = commands.add_parser("migrate", help="apply the store's pending migrations and exit")
+    migrate.add_argument("-c", "--config", help="YAML config file (storage.url)")
+
+    copy = commands.add_parser("migrate-store", help="copy every session from one store to another")
+    copy.add_argument("--from", dest="source", required=True, help="e.g. sqlite:///./memproxy.db")
+    copy.add_argument("--to", dest="target", required=True, help="e.g. postgresql://user@host:5432/db")
+    copy.add_argument("--from-schema", help="PostgreSQL schema of the source")
+    copy.add_argument("--to-schema", help="PostgreSQL schema of the target")
+
     sessions_cli.add_parser(commands)
 
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config) if args.config else Config()
+        config = load_config(args.config) if getattr(args, "config", None) else Config()
     except ConfigError as exc:
         print(f"memproxy: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "sessions":
         return sessions_cli.run(args, config)
+    if args.command == "migrate":
+        return asyncio.run(_migrate(config))
+    if args.command == "migrate-store":
+        source = StorageConfig(url=args.source, schema=args.from_schema)
+        target = StorageConfig(url=args.target, schema=args.to_schema)
+        return asyncio.run(_migrate_store(source, target))
     if args.command == "check-config":
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {config.storage.url})")
@@ -72,6 +89,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+async def _migrate(config: Config) -> int:
+    store = await open_store(config.storage)  # opening a store applies what is pending
+    await store.close()
+    print(f"{config.storage.url}: migrated")
+    return 0
+
+
+async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig) -> int:
+    """Copy every session (messages with their branches, summaries, metadata, usage) and check that
+    the target gained exactly what the source holds."""
+    source, target = await open_store(source_config), await open_store(target_config)
+    try:
+        before, expected = await target.counts(), await source.counts()
+        for tenant, session_id in await source.tenants_sessions():
+            session = await source.get_session(tenant, session_id)
+            assert session is not None
+            try:
+                await target.import_session(tenant, session_id, await source.export_session(session))
+            except ProxyError as exc:
+                print(f"memproxy: {tenant}/{session_id}: {exc.message}", file=sys.stderr)
+                return 1
+        after = await target.counts()
+    finally:
+        await source.close()
+        await target.close()
+    ok = True
+    for table, count in expected.items():
+        copied = after[table] - before[table]
+        ok = ok and copied == count
+        print(f"{table:<10} source {count:>8}  copied {copied:>8}  {'ok' if copied == count else 'MISMATCH'}")
+    return 0 if ok else 1
 
 
 async def _serve(config: Config) -> None:

@@ -18,6 +18,7 @@ invariants the peers broke, held here:
 from __future__ import annotations
 
 import asyncio
+import uuid
 import logging
 import time
 from collections.abc import Sequence
@@ -144,6 +145,7 @@ class Summarizer:
         self._tasks = tasks
         self._running: dict[tuple[str, str], asyncio.Task[FoldResult]] = {}
         self._backoff: dict[tuple[str, str], tuple[float, int]] = {}
+        self._holder = uuid.uuid4().hex  # names this process's summary leases
 
     def summarizer_model(self, chat_model: ModelConfig) -> ModelConfig:
         name = self._memory.summarizer_model
@@ -242,6 +244,22 @@ class Summarizer:
             upto = await self.tail_start(session, chat_window)
         if upto <= covers:
             return FoldResult("nothing", current)
+        # One summariser per session across every process sharing the store.
+        if not await store.take_summary_lease(session, self._holder, model.timeout_seconds * 2 + 60):
+            return FoldResult("nothing", current, detail="another process is summarising this session")
+        try:
+            return await self._fold_range(session, current, upto, chat_model, model)
+        finally:
+            await store.release_summary_lease(session, self._holder)
+
+    async def _fold_range(
+        self, session: SessionState, current: Summary | None, upto: int, chat_model: ModelConfig,
+        model: ModelConfig,
+    ) -> FoldResult:
+        store = self._store
+        covers = current.covers if current else 0
+        chat_window = self._provider.window(chat_model)
+        chat_counter = self._provider.counter(chat_model)
         messages = await store.active_range(session, covers, upto)
         versions = await store.summary_history(session)
         version = versions[-1].version if versions else 0
