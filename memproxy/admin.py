@@ -59,6 +59,8 @@ def info_json(info: SessionInfo) -> dict[str, Any]:
 
 
 async def list_sessions(store: Store, tenant: str | None, limit: int, after: str | None) -> dict[str, Any]:
+    if not 1 <= limit <= 1000:
+        raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
     page, cursor = await store.list_sessions(tenant, limit, _parse_cursor(after))
     return {"object": "list", "data": [info_json(i) for i in page], "next": _cursor(cursor)}
 
@@ -141,9 +143,47 @@ def from_jsonl(text: str) -> list[dict[str, Any]]:
     except ValueError as exc:
         raise BadRequest(f"not JSON lines: {exc}") from exc
     kinds = [r.get("type") if isinstance(r, dict) else None for r in records]
-    if kinds.count("session") != 1 or any(k not in ("session", "turn", "message", "summary") for k in kinds):
+    if kinds.count("session") != 1 or any(k not in _REQUIRED for k in kinds):
         raise BadRequest("an export holds one session record and turn, message and summary records")
+    _check_export(records)
     return records
+
+
+_NUMBER = (int, float)
+# The fields an import needs, by record type, and their JSON types; checked before anything is
+# written, so a damaged export is a 400 naming the problem, not a database error.
+_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "session": {"created_at": _NUMBER, "updated_at": _NUMBER, "length": int, "head_hash": str,
+                "head_cum": int, "head_compact_cum": int},
+    "turn": {"id": int, "created_at": _NUMBER, "model": str, "kind": str, "context_tokens": int,
+             "latency_ms": _NUMBER},
+    "message": {"id": int, "turn": int, "seq": int, "active": int, "role": str, "body": dict, "tokens": int,
+                "cum_before": int, "unit_start": int, "chain_hash": str, "created_at": _NUMBER,
+                "compact_tokens": int, "compact_cum_before": int},
+    "summary": {"version": int, "text": str, "covers": int, "covers_hash": str, "tokens": int,
+                "replaced_tokens": int, "model": str, "created_at": _NUMBER},
+}
+
+
+def _check_export(records: list[dict[str, Any]]) -> None:
+    turns: set[Any] = set()
+    messages: set[Any] = set()
+    for line, record in enumerate(records, 1):
+        for name, kind in _REQUIRED[record["type"]].items():
+            if not isinstance(record.get(name), kind):
+                raise BadRequest(f"line {line}: a {record['type']} record needs '{name}'")
+        if record["type"] == "turn":
+            turns.add(record["id"])
+        elif record["type"] == "message":
+            if record["turn"] not in turns or record.get("parent") not in (None, *messages):
+                raise BadRequest(f"line {line}: a message refers to a turn or message not before it")
+            messages.add(record["id"])
+    [head] = [r for r in records if r["type"] == "session"]
+    active = [r for r in records if r["type"] == "message" and r["active"]]
+    seqs = {r["seq"] for r in active}  # with gaps where `max_messages_per_session` deleted some
+    if len(seqs) != len(active) or not seqs <= set(range(head["length"])) or \
+            len({r["chain_hash"] for r in active}) != len(active):
+        raise BadRequest("the active messages of an export must be numbered below its length, once each")
 
 
 def exported_id(records: list[dict[str, Any]]) -> str:

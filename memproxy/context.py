@@ -126,13 +126,14 @@ async def build_context(
             summary = None
     floor = summary.covers if summary else 0
     newest = await _newest_exchange(store, session, base, fixed.new, floor, must_start)
-    start = await _fit(store, session, base, base_totals, newest, floor, must_start, available)
+    trim = memory.tool_output_max_tokens > 0
+    start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
     marker = False
     if start > floor and use_marker:
         marker_tokens = counter.message(marker_message(base))  # at least the real marker's count
         if must_tokens + marker_tokens <= available:
             available -= marker_tokens
-            start = await _fit(store, session, base, base_totals, newest, floor, must_start, available)
+            start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
             extra.append(marker_message(start - floor))
             marker = True
     stored = await store.active_range(session, start, base)
@@ -167,15 +168,16 @@ async def _newest_exchange(
 
 async def _fit(
     store: Store, session: SessionState, base: int, base_totals: Totals, newest: int, floor: int,
-    must_start: int, available: int,
+    must_start: int, available: int, trim: bool,
 ) -> int:
     """The first stored position sent: the longest run of whole units ending at `base` that fits,
-    counting the newest exchange verbatim and older messages in their compact form."""
+    counting the newest exchange verbatim and older messages in their compact form (`trim`)."""
     newest_totals = await store.totals_at(session, newest)
     verbatim = base_totals.full - newest_totals.full
     if verbatim <= available:
+        older = newest_totals.compact if trim else newest_totals.full
         found = await store.first_fitting_unit_start(
-            session, floor, newest_totals.compact - (available - verbatim), compact=True)
+            session, floor, older - (available - verbatim), compact=trim)
         return newest if found is None or found > newest else found
     found = await store.first_fitting_unit_start(session, max(floor, newest), base_totals.full - available)
     return must_start if found is None or found > must_start else found
@@ -188,14 +190,16 @@ def _history(
     unanswered calls left out), their tokens, and how many were trimmed and deduplicated."""
     old = [m for m in stored if m.seq < newest]
     recent = [m for m in stored if m.seq >= newest]
-    old_bodies, saved = dedupe_repeats(
-        [m.compact for m in old], [m.compact_tokens for m in old], memory.dedupe_min_tokens, counter)
-    deduplicated = sum(1 for a, m in zip(old_bodies, old) if a is not m.compact)
+    # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too.
+    trim = memory.tool_output_max_tokens > 0
+    forms = [m.compact if trim else m.body for m in old]
+    tokens = [m.compact_tokens if trim else m.tokens for m in old] + [m.tokens for m in recent]
+    old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
+    deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)
     bodies = old_bodies + [m.body for m in recent]
-    tokens = [m.compact_tokens for m in old] + [m.tokens for m in recent]
     history, unanswered_saved = drop_unanswered_calls(bodies, tokens, new, counter)
     # A trimmed output sent as a reference to an earlier copy counts as deduplicated, not trimmed.
-    trimmed = sum(1 for a, m in zip(old_bodies, old) if m.compact_body is not None and a is m.compact_body)
+    trimmed = sum(1 for a, m in zip(old_bodies, old) if trim and m.compact_body is not None and a is m.compact_body)
     return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
 
 

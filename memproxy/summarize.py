@@ -97,7 +97,10 @@ def chunks(
     counter: TokenCounter,
 ) -> list[tuple[list[StoredMessage], str]]:
     """Whole units grouped so each chunk's transcript fits `room` tokens; a unit larger than that
-    alone, wherever it falls, is cut short to fit."""
+    alone, wherever it falls, is cut short to fit. A chunk is not closed before it holds a quarter of
+    the room: the summary of a few short messages cannot be smaller than they are (its framing alone
+    costs tens of tokens), so the guard would discard it and the whole fold with it; the unit that
+    follows joins it instead, cut short to fit."""
     units: list[list[int]] = []
     for i, message in enumerate(messages):
         if message.unit_start or not units:
@@ -107,7 +110,7 @@ def chunks(
 
     def close(indices: list[int], used: int) -> None:
         text = "\n\n".join(rendered[i] for i in indices)
-        if used > room:  # one unit alone is too large: keep its head and tail
+        if used > room:  # a unit too large (alone or joining a small chunk): keep head and tail
             text = _head_and_tail(text, room, counter)
         result.append(([messages[i] for i in indices], text))
 
@@ -115,7 +118,7 @@ def chunks(
     used = 0
     for unit in units:
         size = sum(sizes[i] for i in unit)
-        if current and used + size > room:
+        if current and used + size > room and used >= room // 4:
             close(current, used)
             current, used = [], 0
         current.extend(unit)
@@ -307,8 +310,10 @@ class Summarizer:
         self, model: ModelConfig, counter: TokenCounter, cap: int, previous: Summary | None
     ) -> int:
         window = self._provider.window(model)
-        fixed = sum(counter.message(m) for m in summarizer_messages(previous.text if previous else None, "", cap))
-        return max(window - cap - self._memory.safety_margin(window) - fixed, 256)
+        fixed = sum(counter.message(m) for m in summarizer_messages(None, "", cap))
+        # After the first chunk the previous summary is the one just written: up to `cap` tokens.
+        previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
+        return max(window - cap - self._memory.safety_margin(window) - fixed - previous_tokens, 256)
 
     async def _summarise(
         self, model: ModelConfig, previous: str | None, transcript: str, cap: int

@@ -1,4 +1,10 @@
-"""Shared fixtures: the fake provider, configs on temporary SQLite files, the proxy as a real server."""
+"""Shared fixtures: the fake provider, configs on a store of the test's own, the proxy as a real server.
+
+Which store: a module that opts in with `pytestmark = pytest.mark.both_stores` runs each of its tests
+that uses `store_kind` (through `config`, `storage`, `make_storage`) once on SQLite and once on
+PostgreSQL (a fresh schema per test, dropped afterwards; skipped outside CI when PostgreSQL cannot be
+reached). Every other module stays on SQLite. Read what a proxy stored through `tests/db.py`.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +19,55 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from db import run_async
 from fake_upstream import FakeUpstream
 from memproxy.app import create_app
 from memproxy.config import ApiKey, AuthConfig, Config, MemoryConfig, ModelConfig, ServerConfig, StorageConfig
+from stores import StoreUnderTest, store_under_test
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 PROXY_KEY = "test-proxy-key-a"
 OTHER_KEY = "test-proxy-key-b"
+
+
+STORE_KINDS = ("sqlite", "postgres")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests of a module marked `both_stores` run on each store; the `store_kind` fixture below
+    (SQLite) serves the rest."""
+    if "store_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_stores"):
+        metafunc.parametrize("store_kind", STORE_KINDS)
+
+
+@pytest.fixture
+def store_kind() -> str:
+    return "sqlite"
+
+
+@pytest.fixture
+def make_storage(store_kind: str, tmp_path: Path) -> Iterator[Callable[..., StorageConfig]]:
+    """A factory of empty stores of the test's kind: `make_storage("name")` is a SQLite file
+    `name.db` in the test's temp dir, or a new PostgreSQL schema; each schema is dropped at the end
+    (after every proxy of `start_proxy` has closed: that fixture depends on this one)."""
+    made: list[StoreUnderTest] = []
+
+    def make(name: str = "memproxy") -> StorageConfig:
+        if store_kind == "sqlite":
+            return StorageConfig(url=f"sqlite:///{tmp_path / f'{name}.db'}")
+        made.append(run_async(lambda: store_under_test(store_kind, tmp_path)))
+        return made[-1].storage
+
+    yield make
+    for under_test in made:
+        run_async(under_test.drop)
+
+
+@pytest.fixture
+def storage(make_storage: Callable[..., StorageConfig]) -> StorageConfig:
+    """The test's store: what the `config` fixture uses."""
+    return make_storage()
 
 
 @pytest.fixture(scope="session")
@@ -41,10 +88,11 @@ CORE_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "drop", "tool_out
                                "dedupe_min_tokens": 0}
 
 
-def make_config(db: Path, upstream_url: str, **memory: Any) -> Config:
+def make_config(db: Path | StorageConfig, upstream_url: str, **memory: Any) -> Config:
+    """`db`: a SQLite file, or any store (the `storage` fixture, to run on the test's store kind)."""
     return Config(
         server=ServerConfig(host="127.0.0.1", port=0),
-        storage=StorageConfig(url=f"sqlite:///{db}"),
+        storage=db if isinstance(db, StorageConfig) else StorageConfig(url=f"sqlite:///{db}"),
         models=(
             ModelConfig(name="small", model="openai/small", api_base=upstream_url, api_key="upstream-secret",
                         context_window=2000, max_output_tokens=256),
@@ -58,8 +106,8 @@ def make_config(db: Path, upstream_url: str, **memory: Any) -> Config:
 
 
 @pytest.fixture
-def config(tmp_path: Path, upstream: FakeUpstream) -> Config:
-    return make_config(tmp_path / "memproxy.db", upstream.url)
+def config(storage: StorageConfig, upstream: FakeUpstream) -> Config:
+    return make_config(storage, upstream.url)
 
 
 class Proxy:
@@ -88,7 +136,8 @@ class Proxy:
 
 
 @pytest.fixture
-async def start_proxy() -> AsyncIterator[Callable[[Config], Any]]:
+async def start_proxy(make_storage: Callable[..., StorageConfig]) -> AsyncIterator[Callable[[Config], Any]]:
+    # Depending on `make_storage` closes these proxies before the test's schemas are dropped.
     proxies: list[Proxy] = []
 
     async def start(config: Config) -> Proxy:

@@ -16,6 +16,8 @@ from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from fake_upstream import FakeUpstream, Reply
 from memproxy.typedefs import STORE
 
+pytestmark = pytest.mark.both_stores
+
 TOOLS: Any = [{  # the SDK types these as TypedDicts; the test only needs the JSON
     "type": "function",
     "function": {

@@ -11,10 +11,8 @@ The helpers at the top are shared with `test_properties.py`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,10 +21,13 @@ import openai
 import pytest
 
 from conftest import Proxy
+from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.store.sqlite import sqlite_path
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG
+
+pytestmark = pytest.mark.both_stores
 
 Message = dict[str, Any]
 
@@ -155,14 +156,18 @@ def check_sent(
 
 
 def db_path(proxy: Proxy) -> str:
+    """The proxy's SQLite file (for modules that read it with sqlite3; `db_state` reads either store)."""
     return sqlite_path(proxy.app[CONFIG].storage.url)
 
 
-def db_state(path: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row the proxy has stored, read from a second connection."""
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        return {table: db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
-                for table in ("sessions", "messages", "turns")}
+def db_state(proxy: Proxy) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row the proxy has stored, read from a connection of the test's own."""
+    return table_rows(proxy.app[CONFIG], "sessions", "messages", "turns")
+
+
+def stored_roles(proxy: Proxy) -> list[str]:
+    """Roles of the active messages of the proxy's one session, in order."""
+    return [role for (role,) in rows(proxy.app[CONFIG], "SELECT role FROM messages WHERE active = 1 ORDER BY seq")]
 
 
 def assert_context_length_exceeded(exc: openai.BadRequestError, param: str | None = None) -> None:
@@ -317,12 +322,12 @@ async def test_new_messages_that_cannot_fit_are_refused_before_upstream_and_not_
         await chat.send([{"role": "user", "content": f"q{turn}"}])
     huge = {"role": "user", "content": words(2000)}
     assert tokens([huge]) + REPLY_PRIMING > DEFAULT_BUDGET
-    calls, state = len(upstream.chat_requests()), db_state(db_path(proxy))
+    calls, state = len(upstream.chat_requests()), db_state(proxy)
     with pytest.raises(openai.BadRequestError) as caught:
         await chat.client.chat.completions.create(model="small", messages=[huge], stream=stream)
     assert_context_length_exceeded(caught.value, "messages")
     assert len(upstream.chat_requests()) == calls
-    assert db_state(db_path(proxy)) == state
+    assert db_state(proxy) == state
     assert len(state["sessions"]) == (1 if stored_turns else 0)
     # The session goes on as if the refused message had never been sent.
     await chat.send([{"role": "user", "content": "short"}])
@@ -343,7 +348,7 @@ async def test_system_prompt_and_tool_schemas_are_part_of_what_must_fit(
         await client.chat.completions.create(model="small", messages=system + user, tools=tools)  # type: ignore[arg-type]
     assert_context_length_exceeded(caught.value)
     assert upstream.chat_requests() == []
-    assert db_state(db_path(proxy))["messages"] == []
+    assert db_state(proxy)["messages"] == []
     raw = await client.chat.completions.with_raw_response.create(
         model="small", messages=system + user, tools=TOOLS)  # type: ignore[arg-type]
     assert int(raw.headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, system + user, TOOLS)
@@ -360,13 +365,13 @@ async def test_an_output_reserve_that_leaves_no_room_is_refused(
 ) -> None:
     chat = Chat(proxy, upstream, "new", "reserve-too-big")
     await chat.send([{"role": "user", "content": "first"}])
-    state = db_state(db_path(proxy))
+    state = db_state(proxy)
     with pytest.raises(openai.BadRequestError) as caught:
         await chat.client.chat.completions.create(
             model="small", messages=[{"role": "user", "content": "hi"}], **{key: value})
     assert_context_length_exceeded(caught.value, param)
     assert len(upstream.chat_requests()) == 1
-    assert db_state(db_path(proxy)) == state
+    assert db_state(proxy) == state
 
 
 # --- tool units ----------------------------------------------------------------------------------
@@ -442,19 +447,17 @@ async def test_agent_loop_refuses_when_the_stored_call_and_its_results_cannot_fi
     with_call = results_alone + tokens(chat.history[-1:])
     budget = with_call - 1
     assert results_alone <= budget  # the new messages alone would fit
-    state = db_state(db_path(proxy))
+    state = db_state(proxy)
     with pytest.raises(openai.BadRequestError) as caught:
         await chat.client.chat.completions.create(
             model="small", messages=chat.request(results), tools=TOOLS,  # type: ignore[arg-type]
             max_tokens=WINDOW - MARGIN - budget)
     assert_context_length_exceeded(caught.value, "messages")
     assert len(upstream.chat_requests()) == 1
-    assert db_state(db_path(proxy)) == state
+    assert db_state(proxy) == state
     # With room, the same results go through once, with their call, and are stored once.
     await chat.send(results)
-    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
-        roles = [r for (r,) in db.execute("SELECT role FROM messages ORDER BY seq")]
-    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert stored_roles(proxy) == ["user", "assistant", "tool", "assistant"]
 
 
 async def test_a_call_the_client_abandoned_is_not_sent_unanswered(proxy: Proxy, upstream: FakeUpstream) -> None:
@@ -470,9 +473,7 @@ async def test_a_call_the_client_abandoned_is_not_sent_unanswered(proxy: Proxy, 
     assert sent == [{"role": "user", "content": "look two things up"},
                     {"role": "user", "content": "never mind, say hi"}]
     assert int(raw.headers["X-Memproxy-Context-Tokens"]) == tokens(sent) + COUNTER.tools(TOOLS) + REPLY_PRIMING
-    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
-        roles = [r for (r,) in db.execute("SELECT role FROM messages WHERE active = 1 ORDER BY seq")]
-    assert roles == ["user", "assistant", "user", "assistant"]
+    assert stored_roles(proxy) == ["user", "assistant", "user", "assistant"]
 
 
 async def test_function_and_output_schemas_count_against_the_budget(proxy: Proxy, upstream: FakeUpstream) -> None:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
-import sqlite3
 import threading
 from collections.abc import Callable
-from contextlib import closing
 from dataclasses import replace
 from typing import Any
 
@@ -17,9 +15,11 @@ import openai
 import pytest
 
 from conftest import PROXY_KEY, Proxy, replace_model
+from db import rows, table_rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
-from memproxy.store.sqlite import sqlite_path
+
+pytestmark = pytest.mark.both_stores
 
 TABLES = ("sessions", "turns", "messages")
 USER: Any = {"role": "user", "content": "hi"}
@@ -27,9 +27,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
 
 
 def stored_rows(config: Config) -> dict[str, list[tuple[Any, ...]]]:
-    """Everything in the store, read from the SQLite file by a connection of its own."""
-    with closing(sqlite3.connect(sqlite_path(config.storage.url))) as db:
-        return {table: db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() for table in TABLES}
+    """Everything in the store, read by a connection of its own."""
+    return table_rows(config, *TABLES)
 
 
 def assert_shape(body: Any, *, type: str, code: str | None, param: str | None) -> None:
@@ -240,9 +239,7 @@ async def test_upstream_error_keeps_its_status(
     assert stored_rows(config) == {table: [] for table in TABLES}
     # A retry of the failed turn is stored once.
     await client.chat.completions.create(model="small", messages=[USER])
-    with closing(sqlite3.connect(sqlite_path(config.storage.url))) as db:
-        roles = db.execute("SELECT role FROM messages WHERE active = 1 ORDER BY seq").fetchall()
-    assert roles == [("user",), ("assistant",)]
+    assert rows(config, "SELECT role FROM messages WHERE active = 1 ORDER BY seq") == [("user",), ("assistant",)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
+import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
@@ -37,13 +38,14 @@ from test_budget import (
     assert_context_length_exceeded,
     assistant_from,
     check_sent,
-    db_path,
     db_state,
     mandatory_tail,
     tokens,
     tool_call,
     words,
 )
+
+pytestmark = pytest.mark.both_stores
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Client:
         # One SDK client for all examples: the session is a per-request header.
         self.client = proxy.clients[0] if proxy.clients else proxy.client(session=None)
         self.upstream = upstream
-        self.db = db_path(proxy)
+        self.proxy = proxy
         self.script = script
         self.session = f"prop-{uuid.uuid4().hex}"
         self.system: list[Message] = []
@@ -148,7 +150,7 @@ class Client:
         refused, budget = self.oracle(system, new, reserve)
         history = self.history if self.style_full else []
         params: dict[str, Any] = {} if reserve is None else {"max_tokens": reserve}
-        calls, state = len(self.upstream.chat_requests()), db_state(self.db)
+        calls, state = len(self.upstream.chat_requests()), db_state(self.proxy)
         if not refused:
             self.upstream.enqueue(reply)
         try:
@@ -159,7 +161,7 @@ class Client:
             assert refused, f"refused though the mandatory part fits: {exc.response.text}"
             assert_context_length_exceeded(exc)
             assert len(self.upstream.chat_requests()) == calls, "refused after calling upstream"
-            assert db_state(self.db) == state, "a refused request changed the store"
+            assert db_state(self.proxy) == state, "a refused request changed the store"
             event("refused: " + ("output reserve" if reserve is not None and reserve >= WINDOW
                                  else "tool results and their call" if new[0]["role"] == "tool"
                                  else "new turn"))

@@ -2,17 +2,16 @@
 
 Every test drives `POST /v1/chat/completions` with `openai.AsyncOpenAI` (or a raw aiohttp client where
 the SDK cannot do what a test needs, such as hanging up mid-request) and checks two things: what the
-fake upstream received, and what the store holds, read from a second, read-only SQLite connection.
+fake upstream received, and what the store holds, read from a connection of the test's own. Each test
+runs on SQLite and on PostgreSQL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -25,11 +24,13 @@ from openai import AsyncStream
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from db import rows, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Reply
 from memproxy.app import create_app
 from memproxy.config import Config
-from memproxy.store.sqlite import sqlite_path
 from memproxy.typedefs import LOCKS, STORE
+
+pytestmark = pytest.mark.both_stores
 
 Message = dict[str, Any]
 T = TypeVar("T")
@@ -44,51 +45,45 @@ def assistant(text: str) -> Message:
     return {"role": "assistant", "content": text}
 
 
-# --- reading the store from a second connection -------------------------------------------------
-
-
-@contextmanager
-def read_db(config: Config) -> Iterator[sqlite3.Connection]:
-    path = sqlite_path(config.storage.url)
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        yield db
+# --- reading the store from a connection of the test's own (tests/db.py) -----------------------
 
 
 def stored(config: Config, session: str = "s1", tenant: str = "a", active: int | None = 1) -> list[Message]:
     """Bodies of the session's messages in stored order: the active chain (`active=1`), the superseded
     ones (`active=0`) or all (`active=None`)."""
-    with read_db(config) as db:
-        rows = db.execute(
-            "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
-            " WHERE s.tenant = ? AND s.session_id = ? AND (? IS NULL OR m.active = ?) ORDER BY m.id",
-            (tenant, session, active, active),
-        ).fetchall()
-    return [json.loads(r[0]) for r in rows]
+    sql = ("SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+           " WHERE s.tenant = ? AND s.session_id = ?")
+    params: list[Any] = [tenant, session]
+    if active is not None:
+        sql += " AND m.active = ?"
+        params.append(active)
+    return [json.loads(body) for (body,) in rows(config, sql + " ORDER BY m.id", *params)]
 
 
 def turn_rows(config: Config, session: str = "s1", tenant: str = "a") -> list[tuple[Any, ...]]:
     """(kind, model, prompt_tokens, completion_tokens) of each recorded turn, oldest first."""
-    with read_db(config) as db:
-        return db.execute(
-            "SELECT t.kind, t.model, t.prompt_tokens, t.completion_tokens FROM turns t"
-            " JOIN sessions s ON s.pk = t.session_pk WHERE s.tenant = ? AND s.session_id = ? ORDER BY t.id",
-            (tenant, session),
-        ).fetchall()
+    return rows(config,
+                "SELECT t.kind, t.model, t.prompt_tokens, t.completion_tokens FROM turns t"
+                " JOIN sessions s ON s.pk = t.session_pk WHERE s.tenant = ? AND s.session_id = ? ORDER BY t.id",
+                tenant, session)
 
 
 def count(config: Config, table: str) -> int:
-    with read_db(config) as db:
-        return int(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+    [(n,)] = rows(config, f"SELECT count(*) FROM {table}")
+    return int(n)
 
 
 def assert_chain_consistent(config: Config, session: str = "s1", tenant: str = "a") -> None:
     """The active chain is numbered 0..n-1 without gaps and the session row agrees with it."""
-    with read_db(config) as db:
-        pk, length = db.execute("SELECT pk, length FROM sessions WHERE tenant = ? AND session_id = ?",
-                                (tenant, session)).fetchone()
-        seqs = [r[0] for r in db.execute(
-            "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 ORDER BY id", (pk,))]
+    [(length,)] = rows(config, "SELECT length FROM sessions WHERE tenant = ? AND session_id = ?", tenant, session)
+    seqs = [seq for (seq,) in rows(
+        config, "SELECT m.seq FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+        " WHERE s.tenant = ? AND s.session_id = ? AND m.active = 1 ORDER BY m.id", tenant, session)]
     assert seqs == list(range(length))
+
+
+def system_prompts(config: Config) -> list[Any]:
+    return [json.loads(value) for (value,) in rows(config, "SELECT system_prompt FROM sessions")]
 
 
 # --- talking to the proxy ------------------------------------------------------------------------
@@ -481,8 +476,7 @@ async def test_system_prompt_is_sent_first_and_remembered(
     assert upstream.last().messages == [other, user("q1"), assistant(reply1), user("q2"), assistant(reply2),
                                         user("q3"), assistant(reply3), user("q4")]
     assert all(m["role"] != "system" for m in stored(config, active=None))
-    with read_db(config) as db:
-        assert json.loads(db.execute("SELECT system_prompt FROM sessions").fetchone()[0]) == [other]
+    assert system_prompts(config) == [[other]]
 
 
 async def test_full_history_client_with_system_prompt_is_recognised(
@@ -507,8 +501,7 @@ async def test_developer_prompt_is_remembered(proxy: Proxy, upstream: FakeUpstre
     sent = upstream.last().messages
     assert sent[0]["content"] == "Answer in French."  # the role itself is litellm's to translate
     assert sent[1:] == [user("q1"), assistant("reply 1"), user("q2")]
-    with read_db(config) as db:
-        assert json.loads(db.execute("SELECT system_prompt FROM sessions").fetchone()[0]) == [developer]
+    assert system_prompts(config) == [[developer]]
 
 
 # --- the session header, tenants ----------------------------------------------------------------
@@ -582,9 +575,7 @@ async def test_same_session_id_under_two_tenants_are_unrelated(
                                              assistant("reply 3")]
     assert stored(config, "shared", "b") == [user("bob 1"), assistant("reply 2"), user("bob 2"),
                                              assistant("reply 4")]
-    with read_db(config) as db:
-        assert sorted(db.execute("SELECT tenant, session_id FROM sessions").fetchall()) == [
-            ("a", "shared"), ("b", "shared")]
+    assert sorted(rows(config, "SELECT tenant, session_id FROM sessions")) == [("a", "shared"), ("b", "shared")]
 
 
 # --- persistence and concurrency ----------------------------------------------------------------
@@ -659,15 +650,12 @@ async def test_requests_on_different_sessions_run_concurrently(
     assert stored(config, "slow") == [user("slow"), assistant("slow answer")]
 
 
-@contextmanager
-def write_lock_held(config: Config) -> Iterator[None]:
-    """Hold the database's write lock from another connection, as another process could."""
-    with closing(sqlite3.connect(sqlite_path(config.storage.url), isolation_level=None)) as db:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        finally:
-            db.execute("ROLLBACK")
+def turn_write_waiting(proxy: Proxy, config: Config) -> bool:
+    """The proxy has the answer and its write of the turn waits for the lock `write_lock_held` holds."""
+    if config.storage.is_postgres:
+        return writes_waiting(config) > 0
+    write_lock: asyncio.Lock = getattr(getattr(proxy.app[STORE], "_db"), "_write_lock")  # SQLite's
+    return write_lock.locked()
 
 
 async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
@@ -675,7 +663,8 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
 ) -> None:
     """The client hangs up after the upstream answer is complete, while the turn is being written.
 
-    The write is held back by another connection holding SQLite's write lock; the test server cancels
+    The write is held back by another connection holding the store's write lock (SQLite's, or a table
+    lock every PostgreSQL write waits for); the test server cancels
     the handler when the client goes away (aiohttp's `handler_cancellation`), so the write must outlive
     the request. A follow-up request on the session must see the turn (requests are serialised).
     """
@@ -697,14 +686,12 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
         url = proxy.url + "/chat/completions"
         headers = {"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
         body = {"model": "small", "messages": [user("q1")]}
-        store = proxy.app[STORE]
         with write_lock_held(config):
             async with aiohttp.ClientSession() as http:
                 request = asyncio.create_task(http.post(url, json=body, headers=headers))
                 try:
                     # The answer came back and the turn is waiting for the write lock.
-                    write_lock: asyncio.Lock = getattr(getattr(store, "_db"), "_write_lock")  # SQLite's
-                    await until(write_lock.locked, "the turn is being written")
+                    await until(lambda: turn_write_waiting(proxy, config), "the turn is being written")
                 finally:
                     request.cancel()  # the client hangs up
                     with pytest.raises(asyncio.CancelledError):

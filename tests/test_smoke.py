@@ -1,8 +1,16 @@
-from fake_upstream import FakeUpstream
+import json
+
+import pytest
+
 from conftest import Proxy
+from db import rows
+from fake_upstream import FakeUpstream
+from memproxy.config import Config
+
+pytestmark = pytest.mark.both_stores
 
 
-async def test_remembers(proxy: Proxy, upstream: FakeUpstream) -> None:
+async def test_remembers(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
     client = proxy.client()
     r1 = await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
     assert r1.choices[0].message.content == "reply 1"
@@ -18,3 +26,5 @@ async def test_remembers(proxy: Proxy, upstream: FakeUpstream) -> None:
     assert text == "reply 3"
     await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "4"}])
     assert len(upstream.last().messages) == 7
+    stored = [json.loads(body)["content"] for (body,) in rows(config, "SELECT body FROM messages ORDER BY seq")]
+    assert stored == ["hi", "reply 1", "again", r2.choices[0].message.content, "third", "reply 3", "4", "reply 4"]

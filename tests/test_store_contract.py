@@ -1,4 +1,4 @@
-"""The contract every Store backend keeps, run against each backend (SQLite today).
+"""The contract every Store backend keeps, run against each backend (SQLite and PostgreSQL).
 
 Writes are checked from a second, independent store on the same database, so what is asserted is
 what was committed, not what one connection happens to see.
@@ -196,7 +196,8 @@ async def test_usage_and_system_prompt_are_kept(open_store: Opener, backend: Sto
 
 
 def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:
-    """No query on the hot path scans a table: its cost follows the request, not the history."""
+    """No query on the hot path scans a table: its cost follows the request, not the history.
+    (SQLite; the PostgreSQL plans are checked in test_postgres.py.)"""
     asyncio.run(_open_and_close(tmp_path / "plans.db"))
     with sqlite3.connect(tmp_path / "plans.db") as db:
         for name, sql in QUERIES.items():

@@ -34,7 +34,8 @@ Row = Sequence[Any]
 _HASH_CHUNK = 500
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
-# the plans), so their cost does not grow with the length of a session's history.
+# the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
+# length of a session's history.
 QUERIES = {
     "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
     " system_prompt, history_mode, created_at, updated_at FROM sessions"
@@ -412,10 +413,14 @@ class SQLStore:
                 (older_than, tenant, tenant))
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
-        summary = await self.current_summary(session, session.length)
-        covers = summary.covers if summary else 0
         async with self._db.transaction() as tx:
-            await self._lock_session(tx, session.tenant, session.session_id)
+            locked = await self._lock_session(tx, session.tenant, session.session_id)
+            if locked is None or locked[0] != session.pk:
+                return 0
+            # The summary in use is read under the lock: read before it, an edit recorded meanwhile
+            # could make it stale and its `covers` would reach into the new branch, still to be sent.
+            summary = await tx.fetch(QUERIES["current_summary"], (session.pk, locked[1]))
+            covers = _summary(summary[0]).covers if summary else 0
             [(count,)] = await tx.fetch("SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,))
             excess = int(count) - keep
             if excess <= 0:

@@ -72,8 +72,9 @@ class SQLiteBackend:
         self._write_lock = asyncio.Lock()
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        async with self._reader.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+        # Executed and fetched in one step on the connection's thread: a statement left open across
+        # an await would hold its read snapshot, and other reads on this connection would see it.
+        return list(await self._reader.execute_fetchall(sql, params))
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[_Transaction]:

@@ -1,0 +1,535 @@
+"""Results to `benchmarks.md`, `bench-results.json` and PNG plots.
+
+Every figure is the median over rounds of a per-round statistic; "added" latency is, round by
+round, a path's percentile minus the direct path's at the same settings, so drift between rounds
+cancels out. Targets are ratios, so they carry over from this machine to another better than the
+milliseconds do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
+LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass-through",
+          LITELLM: "LiteLLM proxy"}
+COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", LITELLM: "#d62728"}
+SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
+            "## 2. Throughput", "## 3. Streams", "## 4. History sweep", "## 5. Resident memory",
+            "## 6. Where the time goes", "## 7. Token-cost replay", "## How it was measured")
+PLOTS = ("bench-latency.png", "bench-throughput.png", "bench-ttft.png", "bench-history.png", "bench-rss.png",
+         "bench-timing.png", "bench-tokens.png")
+
+
+def median(values: list[float]) -> float:
+    clean = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(clean) if clean else math.nan
+
+
+def stat(rounds: list[dict[str, Any]], key: str) -> float:
+    return median([r.get(key, math.nan) for r in rounds])
+
+
+def added(rounds: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> float:
+    return median([r.get(key, math.nan) - d.get(key, math.nan) for r, d in zip(rounds, direct)])
+
+
+def ms(value: float, digits: int = 1) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def ratio(value: float) -> str:
+    return "-" if value is None or math.isnan(value) or math.isinf(value) else f"{value:.2f}"
+
+
+def verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("**pass**" if ok else "**FAIL**")
+
+
+class Report:
+    def __init__(self, results: dict[str, Any], out: Path, small: bool) -> None:
+        self.r = results
+        self.out = out
+        self.small = small
+        self.paths: list[str] = results.get("paths", [])
+        self.lines: list[str] = []
+
+    # --- figures ---------------------------------------------------------------------------
+
+    def figure(self, width: float = 8, height: float = 4) -> tuple[Any, Any]:
+        size = (width * 0.6, height * 0.6) if self.small else (width, height)
+        return plt.subplots(1, 1, figsize=size)
+
+    def save(self, fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(self.out / name, dpi=50 if self.small else 110)
+        plt.close(fig)
+
+    # --- computed figures ------------------------------------------------------------------
+
+    def added_table(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """concurrency -> path -> (added p50, added p99), at 50 ms upstream."""
+        table: dict[str, dict[str, tuple[float, float]]] = {}
+        for c, by_path in self.r["concurrency"].items():
+            direct = by_path[DIRECT]
+            table[c] = {p: (added(rows, direct, "p50"), added(rows, direct, "p99"))
+                        for p, rows in by_path.items() if p != DIRECT}
+        return table
+
+    def throughput(self) -> dict[str, tuple[float, float, bool]]:
+        """path -> (highest rate with p99 < 100 ms, requests per server CPU-second, hit the ladder's top)."""
+        out = {}
+        for path, rounds in self.r["throughput"].items():
+            out[path] = (median([x["max_rate"] for x in rounds]),
+                         median([x["requests_per_cpu_s"] for x in rounds if x["requests_per_cpu_s"]]),
+                         all(x["ceiling"] for x in rounds))
+        return out
+
+    def history(self) -> list[tuple[int, float, float, float, float]]:
+        rows = []
+        for size, rounds in sorted(self.r["history"].items(), key=lambda kv: int(kv[0])):
+            rows.append((int(size), stat(rounds, "p50"), stat(rounds, "p99"), stat(rounds, "memory_p50"),
+                         stat(rounds, "context_tokens_p50")))
+        return rows
+
+    def targets(self) -> list[tuple[str, str, str, bool | None]]:
+        rows: list[tuple[str, str, str, bool | None]] = []
+        table = self.added_table()
+        have_litellm = LITELLM in self.paths
+        for c in table:
+            for i, name in ((0, "p50"), (1, "p99")):
+                mine = table[c][MEMORY][i]
+                if have_litellm:
+                    theirs = table[c][LITELLM][i]
+                    r = mine / theirs if theirs > 0 else math.inf
+                    rows.append((f"added {name} at {c} client{'s' if c != '1' else ''} below LiteLLM proxy's",
+                                 f"{ms(mine)} ms vs {ms(theirs)} ms", ratio(r), mine < theirs))
+                else:
+                    rows.append((f"added {name} at {c} client{'s' if c != '1' else ''} below LiteLLM proxy's",
+                                 f"{ms(mine)} ms vs -", "-", None))
+        memory = stat(self.r["cpu"][MEMORY], "memory_p50")
+        rows.append(("memory work under 1 ms at p50 (Server-Timing `memory`, 1 client)", f"{ms(memory, 2)} ms",
+                     ratio(memory / 1.0), memory < 1.0))
+        hist = self.history()
+        if len(hist) >= 2:
+            (small_n, small_p50, *_), (big_n, big_p50, *_) = hist[0], hist[-1]
+            r = big_p50 / small_p50
+            rows.append((f"latency at {big_n:,} stored messages within 1.2x of {small_n:,} (p50)",
+                         f"{ms(big_p50, 2)} ms vs {ms(small_p50, 2)} ms", ratio(r), r <= 1.2))
+        saturated = self.saturation()
+        name = (f"throughput per core at least LiteLLM proxy's (requests per server CPU-second, "
+                f"{self.busiest()} clients)")
+        mine_per_cpu = saturated[MEMORY][2]
+        if have_litellm:
+            theirs_per_cpu = saturated[LITELLM][2]
+            r = mine_per_cpu / theirs_per_cpu if theirs_per_cpu else math.nan
+            rows.append((name, f"{ms(mine_per_cpu, 0)} vs {ms(theirs_per_cpu, 0)}", ratio(r), r >= 1.0))
+        else:
+            rows.append((name, f"{ms(mine_per_cpu, 0)} vs -", "-", None))
+        return rows
+
+    def busiest(self) -> str:
+        return max(self.r["concurrency"], key=int)
+
+    def saturation(self) -> dict[str, tuple[float, float, float]]:
+        """path -> (req/s, cores its server used, requests per server CPU-second) at the most clients."""
+        out = {}
+        for path, rows in self.r["concurrency"][self.busiest()].items():
+            cores = median([r["server_cpu_s"] / r["wall_s"] for r in rows if r["wall_s"]])
+            out[path] = (stat(rows, "throughput_rps"), cores, stat(rows, "requests_per_cpu_s"))
+        return out
+
+    # --- sections --------------------------------------------------------------------------
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def header(self) -> None:
+        meta = self.r["meta"]
+        self.add("# Benchmarks", "",
+                 f"Generated by `python bench/run.py{' --quick' if meta['quick'] else ''}` on {meta['started']} "
+                 f"in {meta['duration_s']:.0f} s; rerun it to refresh this page (do not edit it by hand). "
+                 "How each figure is measured is in `bench/README.md` and at the end of this page.", "")
+        if meta["quick"]:
+            self.add("> **Quick run**: one round of a handful of requests each, for the CI smoke test. "
+                     "These numbers are not meaningful; run `python bench/run.py` for real ones.", "")
+        for note in meta["notes"]:
+            self.add(f"> **Note**: {note}", "")
+
+    def section_targets(self) -> None:
+        self.add("## Targets", "",
+                 "From issue 6, all measured in this one run. Ratio = memproxy / reference (below 1 is "
+                 "better, except throughput per core, where at least 1 passes). \"Memory on\" is memproxy "
+                 "with a session header: the product; its pass-through figures are in section 1.", "",
+                 "| target | measured | ratio | result |", "|---|---|---|---|")
+        for name, measured, r, ok in self.targets():
+            self.add(f"| {name} | {measured} | {r} | {verdict(ok)} |")
+        self.add("")
+
+    def section_machine(self) -> None:
+        meta = self.r["meta"]
+        m, v, s = meta["machine"], meta["versions"], meta["settings"]
+        plan = s["plan"]
+        self.add("## Machine, versions and settings", "",
+                 f"- machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, {m['os']}; the load "
+                 "generator, the fake upstream and the proxy under test all share these cores; 1-minute load "
+                 f"average {m['load_at_start']} at the start, {m.get('load_at_end', '-')} at the end (above 0 "
+                 "means other work shared the machine)",
+                 f"- versions: Python {v['python']}, memproxy {v['memproxy']}, litellm {v['litellm']}, "
+                 f"aiohttp {v['aiohttp']}, matplotlib {v['matplotlib']}; LiteLLM proxy: {v['litellm_proxy']}",
+                 f"- memproxy: {s['memproxy']['process']}; {s['memproxy']['model']}; memory settings "
+                 f"{json.dumps(s['memproxy']['memory'])} (everything else default); {s['memproxy']['auth']}",
+                 f"- LiteLLM proxy: `--num_workers {s['litellm_proxy']['workers']}` (one per core, as its "
+                 f"production guide says); {s['litellm_proxy']['config']}; env "
+                 + ", ".join(f"`{k}={val}`" for k, val in s["litellm_proxy"]["env"].items()),
+                 f"- client: {s['client']}",
+                 f"- upstream: {s['upstream']}",
+                 f"- rounds: {plan['rounds']} (streams: {min(plan['rounds'], 3)}, throughput ladder: "
+                 f"{plan['throughput_rounds']}); requests per path and round: {plan['cpu_requests']} at 0 ms, "
+                 + ", ".join(f"{n} at {c} client(s)" for c, n in plan["concurrency"].items())
+                 + f" at {plan['upstream_delay_ms']:.0f} ms; streams "
+                 + ", ".join(f"{n} at {c} client(s)" for c, n in plan["streams"].items())
+                 + f" ({plan['stream_chunks']} chunks, {plan['stream_pace_ms']:.0f} ms apart); ladder "
+                 + ", ".join(f"{r:g}" for r in plan["rates"]) + f" req/s, {plan['step_seconds']:g} s a step; "
+                 f"soak {plan['soak_seconds']:g} s per server at {plan['soak_clients']} clients", "")
+
+    def section_latency(self) -> None:
+        cpu = self.r["cpu"]
+        direct = cpu[DIRECT]
+        self.add("## 1. Added latency", "",
+                 "Client-observed latency minus the direct path's, per round, median of rounds (ms).", "",
+                 "**0 ms upstream, 1 client** (what each path costs in CPU; server CPU is the proxy's own "
+                 "processes, for direct the fake upstream's):", "",
+                 "| path | p50 | p99 | added p50 | added p99 | server CPU per request |",
+                 "|---|---|---|---|---|---|")
+        for path in self.paths:
+            rows = cpu[path]
+            add50 = "-" if path == DIRECT else ms(added(rows, direct, "p50"), 2)
+            add99 = "-" if path == DIRECT else ms(added(rows, direct, "p99"), 2)
+            self.add(f"| {LABELS[path]} | {ms(stat(rows, 'p50'), 2)} | {ms(stat(rows, 'p99'), 2)} | {add50} | "
+                     f"{add99} | {ms(stat(rows, 'server_cpu_ms_per_request'), 2)} ms |")
+        table = self.added_table()
+        conc = list(table)
+        self.add("", f"**{self.r['meta']['settings']['plan']['upstream_delay_ms']:.0f} ms upstream**, added "
+                 "p50 / p99 (and raw p50 / p99) by number of concurrent clients:", "",
+                 "| path | " + " | ".join(f"{c} client{'s' if c != '1' else ''}" for c in conc) + " |",
+                 "|---|" + "---|" * len(conc))
+        for path in self.paths:
+            cells = []
+            for c in conc:
+                rows = self.r["concurrency"][c][path]
+                raw = f"({ms(stat(rows, 'p50'))} / {ms(stat(rows, 'p99'))})"
+                if path == DIRECT:
+                    cells.append(f"- {raw}")
+                else:
+                    a50, a99 = table[c][path]
+                    cells.append(f"+{ms(a50)} / +{ms(a99)} {raw}")
+            self.add(f"| {LABELS[path]} | " + " | ".join(cells) + " |")
+        self.add("", "Requests per second these closed loops reached (median of rounds):", "",
+                 "| path | " + " | ".join(f"{c} client{'s' if c != '1' else ''}" for c in conc) + " |",
+                 "|---|" + "---|" * len(conc))
+        for path in self.paths:
+            self.add(f"| {LABELS[path]} | " + " | ".join(
+                ms(stat(self.r["concurrency"][c][path], "throughput_rps"), 0) for c in conc) + " |")
+        self.add("", "![added latency](bench-latency.png)", "")
+        fig, axes = plt.subplots(1, 2, figsize=(5.4, 2.7) if self.small else (10, 4.2))
+        proxies = [p for p in self.paths if p != DIRECT]
+        width = 0.8 / max(1, len(proxies))
+        for i, (ax, name) in enumerate(zip(axes, ("p50", "p99"))):
+            for j, path in enumerate(proxies):
+                values = [max(table[c][path][i], 0.01) for c in conc]
+                ax.bar([k + j * width for k in range(len(conc))], values, width, label=LABELS[path],
+                       color=COLORS[path])
+            ax.set_xticks([k + width * (len(proxies) - 1) / 2 for k in range(len(conc))])
+            ax.set_xticklabels([f"{c} client{'s' if c != '1' else ''}" for c in conc])
+            ax.set_yscale("log")
+            ax.set_ylabel(f"added {name} latency (ms, log)")
+            ax.set_title(f"added {name}, 50 ms upstream")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].legend(fontsize="small")
+        self.save(fig, "bench-latency.png")
+
+    def section_throughput(self) -> None:
+        tp = self.throughput()
+        top = max(self.r["meta"]["settings"]["plan"]["rates"])
+        self.add("## 2. Throughput", "",
+                 "Open loop at 50 ms upstream: requests are due at a fixed rate and timed from when they were "
+                 "due, so a queue shows. The highest rate of the ladder at which p99 stayed under 100 ms with "
+                 "no error (a path stops climbing after two failed steps in a row), and the requests served per "
+                 "CPU-second of the path's own server processes at that rate. Median of rounds.", "",
+                 "| path | highest rate with p99 < 100 ms | requests per server CPU-second |", "|---|---|---|")
+        for path in self.paths:
+            rate, per_cpu, ceiling = tp[path]
+            note = ""
+            if ceiling:
+                note = f" (the ladder's top, {top:g}: the harness's limit)"
+            elif path == DIRECT:
+                note = " or more (not pushed past the proxies)"
+            self.add(f"| {LABELS[path]} | {rate:g} req/s{note} | {ms(per_cpu, 0)} |")
+        busiest = self.busiest()
+        self.add("", f"Saturated: {busiest} clients back to back at 50 ms upstream (section 1), where each server "
+                 "runs as fast as the CPU it gets allows; requests per CPU-second of the server's own processes "
+                 "is the throughput one core gives (the per-core target):", "",
+                 "| path | req/s | server CPU used (cores) | requests per server CPU-second |", "|---|---|---|---|")
+        for path, (rps, cores, per_cpu) in self.saturation().items():
+            self.add(f"| {LABELS[path]} | {ms(rps, 0)} | {ms(cores, 2)} | {ms(per_cpu, 0)} |")
+        self.add("", "![p99 against offered rate](bench-throughput.png)", "")
+        fig, ax = self.figure(8, 4)
+        for path in self.paths:
+            steps = self.r["throughput"][path][0]["steps"]
+            ax.plot([s["rate"] for s in steps], [s.get("p99", math.nan) for s in steps], "o-",
+                    label=LABELS[path], color=COLORS[path])
+        ax.axhline(100, color="black", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered rate (requests/s, log)")
+        ax.set_ylabel("p99 latency (ms, log)")
+        ax.set_title("p99 against offered rate, 50 ms upstream (first round)")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        self.save(fig, "bench-throughput.png")
+
+    def section_streams(self) -> None:
+        streams = self.r["streams"]
+        conc = list(streams)
+        self.add("## 3. Streams", "",
+                 "Time to the first content chunk of a paced SSE stream (first content at 50 ms, then "
+                 f"{self.r['meta']['settings']['plan']['stream_chunks'] - 1} more 5 ms apart), added to the "
+                 "direct path's; median of rounds (ms).", "",
+                 "| path | " + " | ".join(f"{c} client{'s' if c != '1' else ''}: TTFT p50, added p50 / p99"
+                                          for c in conc) + " |",
+                 "|---|" + "---|" * len(conc))
+        for path in self.paths:
+            cells = []
+            for c in conc:
+                rows, direct = streams[c][path], streams[c][DIRECT]
+                base = ms(stat(rows, "ttft_p50"))
+                if path == DIRECT:
+                    cells.append(f"{base}, -")
+                else:
+                    cells.append(f"{base}, +{ms(added(rows, direct, 'ttft_p50'))} / "
+                                 f"+{ms(added(rows, direct, 'ttft_p99'))}")
+            self.add(f"| {LABELS[path]} | " + " | ".join(cells) + " |")
+        self.add("", "![added time to first token](bench-ttft.png)", "")
+        fig, ax = self.figure(7, 3.6)
+        proxies = [p for p in self.paths if p != DIRECT]
+        width = 0.8 / max(1, len(proxies))
+        for j, path in enumerate(proxies):
+            values = [added(streams[c][path], streams[c][DIRECT], "ttft_p50") for c in conc]
+            ax.bar([k + j * width for k in range(len(conc))], values, width, label=LABELS[path], color=COLORS[path])
+        ax.set_xticks([k + width * (len(proxies) - 1) / 2 for k in range(len(conc))])
+        ax.set_xticklabels([f"{c} client{'s' if c != '1' else ''}" for c in conc])
+        ax.set_ylabel("added TTFT p50 (ms)")
+        ax.set_title("added time to first token, paced stream")
+        ax.legend(fontsize="small")
+        ax.grid(axis="y", alpha=0.3)
+        self.save(fig, "bench-ttft.png")
+
+    def section_history(self) -> None:
+        rows = self.history()
+        base = rows[0][1] if rows else math.nan
+        seeded = self.r.get("history_seed_s", {})
+        self.add("## 4. History sweep", "",
+                 "One client, 0 ms upstream, memory on, on sessions seeded through the Store API "
+                 "(`record_turn`) with the given number of messages of ~400 tokens each, so that even the "
+                 "smallest fills the sweep model's 4,096-token window: every request sends the same amount "
+                 "upstream and only the stored history differs. The sessions take the same requests in turn "
+                 "(a new ~400-token user message each), so each also gains the sweep's own turns (2 messages "
+                 "per request). Median of rounds.", "",
+                 "| stored messages | p50 (ms) | p99 (ms) | memory work p50 (ms) | tokens sent p50 | p50 / p50 at "
+                 f"{rows[0][0] if rows else '-'} | seeded in |", "|---|---|---|---|---|---|---|")
+        for size, p50, p99, memory, tokens in rows:
+            took = seeded.get(str(size), seeded.get(size))
+            self.add(f"| {size:,} | {ms(p50, 2)} | {ms(p99, 2)} | {ms(memory, 2)} | {ms(tokens, 0)} | "
+                     f"{ratio(p50 / base)} | {ms(took, 1) if took is not None else '-'} s |")
+        self.add("", "![latency against stored history](bench-history.png)", "")
+        fig, ax = self.figure(7, 3.8)
+        sizes = [r[0] for r in rows]
+        ax.plot(sizes, [r[1] for r in rows], "o-", label="latency p50", color=COLORS[MEMORY])
+        ax.plot(sizes, [r[2] for r in rows], "s--", label="latency p99", color=COLORS[PASS])
+        ax.plot(sizes, [r[3] for r in rows], "^-", label="memory work p50 (Server-Timing)", color="#2ca02c")
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("messages stored in the session (log)")
+        ax.set_ylabel("ms")
+        ax.set_title("per-request latency against history length")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        self.save(fig, "bench-history.png")
+
+    def section_rss(self) -> None:
+        rss, soak = self.r["rss"], self.r["soak"]
+        self.add("## 5. Resident memory", "",
+                 "RSS sampled twice a second through the whole run (a server's workers summed). Steady: the "
+                 "median over the last third of its soak; growth: the median of the soak's last fifth minus "
+                 "its first fifth.", "",
+                 "| server | after start | peak (whole run) | steady | growth over the soak | soak requests |",
+                 "|---|---|---|---|---|---|")
+        for path, info in soak.items():
+            series = rss["series"].get(info["server"], [])
+            if not series:
+                continue
+            values = [v for _, v in series]
+            window = [v for t, v in series if info["start_s"] <= t <= info["end_s"]]
+            steady = median(window[-max(1, len(window) // 3):]) if window else math.nan
+            fifth = max(1, len(window) // 5)
+            growth = median(window[-fifth:]) - median(window[:fifth]) if window else math.nan
+            per = f" ({growth / info['requests'] * 10000:+.1f} MiB per 10k requests)" if info["requests"] else ""
+            self.add(f"| {LABELS[path].split(',')[0]} | {values[0]:.0f} MiB | {max(values):.0f} MiB | "
+                     f"{ms(steady, 0)} MiB | {growth:+.1f} MiB{per} | {info['requests']:,} |")
+        self.add("", "![resident memory over the run](bench-rss.png)", "")
+        fig, ax = self.figure(9, 4)
+        for name, series in rss["series"].items():
+            if series:
+                ax.plot([t for t, _ in series], [v for _, v in series], label=name,
+                        color={"memproxy": COLORS[MEMORY], "litellm-proxy": COLORS[LITELLM]}.get(name, "#888888"))
+        for t, label in rss["marks"]:
+            ax.axvline(t, color="black", alpha=0.2, linewidth=1)
+            ax.text(t, ax.get_ylim()[1], " " + label, rotation=90, va="top", fontsize=6, alpha=0.6)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_title("resident memory")
+        ax.legend(fontsize="small", loc="center right")
+        ax.grid(alpha=0.3)
+        self.save(fig, "bench-rss.png")
+
+    def section_timing(self) -> None:
+        cpu, conc = self.r["cpu"], self.r["concurrency"]
+        self.add("## 6. Where the time goes", "",
+                 "memproxy's `Server-Timing` header splits each request: `memory` is everything before the "
+                 "upstream call (parsing, auth, session lock, reconcile, budget, store reads); `upstream` is "
+                 "the call through litellm (litellm's own work plus the fake upstream's answer). The direct "
+                 "path's latency is the fake upstream and client alone, so `upstream - direct` is roughly "
+                 "litellm's share, and `total - memory - upstream` the HTTP server, JSON and recording the "
+                 "turn. Medians of per-round p50s (ms).", "",
+                 "| setting | path | total | memory | upstream | of which direct | rest |", "|---|---|---|---|---|---|---|")
+        bars = []
+        settings = [("0 ms upstream, 1 client", cpu)]
+        for c in conc:
+            settings.append((f"50 ms upstream, {c} client{'s' if c != '1' else ''}", conc[c]))
+        for label, by_path in settings:
+            direct = stat(by_path[DIRECT], "p50")
+            for path in (MEMORY, PASS):
+                rows = by_path[path]
+                total, memory, upstream = stat(rows, "p50"), stat(rows, "memory_p50"), stat(rows, "upstream_p50")
+                rest = total - memory - upstream
+                self.add(f"| {label} | {LABELS[path]} | {ms(total, 2)} | {ms(memory, 2)} | {ms(upstream, 2)} | "
+                         f"{ms(direct, 2)} | {ms(rest, 2)} |")
+                if label.startswith("0 ms"):
+                    bars.append((LABELS[path], memory, upstream - direct, direct, rest))
+        self.add("", "![Server-Timing split](bench-timing.png)", "")
+        fig, ax = self.figure(8, 2.8)
+        parts = ("memory work", "litellm (upstream - direct)", "fake upstream + client (direct)",
+                 "HTTP, JSON, recording (rest)")
+        colors = ("#2ca02c", "#ff7f0e", "#bbbbbb", "#9467bd")
+        for i, (name, *values) in enumerate(bars):
+            left = 0.0
+            for k, value in enumerate(values):
+                value = max(0.0, value)
+                ax.barh(i, value, left=left, color=colors[k], label=parts[k] if i == 0 else None)
+                left += value
+        ax.set_yticks(range(len(bars)))
+        ax.set_yticklabels([b[0] for b in bars])
+        ax.set_xlabel("ms at p50, 0 ms upstream, 1 client")
+        ax.set_title("where a request's time goes")
+        ax.legend(fontsize="x-small", loc="lower right")
+        self.save(fig, "bench-timing.png")
+
+    def section_replay(self) -> None:
+        rep = self.r["replay"]
+        self.add("## 7. Token-cost replay", "")
+        if "skipped" in rep:
+            self.add(f"Skipped: {rep['skipped']}.", "")
+            fig, ax = self.figure(6, 2)
+            ax.text(0.5, 0.5, "replay skipped: LoCoMo data absent", ha="center", va="center")
+            ax.axis("off")
+            self.save(fig, "bench-tokens.png")
+            return
+        convs = rep["conversations"]
+        up = rep["upstream"]
+        self.add(f"LoCoMo's conversations (`{'../shared/data/locomo5.json'}`, CC BY-NC 4.0, read in place) replayed "
+                 f"through a memproxy with a {rep['window']:,}-token window ({rep['output_reserve']} reserved for "
+                 f"the answer) and {rep['memory']}: the user is speaker A, and the fake upstream answers with "
+                 "speaker B's recorded reply. Against a client that resends the whole conversation every time "
+                 "(same tokenizer). \"Overflowed\": full requests that would not fit the window at all.", "",
+                 "| conversation | requests | resend everything | memproxy sent | saved | overflowed without "
+                 "memproxy | refused by memproxy | summary versions |", "|---|---|---|---|---|---|---|---|")
+        full_total = sent_total = 0
+        for c in convs:
+            full, sent = sum(c["full_tokens"]), sum(c["sent_tokens"])
+            full_total, sent_total = full_total + full, sent_total + sent
+            self.add(f"| {c['name']} | {c['requests']} | {full:,} | {sent:,} | {1 - sent / full:.0%} | "
+                     f"{c['overflowed']} ({c['overflowed'] / max(1, c['requests']):.0%}) | {c['refused']} | "
+                     f"{c['summary_version']} |")
+        summary_in, summary_out = up.get("summary_prompt_tokens", 0), up.get("summary_completion_tokens", 0)
+        with_summaries = sent_total + summary_in + summary_out
+        requests = sum(c["requests"] for c in convs)
+        overflowed = sum(c["overflowed"] for c in convs)
+        self.add(f"| **all** | {requests} | {full_total:,} | {sent_total:,} | {1 - sent_total / full_total:.0%} | "
+                 f"{overflowed} ({overflowed / max(1, requests):.0%}) | {sum(c['refused'] for c in convs)} | |", "",
+                 f"memproxy's summariser made {up.get('summary_requests', 0)} requests of its own: "
+                 f"{summary_in:,} prompt and {summary_out:,} completion tokens. Counting them, memproxy sent "
+                 f"{with_summaries:,} tokens in all, {with_summaries / full_total:.1%} of what resending "
+                 f"everything costs. The upstream counted {up.get('chat_prompt_tokens', 0):,} chat prompt "
+                 f"tokens received (memproxy's own count above: {sent_total:,}). Replay time: {rep['seconds']} s.",
+                 "", "![prompt tokens per request](bench-tokens.png)", "")
+        fig, ax = self.figure(8, 3.8)
+        first = convs[0]
+        ax.plot(first["full_tokens"], label="client resending everything", color=COLORS[LITELLM])
+        ax.plot(first["sent_tokens"], label="memproxy", color=COLORS[MEMORY])
+        ax.axhline(rep["window"] - rep["output_reserve"], color="black", linestyle="--", linewidth=1,
+                   label="window - answer reserve")
+        ax.set_xlabel(f"request ({first['name']})")
+        ax.set_ylabel("prompt tokens")
+        ax.set_yscale("log")
+        ax.set_title("prompt tokens sent upstream per request")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        self.save(fig, "bench-tokens.png")
+
+    def section_method(self) -> None:
+        self.add("## How it was measured", "",
+                 "- One fake upstream process (`bench/upstream.py`) serves every path; its delay, stream pacing "
+                 "and replies are set between phases. Each path is a separate keep-alive connection pool in "
+                 "the one load-generator process.",
+                 "- Each round visits every path in turn, in an order rotated from round to round, at the same "
+                 "settings; a figure is the median over rounds of that round's percentile, and \"added\" is "
+                 "taken round by round against the direct path.",
+                 "- Memory-on clients send only their new message and start a new session every 10 requests, "
+                 "so a request carries 0-18 stored messages upstream besides what the other paths send; the "
+                 "history sweep covers long sessions.",
+                 "- Latency and CPU figures on a 2-core machine are shaped by the load generator and the fake "
+                 "upstream competing with the proxy for the same cores; the ratios between paths measured "
+                 "side by side are what carries over. LiteLLM's proxy runs one worker per core, memproxy one "
+                 "process: throughput per core divides by the CPU time each actually used.",
+                 "- Raw results: `bench-results.json` beside this page.", "")
+
+    def write(self) -> Path:
+        self.header()
+        self.section_targets()
+        self.section_machine()
+        self.section_latency()
+        self.section_throughput()
+        self.section_streams()
+        self.section_history()
+        self.section_rss()
+        self.section_timing()
+        self.section_replay()
+        self.section_method()
+        path = self.out / "benchmarks.md"
+        path.write_text("\n".join(self.lines).rstrip() + "\n", encoding="utf-8")
+        (self.out / "bench-results.json").write_text(json.dumps(self.r, indent=1) + "\n", encoding="utf-8")
+        return path
+
+
+def write(results: dict[str, Any], out: Path, small: bool = False) -> Path:
+    return Report(results, out, small).write()

@@ -1,0 +1,564 @@
+"""Run memproxy's benchmark suite and write `docs/benchmarks.md` with its plots.
+
+    python bench/run.py                 # the full run (about 12 minutes on 2 cores)
+    python bench/run.py --quick         # seconds: the CI smoke run
+    python bench/run.py --no-litellm-proxy --out /tmp/bench
+
+Every path talks to one fake upstream process (`upstream.py`) and is measured in the same run,
+interleaved (each round visits every path, in a rotated order) and summarised as the median of the
+rounds: direct to the upstream, memproxy with a session (memory on) and without (pass-through), and
+LiteLLM's own proxy (installed into `bench/.venv-litellm`). Then the history sweep on sessions seeded
+through the Store, a soak for memory growth, and the LoCoMo token-cost replay on a memproxy of its
+own (summaries on, a 4,000-token window). `report.py` turns the results into tables, targets and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+import load  # noqa: E402
+import replay  # noqa: E402
+import report  # noqa: E402
+import seed  # noqa: E402
+import servers  # noqa: E402
+from memproxy.config import MemoryConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TENANT = "bench"
+PROXY_KEY = "bench-proxy-key"
+LITELLM_KEY = "sk-bench-master-key"
+ENCODING = "o200k_base"  # what memproxy's tokenizer picks for `openai/bench-model`
+DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
+
+# The latency paths' memproxy: defaults, except that no summary is folded (the history sweep's
+# 100,000-message sessions would otherwise be summarised in the background during the run); turns
+# that do not fit get the marker instead.
+BENCH_MEMORY = {"summaries": False, "overflow": "marker"}
+SWEEP_WINDOW = 4096
+REPLAY_WINDOW = 4000
+REPLAY_OUTPUT = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    rounds: int
+    cpu_requests: int  # 0 ms upstream, one client: per path and round
+    concurrency: dict[int, int]  # 50 ms upstream: clients -> requests per path and round
+    streams: dict[int, int]
+    rates: tuple[float, ...]  # the throughput ladder, requests/s
+    step_seconds: float
+    throughput_rounds: int
+    history_sizes: tuple[int, ...]
+    history_requests: int  # per session size and round
+    soak_seconds: float
+    replay_exchanges: int | None
+    replay_conversations: int | None
+    warmup: int
+    upstream_delay_ms: float = 50.0
+    stream_chunks: int = 10
+    stream_pace_ms: float = 5.0
+    soak_clients: int = 10
+
+
+FULL = Plan(rounds=5, cpu_requests=200, concurrency={1: 40, 10: 200, 100: 500}, streams={1: 30, 10: 100},
+            rates=(10, 20, 30, 40, 50, 60, 80, 100, 125, 150, 200, 300, 400, 600, 800), step_seconds=3.0,
+            throughput_rounds=2,
+            history_sizes=(10, 1_000, 10_000, 100_000), history_requests=30, soak_seconds=45.0,
+            replay_exchanges=None, replay_conversations=None, warmup=100)
+QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, streams={1: 3, 10: 10},
+             rates=(50, 200), step_seconds=0.4, throughput_rounds=1, history_sizes=(10, 1_000),
+             history_requests=5, soak_seconds=1.0, replay_exchanges=25, replay_conversations=1, warmup=10)
+
+
+def memproxy_config(upstream: str, db: Path, memory: dict[str, Any], window: int) -> str:
+    memory_lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in memory.items())
+    return f"""\
+server:
+  host: 127.0.0.1
+  port: 0
+storage:
+  url: "sqlite:///{db}"
+models:
+  - name: bench
+    model: openai/bench-model
+    api_base: {upstream}/v1
+    api_key: upstream-key
+    context_window: {window}
+    max_output_tokens: {REPLAY_OUTPUT if window == REPLAY_WINDOW else 512}
+  - name: bench-sweep
+    model: openai/bench-model
+    api_base: {upstream}/v1
+    api_key: upstream-key
+    context_window: {SWEEP_WINDOW}
+    max_output_tokens: 256
+memory:
+{memory_lines or "  {}"}
+auth:
+  keys:
+    - key: {PROXY_KEY}
+      tenant: {TENANT}
+"""
+
+
+class RssSampler:
+    """Samples every server's resident memory (its workers' summed) twice a second."""
+
+    def __init__(self, watched: dict[str, servers.Server], interval: float = 0.5) -> None:
+        self.watched = watched
+        self.interval = interval
+        self.started = time.monotonic()
+        self.series: dict[str, list[tuple[float, float]]] = {name: [] for name in watched}
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def mark(self, label: str) -> None:
+        self.marks.append((round(self.now(), 2), label))
+        print(f"bench: {self.now():6.1f} s  {label}", flush=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            t = round(self.now(), 2)
+            for name, server in self.watched.items():
+                rss = server.rss_bytes()
+                if rss:
+                    self.series[name].append((t, round(rss / 2**20, 1)))
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def summarize(sample: load.Sample) -> dict[str, Any]:
+    p = load.percentile
+    out: dict[str, Any] = {"n": sample.completed, "errors": sample.errors, "wall_s": round(sample.wall, 3)}
+    if sample.error_kinds:
+        out["error_kinds"] = sample.error_kinds
+    for name, values in (("", sample.latencies), ("ttft_", sample.ttft), ("memory_", sample.memory_ms),
+                         ("upstream_", sample.upstream_ms)):
+        if values:
+            out[f"{name}p50"] = round(p(values, 50), 3)
+            out[f"{name}p99"] = round(p(values, 99), 3)
+            out[f"{name}mean"] = round(sum(values) / len(values), 3)
+    if sample.context_tokens:
+        out["context_tokens_p50"] = p([float(t) for t in sample.context_tokens], 50)
+    return out
+
+
+@dataclass
+class Bench:
+    plan: Plan
+    upstream: servers.Server
+    memproxy: servers.Server
+    litellm: servers.Server | None
+    sampler: RssSampler
+    sessions: dict[str, aiohttp.ClientSession] = field(default_factory=dict)
+    targets: dict[str, load.Target] = field(default_factory=dict)
+
+    def server_of(self, path: str) -> servers.Server:
+        if path == DIRECT:
+            return self.upstream
+        if path == LITELLM:
+            assert self.litellm is not None
+            return self.litellm
+        return self.memproxy
+
+    def rotated(self, round_: int, paths: list[str] | None = None) -> list[str]:
+        names = paths if paths is not None else list(self.targets)
+        shift = round_ % len(names)
+        return names[shift:] + names[:shift]
+
+    async def control(self, **settings: Any) -> None:
+        async with self.sessions[DIRECT].post(f"{self.upstream.url}/_control", json=settings) as response:
+            response.raise_for_status()
+
+    async def upstream_stats(self) -> dict[str, int]:
+        async with self.sessions[DIRECT].get(f"{self.upstream.url}/_stats") as response:
+            stats: dict[str, int] = await response.json()
+            return stats
+
+
+@contextlib.asynccontextmanager
+async def client_sessions(bench: Bench) -> AsyncIterator[None]:
+    for name in bench.targets:
+        bench.sessions[name] = load.client_session(limit=2000)
+    try:
+        yield
+    finally:
+        for session in bench.sessions.values():
+            await session.close()
+
+
+def make_targets(upstream: str, memproxy: str, litellm: str | None) -> dict[str, load.Target]:
+    targets = {
+        DIRECT: load.Target(DIRECT, f"{upstream}/v1/chat/completions",
+                            {"Authorization": "Bearer upstream-key"}, model="bench-model"),
+        MEMORY: load.Target(MEMORY, f"{memproxy}/v1/chat/completions",
+                            {"Authorization": f"Bearer {PROXY_KEY}"}, sessions="lat"),
+        PASS: load.Target(PASS, f"{memproxy}/v1/chat/completions", {"Authorization": f"Bearer {PROXY_KEY}"}),
+    }
+    if litellm:
+        targets[LITELLM] = load.Target(LITELLM, f"{litellm}/v1/chat/completions",
+                                       {"Authorization": f"Bearer {LITELLM_KEY}"})
+    return targets
+
+
+async def warm_up(bench: Bench) -> None:
+    await bench.control(delay_ms=0)
+    for name, target in bench.targets.items():
+        await load.closed_loop(bench.sessions[name], target, 10, bench.plan.warmup, "warm")
+        await load.closed_loop(bench.sessions[name], target, 1, 5, "warm-stream", stream=True)
+
+
+async def measure(bench: Bench, path: str, run: Callable[[], Any]) -> tuple[load.Sample, dict[str, float]]:
+    """Run one loop; also the CPU seconds the path's server (and the upstream) spent meanwhile."""
+    server = bench.server_of(path)
+    cpu_before, upstream_before = server.cpu_seconds(), bench.upstream.cpu_seconds()
+    sample: load.Sample = await run()
+    cpu = {"server_cpu_s": round(server.cpu_seconds() - cpu_before, 4),
+           "upstream_cpu_s": round(bench.upstream.cpu_seconds() - upstream_before, 4)}
+    return sample, cpu
+
+
+async def phase_cpu(bench: Bench) -> dict[str, list[dict[str, Any]]]:
+    """0 ms upstream, one client: what each path costs in latency and CPU per request."""
+    await bench.control(delay_ms=0)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in bench.targets}
+    for r in range(bench.plan.rounds):
+        for name in bench.rotated(r):
+            target, session = bench.targets[name], bench.sessions[name]
+            sample, cpu = await measure(bench, name, lambda: load.closed_loop(
+                session, target, 1, bench.plan.cpu_requests, f"cpu{r}"))
+            row = {**summarize(sample), **cpu}
+            row["server_cpu_ms_per_request"] = round(1000 * cpu["server_cpu_s"] / max(1, sample.completed), 3)
+            rounds[name].append(row)
+    return rounds
+
+
+async def phase_concurrency(bench: Bench) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    plan = bench.plan
+    await bench.control(delay_ms=plan.upstream_delay_ms)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {str(c): {n: [] for n in bench.targets}
+                                                       for c in plan.concurrency}
+    for r in range(plan.rounds):
+        for c, count in plan.concurrency.items():
+            for name in bench.rotated(r):
+                target, session = bench.targets[name], bench.sessions[name]
+                sample, cpu = await measure(bench, name, lambda: load.closed_loop(
+                    session, target, c, count, f"c{c}r{r}"))
+                out[str(c)][name].append({
+                    **summarize(sample), **cpu, "throughput_rps": round(sample.completed / max(sample.wall, 1e-9), 1),
+                    "requests_per_cpu_s": round(sample.completed / cpu["server_cpu_s"], 1) if cpu["server_cpu_s"] else None,
+                })
+    return out
+
+
+async def phase_streams(bench: Bench) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    plan = bench.plan
+    await bench.control(delay_ms=plan.upstream_delay_ms, chunks=plan.stream_chunks, pace_ms=plan.stream_pace_ms)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {str(c): {n: [] for n in bench.targets}
+                                                       for c in plan.streams}
+    for r in range(max(1, min(plan.rounds, 3))):
+        for c, count in plan.streams.items():
+            for name in bench.rotated(r):
+                sample = await load.closed_loop(bench.sessions[name], bench.targets[name], c, count,
+                                                f"s{c}r{r}", stream=True)
+                out[str(c)][name].append(summarize(sample))
+    return out
+
+
+async def phase_throughput(bench: Bench) -> dict[str, list[dict[str, Any]]]:
+    """Open-loop rate ladder at 50 ms upstream: the highest rate whose p99 stays under 100 ms with
+    no error, and requests per CPU-second of the path's server at that rate."""
+    plan = bench.plan
+    await bench.control(delay_ms=plan.upstream_delay_ms)
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in bench.targets}
+    for r in range(plan.throughput_rounds):
+        active = list(bench.targets)
+        failures = dict.fromkeys(active, 0)
+        steps: dict[str, list[dict[str, Any]]] = {name: [] for name in active}
+        for rate in plan.rates:
+            if active == [DIRECT]:
+                break  # the direct path only shows the harness is not the limit
+            for name in bench.rotated(r, active):
+                target, session = bench.targets[name], bench.sessions[name]
+                sample, cpu = await measure(bench, name, lambda: load.open_loop(
+                    session, target, rate, plan.step_seconds, f"t{r}-{rate}"))
+                row = {"rate": rate, **summarize(sample), **cpu,
+                       "achieved_rps": round(sample.completed / max(sample.wall, 1e-9), 1)}
+                row["ok"] = (sample.errors == 0 and sample.completed >= 0.98 * sample.scheduled
+                             and row.get("p99", 1e9) < 100.0)
+                row["requests_per_cpu_s"] = round(sample.completed / cpu["server_cpu_s"], 1) if cpu["server_cpu_s"] else None
+                steps[name].append(row)
+                failures[name] = 0 if row["ok"] else failures[name] + 1
+                if failures[name] == 2:  # one failed step may be a hiccup of a shared machine; two end the climb
+                    active.remove(name)
+            if not active:
+                break
+        for name, rows in steps.items():
+            passed = [row for row in rows if row["ok"]]
+            best = passed[-1] if passed else None
+            out[name].append({"max_rate": best["rate"] if best else 0.0,
+                              "requests_per_cpu_s": best["requests_per_cpu_s"] if best else None,
+                              "ceiling": bool(rows) and rows[-1]["ok"] and rows[-1]["rate"] == max(plan.rates),
+                              "steps": rows})
+    return out
+
+
+async def phase_history(bench: Bench) -> dict[str, list[dict[str, Any]]]:
+    """One client, 0 ms upstream, on sessions seeded with 10 ... 100,000 messages, interleaved
+    request by request so every session gets the same requests in the same order."""
+    plan = bench.plan
+    await bench.control(delay_ms=0)
+    base = bench.targets[MEMORY]
+    target = load.Target("history", base.url, base.headers, model="bench-sweep", sessions="hist")
+    session = bench.sessions[MEMORY]
+    out: dict[str, list[dict[str, Any]]] = {str(size): [] for size in plan.history_sizes}
+    rng = random.Random(4)
+    question = 0
+    for r in range(plan.rounds):
+        samples = {size: load.Sample() for size in plan.history_sizes}
+        for _ in range(plan.history_requests):
+            # As long as the seeded messages, so the window keeps holding about as many messages.
+            body = load.chat_body("bench-sweep", question, text=seed.message_text(rng, 400))
+            question += 1
+            for size in bench.rotated(r, list(plan.history_sizes)):  # type: ignore[arg-type]
+                await load.send(session, target, body, str(size), samples[size], time.perf_counter(), False)
+        for size, sample in samples.items():
+            out[str(size)].append(summarize(sample))
+    return out
+
+
+async def phase_soak(bench: Bench) -> dict[str, dict[str, Any]]:
+    """A steady load on one path at a time, to see resident memory settle (or grow)."""
+    plan = bench.plan
+    await bench.control(delay_ms=plan.upstream_delay_ms)
+    out: dict[str, dict[str, Any]] = {}
+    for name in [MEMORY, LITELLM]:
+        if name not in bench.targets:
+            continue
+        start = bench.sampler.now()
+        sample = await load.closed_loop(bench.sessions[name], bench.targets[name], plan.soak_clients,
+                                        count=int(plan.soak_seconds * 5000), tag=f"soak-{name}",
+                                        deadline=plan.soak_seconds)
+        out[name] = {"start_s": round(start, 2), "end_s": round(bench.sampler.now(), 2),
+                     "requests": sample.completed, "errors": sample.errors, "clients": plan.soak_clients,
+                     "server": "memproxy" if name == MEMORY else "litellm-proxy"}
+        await asyncio.sleep(1.0)  # a last sample or two after the load
+    return out
+
+
+async def phase_replay(processes: servers.Processes, upstream: servers.Server, workdir: Path,
+                       plan: Plan, data: Path) -> dict[str, Any]:
+    if not data.exists():
+        return {"skipped": f"the LoCoMo data is not at {data}; the replay was skipped"}
+    conversations = replay.load_conversations(data, plan.replay_exchanges, plan.replay_conversations)
+    config = workdir / "memproxy-replay.yaml"
+    config.write_text(memproxy_config(upstream.url, workdir / "replay.db", {}, REPLAY_WINDOW))
+    server = servers.start_memproxy(processes, "memproxy-replay", config)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{upstream.url}/_control", json={
+            "delay_ms": 0, "replies": replay.replies(conversations), "count_tokens": ENCODING,
+            "reset_stats": True,
+        }) as response:
+            response.raise_for_status()
+        started = time.perf_counter()
+        results = await replay.replay_all(f"{server.url}/v1/chat/completions",
+                                          {"Authorization": f"Bearer {PROXY_KEY}"}, "bench", conversations,
+                                          ENCODING, REPLAY_WINDOW, REPLAY_OUTPUT)
+        elapsed = time.perf_counter() - started
+        stats = await _settled_stats(session, upstream.url)
+        async with session.post(f"{upstream.url}/_control", json={"replies": {}, "count_tokens": None}):
+            pass
+    server.stop()
+    return {
+        "window": REPLAY_WINDOW, "output_reserve": REPLAY_OUTPUT, "seconds": round(elapsed, 1),
+        "conversations": [asdict(r) for r in results], "upstream": stats,
+        "memory": "memproxy defaults (summaries on, overflow: summarize)",
+    }
+
+
+async def _settled_stats(session: aiohttp.ClientSession, upstream: str, limit: float = 20.0) -> dict[str, int]:
+    """The upstream's counts once background summaries have stopped arriving."""
+    deadline, last = time.monotonic() + limit, None
+    while time.monotonic() < deadline:
+        async with session.get(f"{upstream}/_stats") as response:
+            stats: dict[str, int] = await response.json()
+        if stats == last:
+            return stats
+        last = stats
+        await asyncio.sleep(1.0)
+    return last or {}
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cores": os.cpu_count(), "cpu": model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "os": platform.platform(), "load_at_start": round(os.getloadavg()[0], 2)}
+
+
+def versions(litellm_status: str) -> dict[str, str]:
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip() or "-"
+    return {"python": platform.python_version(), "memproxy": f"{version('memproxy')} ({commit})",
+            "litellm": version("litellm"), "aiohttp": version("aiohttp"), "matplotlib": version("matplotlib"),
+            "litellm_proxy": litellm_status}
+
+
+def settings(plan: Plan, litellm_workers: int) -> dict[str, Any]:
+    return {
+        "plan": asdict(plan),
+        "memproxy": {"process": "one process (`memproxy serve`), SQLite store in a temp dir, log level INFO",
+                     "model": "openai/bench-model via litellm, context window 8192 (sweep model: 4096)",
+                     "memory": BENCH_MEMORY, "auth": "one proxy key"},
+        "litellm_proxy": {"workers": litellm_workers, "env": servers.LITELLM_ENV,
+                          "config": "master key, proxy_batch_write_at 60, disable_error_logs, request_timeout 600,"
+                                    " set_verbose false, json_logs true; no database"},
+        "client": "aiohttp in the bench process, keep-alive connections; memory-on clients send only their new "
+                  "message (X-Memproxy-History: new) and start a new session every 10 requests",
+        "upstream": "bench/upstream.py, one aiohttp process; answers ~20 tokens",
+    }
+
+
+async def run(args: argparse.Namespace) -> Path:
+    plan = QUICK if args.quick else FULL
+    if args.rounds:
+        plan = Plan(**{**asdict(plan), "rounds": args.rounds})
+    if args.soak_seconds is not None:
+        plan = Plan(**{**asdict(plan), "soak_seconds": args.soak_seconds})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="memproxy-bench-"))
+    processes = servers.Processes(workdir)
+    started = time.monotonic()
+    notes: list[str] = []
+    results: dict[str, Any] = {"meta": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "quick": args.quick, "machine": machine(), "notes": notes}}
+    litellm_status = "not run (--no-litellm-proxy)"
+    workers = os.cpu_count() or 1
+    try:
+        upstream = servers.start_upstream(processes)
+        db = workdir / "memproxy.db"
+        print(f"bench: seeding sessions of {', '.join(map(str, plan.history_sizes))} messages", flush=True)
+        results["history_seed_s"] = await seed.seed_sessions(
+            f"sqlite:///{db}", TENANT, plan.history_sizes, MemoryConfig(**BENCH_MEMORY), ENCODING)
+        config = workdir / "memproxy.yaml"
+        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, 8192))
+        memproxy = servers.start_memproxy(processes, "memproxy", config)
+        litellm = None
+        if not args.no_litellm_proxy:
+            exe, litellm_status = servers.litellm_executable()
+            if exe is None:
+                notes.append(f"LiteLLM's proxy was not measured: {litellm_status}")
+            else:
+                litellm_config = workdir / "litellm.yaml"
+                litellm_config.write_text(servers.litellm_config(upstream.url, LITELLM_KEY))
+                try:
+                    litellm = servers.start_litellm(processes, exe, litellm_config, workers)
+                except RuntimeError as exc:
+                    litellm_status += f"; failed to start: {exc}"
+                    notes.append(f"LiteLLM's proxy was not measured: {exc}")
+        if litellm is None and not args.no_litellm_proxy:
+            print(f"bench: LiteLLM's proxy is not measured: {litellm_status}", file=sys.stderr, flush=True)
+        results["meta"]["versions"] = versions(litellm_status)
+        results["meta"]["settings"] = settings(plan, workers)
+        watched = {"memproxy": memproxy, "upstream": upstream}
+        if litellm is not None:
+            watched["litellm-proxy"] = litellm
+        with RssSampler(watched) as sampler:
+            bench = Bench(plan, upstream, memproxy, litellm, sampler,
+                          targets=make_targets(upstream.url, memproxy.url, litellm.url if litellm else None))
+            async with client_sessions(bench):
+                sampler.mark("warm-up")
+                await warm_up(bench)
+                sampler.mark("cpu cost (0 ms upstream)")
+                results["cpu"] = await phase_cpu(bench)
+                sampler.mark("concurrency (50 ms upstream)")
+                results["concurrency"] = await phase_concurrency(bench)
+                sampler.mark("streams")
+                results["streams"] = await phase_streams(bench)
+                sampler.mark("throughput ladder")
+                results["throughput"] = await phase_throughput(bench)
+                sampler.mark("history sweep")
+                results["history"] = await phase_history(bench)
+                sampler.mark("soak")
+                results["soak"] = await phase_soak(bench)
+                sampler.mark("done")
+        results["paths"] = list(bench.targets)
+        results["rss"] = {"series": sampler.series, "marks": sampler.marks}
+        print("bench: token-cost replay", flush=True)
+        results["replay"] = await phase_replay(processes, upstream, workdir, plan, replay.data_path(args.locomo))
+        if "skipped" in results["replay"]:
+            notes.append(results["replay"]["skipped"])
+            print(f"bench: {results['replay']['skipped']}", file=sys.stderr, flush=True)
+    finally:
+        processes.stop_all()
+        if args.keep_workdir:
+            print(f"bench: logs and databases kept in {workdir}", flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
+    results["meta"]["machine"]["load_at_end"] = round(os.getloadavg()[0], 2)
+    path = report.write(results, out, small=args.quick)
+    print(f"bench: wrote {path} in {results['meta']['duration_s']:.0f} s", flush=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="memproxy's benchmark suite")
+    parser.add_argument("--quick", action="store_true", help="a seconds-long run (CI smoke test)")
+    parser.add_argument("--no-litellm-proxy", action="store_true", help="leave LiteLLM's proxy out")
+    parser.add_argument("--out", default=str(ROOT / "docs"), help="where benchmarks.md and the plots go")
+    parser.add_argument("--rounds", type=int, help="rounds per phase (default: 5, quick: 1)")
+    parser.add_argument("--soak-seconds", type=float, help="length of each soak (default: 45, quick: 1)")
+    parser.add_argument("--locomo", help=f"the LoCoMo file (default: {replay.DATA})")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
+    args = parser.parse_args(argv)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

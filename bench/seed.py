@@ -1,0 +1,73 @@
+"""Sessions of a given length for the history sweep, written straight through memproxy's Store API.
+
+Each session is recorded with `Store.record_turn`, as memproxy records real turns (chained hashes,
+token counts and running totals from `memproxy.memory.new_message`), a thousand messages a
+transaction, so 100,000 messages take seconds rather than an hour of HTTP requests. Every message is
+distinct (no repeat for deduplication to fold) and about `tokens_per_message` long, so a handful fill
+the sweep model's window: every session then sends the same amount upstream, whatever its length,
+and only the length of the stored history differs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+from memproxy.config import MemoryConfig, StorageConfig
+from memproxy.memory import new_message
+from memproxy.messages import chain_hashes
+from memproxy.store import Totals, TurnRecord, open_store
+from memproxy.tokens import TiktokenCounter
+from load import SYSTEM
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word "
+    "business issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason research girl guy "
+    "moment air teacher force education garden river bridge market letter train summer winter music"
+).split()
+BATCH = 1000
+
+
+def message_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def seed_sessions(db_url: str, tenant: str, sizes: Sequence[int], memory: MemoryConfig,
+                        encoding: str, words_per_message: int = 400) -> dict[int, float]:
+    """One session `hist-N` per size N, holding N messages; returns the seconds each took."""
+    store = await open_store(StorageConfig(url=db_url))
+    counter = TiktokenCounter(encoding)
+    rng = random.Random(6)
+    took: dict[int, float] = {}
+    try:
+        for size in sizes:
+            started = time.perf_counter()
+            length, head, totals = 0, "", Totals(0, 0)
+            while length < size:
+                bodies = [
+                    {"role": "user" if (length + i) % 2 == 0 else "assistant",
+                     "content": f"[{length + i}] " + message_text(rng, words_per_message)}
+                    for i in range(min(BATCH, size - length))
+                ]
+                hashes = chain_hashes(head, bodies)
+                new = [new_message(body, digest, counter, memory) for body, digest in zip(bodies, hashes)]
+                await store.record_turn(TurnRecord(
+                    tenant=tenant, session_id=f"hist-{size}", expected_length=length,
+                    expected_head_hash=head, base=length, base_totals=totals, base_hash=head,
+                    messages=new, system=[{"role": "system", "content": SYSTEM}],
+                    history_mode="new", model="bench-sweep", kind="append", context_tokens=0,
+                    latency_ms=0.0,
+                ))
+                added = sum(m.tokens for m in new)
+                compact = sum(m.tokens if m.compact_tokens is None else m.compact_tokens for m in new)
+                length, head = length + len(new), hashes[-1]
+                totals = Totals(totals.full + added, totals.compact + compact)
+            took[size] = time.perf_counter() - started
+    finally:
+        await store.close()
+    return took

@@ -1,0 +1,145 @@
+"""Reading what a proxy stored, from a connection of the test's own, on SQLite or PostgreSQL alike.
+
+Tests look into the database to check what was committed, not what the proxy says. Everything here
+is synchronous, so it can be called from a sync test, from an async test (while an in-process proxy
+shares the test's event loop) or from a helper:
+
+- `rows(config, sql, *params)`: the rows of one query, as tuples. Write the SQL both databases
+  accept, with `?` placeholders (they become `$1, $2, ...` on PostgreSQL); avoid `? IS NULL` on an
+  untyped parameter (PostgreSQL cannot guess its type) and SQLite's PRAGMAs.
+- `table_rows(config, *tables)`: every row of each table, ordered by its first column, in one go.
+- `write_lock_held(config)`: hold the write lock another process could hold, so a proxy's write
+  waits; `writes_waiting(config)` counts PostgreSQL sessions waiting on it.
+
+`config` is a `Config` or its `StorageConfig`. SQLite is read with the stdlib `sqlite3`; PostgreSQL
+with asyncpg on a short-lived thread running its own event loop, in `storage.schema`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import closing, contextmanager
+from typing import Any, TypeVar
+
+import asyncpg
+
+from memproxy.config import Config, StorageConfig
+from memproxy.store.postgres import numbered
+from memproxy.store.sqlite import sqlite_path
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+
+
+def storage_of(config: Config | StorageConfig) -> StorageConfig:
+    return config.storage if isinstance(config, Config) else config
+
+
+def run_async(work: Callable[[], Awaitable[T]]) -> T:
+    """`work()` to its end on a thread of its own with a fresh event loop (the caller's loop, if it
+    has one, is left alone); its result, or its exception (a pytest skip included) re-raised."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        async def main() -> T:
+            return await work()
+
+        try:
+            outcome.append((True, asyncio.run(main())))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller as it is
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="tests-db")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+async def connect(storage: StorageConfig) -> asyncpg.Connection:
+    """A PostgreSQL connection of its own, in the store's schema."""
+    settings = {"search_path": storage.schema} if storage.schema else None
+    return await asyncpg.connect(storage.url, server_settings=settings)
+
+
+def rows(config: Config | StorageConfig, sql: str, *params: Any) -> list[Row]:
+    """The rows `sql` returns, read from a new connection: what is committed, nothing else."""
+    return table_query(config, [(sql, params)])[0]
+
+
+def table_rows(config: Config | StorageConfig, *tables: str) -> dict[str, list[Row]]:
+    """Every row of each table, ordered by its first column."""
+    results = table_query(config, [(f"SELECT * FROM {table} ORDER BY 1", ()) for table in tables])
+    return dict(zip(tables, results))
+
+
+def table_query(config: Config | StorageConfig, queries: list[tuple[str, tuple[Any, ...]]]) -> list[list[Row]]:
+    """Several queries on one connection (one snapshot each)."""
+    storage = storage_of(config)
+    if not storage.is_postgres:
+        with closing(sqlite3.connect(f"file:{sqlite_path(storage.url)}?mode=ro", uri=True)) as db:
+            return [[tuple(r) for r in db.execute(sql, params)] for sql, params in queries]
+
+    async def fetch() -> list[list[Row]]:
+        conn = await connect(storage)
+        try:
+            return [[tuple(r) for r in await conn.fetch(numbered(sql), *params)] for sql, params in queries]
+        finally:
+            await conn.close()
+
+    return run_async(fetch)
+
+
+@contextmanager
+def write_lock_held(config: Config | StorageConfig) -> Iterator[None]:
+    """Hold, from another connection, the lock a proxy's write needs, as another process could:
+    SQLite's write lock (`BEGIN IMMEDIATE`), or on PostgreSQL an EXCLUSIVE lock on `sessions`, which
+    lets reads through and holds back every write (they all lock a session's row first)."""
+    storage = storage_of(config)
+    if not storage.is_postgres:
+        with closing(sqlite3.connect(sqlite_path(storage.url), isolation_level=None)) as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            finally:
+                db.execute("ROLLBACK")
+        return
+    with _LoopThread() as loop:
+        conn: asyncpg.Connection = loop.run(connect(storage))
+        try:
+            loop.run(conn.execute("BEGIN; LOCK TABLE sessions IN EXCLUSIVE MODE"))
+            yield
+        finally:
+            loop.run(conn.close())  # ends the transaction: the lock goes with it
+
+
+def writes_waiting(config: Config | StorageConfig) -> int:
+    """PostgreSQL: how many connections wait for a lock on this schema's `sessions` table."""
+    [(count,)] = rows(config, "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'sessions'::regclass")
+    return int(count)
+
+
+class _LoopThread:
+    """An event loop on a thread, for a connection that must outlive one call (a held lock)."""
+
+    def __enter__(self) -> _LoopThread:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tests-db-lock")
+        self._thread.start()
+        return self
+
+    def run(self, work: Awaitable[T]) -> T:
+        async def main() -> T:
+            return await work
+
+        return asyncio.run_coroutine_threadsafe(main(), self._loop).result(timeout=60)
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()

@@ -1,0 +1,245 @@
+"""What only the PostgreSQL store needs checking: its query plans, the `migrate` and `migrate-store`
+commands as a user runs them, and that its migrations ship with the package.
+
+The behaviour both stores share is checked on both by `test_store_contract.py` and by the end-to-end
+modules marked `both_stores`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from memproxy.config import StorageConfig
+from memproxy.messages import ROOT_HASH, Message, chain_hashes
+from memproxy.store import SQLiteStore, Store, Summary, open_store
+from memproxy.store.postgres import numbered
+from memproxy.store.sql import QUERIES
+from memproxy.store.sqlite import migrations
+from stores import POSTGRES_URL, StoreUnderTest, store_under_test
+from test_cli import run_cli
+from test_store_contract import assistant, tool, turn, user
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+async def postgres(tmp_path: Path) -> AsyncIterator[StoreUnderTest]:
+    under_test = await store_under_test("postgres", tmp_path)
+    yield under_test
+    await under_test.drop()
+
+
+async def conversation(store: Store, tenant: str, session_id: str, turns: int) -> None:
+    """`turns` user/assistant turns, the second of each few with a tool call and its result."""
+    for i in range(turns):
+        session = await store.get_session(tenant, session_id)
+        messages: list[Message] = [user(f"{session_id} q{i}")]
+        if i % 3 == 1:
+            messages += [assistant(None, [f"c{i}"]), tool(f"c{i}", f"result {i}")]
+        messages.append(assistant(f"{session_id} a{i}"))
+        await store.record_turn(turn(session, messages, tenant=tenant, session_id=session_id))
+
+
+# --- the queries that serve a turn use indexes -----------------------------------------------------
+
+# For each query in `QUERIES`: parameters (session 1 of the populated schema, `hashes` its first
+# chained hashes) and the index its plan must use. A query added there must be added here.
+def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
+    return {
+        "get_session": (("t", "s1"), "sessions_tenant_session_id_key"),
+        "matched_prefix": ((1, *hashes[:3]), "messages_active_hash"),
+        "totals_at": ((1, 40), "messages_active_seq"),
+        "last_unit_start": ((1, 40), "messages_active_seq"),
+        "user_positions": ((1, 40, 3), "messages_active_user"),
+        "first_fitting_unit_start": ((1, 300, 10), "messages_fit"),
+        "first_fitting_compact_unit_start": ((1, 300, 10), "messages_fit_compact"),
+        "active_range": ((1, 30, 50), "messages_active_seq"),
+        "current_summary": ((1, 60), "summaries_session_pk_version_key"),
+        "message_id": ((1, 40), "messages_active_seq"),
+        "supersede": ((1, 50), "messages_active_seq"),
+    }
+
+
+def unbounded_scans(plan: list[str]) -> list[str]:
+    """Plan nodes that read more than one session's rows: a Seq Scan, or an index scan whose index
+    condition does not pin the session (`session_pk = ...`, or `tenant = ...` on `sessions`)."""
+    found = []
+    for i, line in enumerate(plan):
+        if "Seq Scan" in line:
+            found.append(line.strip())
+        elif "Index" in line and "Scan" in line and " on " in line:
+            details = []
+            for following in plan[i + 1:]:
+                if "->" in following:
+                    break
+                details.append(following)
+            if not any("Index Cond" in d and ("(session_pk = " in d or "(tenant = " in d) for d in details):
+                found.append(line.strip())
+    return found
+
+
+async def test_queries_that_serve_a_turn_use_indexes_on_postgres(postgres: StoreUnderTest) -> None:
+    """With sequential scans priced out, every query finds its rows through the index made for it,
+    bounded by the session: serving a turn never reads a session's whole history. The plans, as
+    `EXPLAIN` shows them, are in the assertion messages."""
+    store = await postgres.open()
+    try:
+        for s in range(1, 9):
+            await conversation(store, "t", f"s{s}", 25)
+        session = await store.get_session("t", "s1")
+        assert session is not None and session.pk == 1
+        [first] = await store.active_range(session, 1, 2)
+        await store.save_summary(session, 0, Summary(version=0, text="s", covers=2, covers_hash=first.chain_hash,
+                                                     tokens=5, replaced_tokens=20, model="small"))
+        hashes = [m.chain_hash for m in await store.active_range(session, 0, 3)]
+    finally:
+        await store.close()
+    expected = plans_expected(hashes)
+    assert set(expected) == set(QUERIES), "a query in QUERIES is not listed here: its plan is not checked"
+    await postgres.query("ANALYZE")
+    conn = await _connect(postgres)
+    try:
+        await conn.execute("SET enable_seqscan = off")
+        for name, sql in QUERIES.items():
+            params, index = expected[name]
+            plan = [r[0] for r in await conn.fetch("EXPLAIN " + numbered(sql.format(marks="?,?,?")), *params)]
+            shown = "\n".join(plan)
+            assert unbounded_scans(plan) == [], f"{name}:\n{shown}"
+            assert re.search(rf"(using|Bitmap Index Scan on) {index} ", shown), f"{name} does not use {index}:\n{shown}"
+    finally:
+        await conn.close()
+
+
+async def _connect(under_test: StoreUnderTest) -> asyncpg.Connection:
+    return await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": under_test.storage.schema or ""})
+
+
+# --- memproxy migrate ----------------------------------------------------------------------------
+
+
+async def test_migrate_command_applies_every_migration_to_a_fresh_schema(
+    postgres: StoreUnderTest, tmp_path: Path
+) -> None:
+    config = tmp_path / "memproxy.yaml"
+    config.write_text(f'storage:\n  url: "{POSTGRES_URL}"\n  schema: {postgres.storage.schema}\n', encoding="utf-8")
+    for _ in range(2):  # the second run finds nothing left to do
+        result = run_cli("migrate", "-c", str(config))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"{POSTGRES_URL}: migrated"
+    ids = [row[0] for row in await postgres.query("SELECT id FROM schema_migrations ORDER BY id")]
+    assert ids == [migration_id for migration_id, _ in migrations("postgres")]
+    assert await postgres.query("SELECT count(*) FROM sessions") == [(0,)]
+
+
+# --- memproxy migrate-store ----------------------------------------------------------------------
+
+
+async def populate(path: Path) -> None:
+    """A SQLite store holding what a copy must carry: two tenants, branches (an edit), compact forms,
+    summaries, metadata (with and without turns), usage with cost and full-history tokens."""
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        system = [{"role": "system", "content": "be brief"}]
+        await store.record_turn(dataclasses.replace(
+            turn(None, [user("1"), assistant("a")], tenant="t", session_id="edited", system=system),
+            cost=0.25, full_tokens=40, title="the first one"))
+        session = await store.get_session("t", "edited")
+        await store.record_turn(turn(session, [user("2"), assistant("b")], tenant="t", session_id="edited"))
+        session = await store.get_session("t", "edited")
+        assert session is not None
+        base_hash = chain_hashes(ROOT_HASH, [user("1"), assistant("a")])[-1]
+        await store.record_turn(turn(session, [user("2 edited"), assistant("c")], base=2, base_hash=base_hash,
+                                     tenant="t", session_id="edited"))
+        session = await store.get_session("t", "edited")
+        assert session is not None
+        await store.save_summary(session, 0, Summary(version=0, text="one and a", covers=2,
+                                                     covers_hash=base_hash, tokens=4, replaced_tokens=20,
+                                                     model="small"))
+        await store.set_metadata("t", "edited", {"owner": "ada", "tags": ["x", "ü"]})
+
+        long_output = tool("c1", "x" * 500)
+        messages = [user("q"), assistant(None, ["c1"]), long_output, assistant("done")]
+        record = turn(None, messages, tenant="u", session_id="tools")
+        compact = [dataclasses.replace(m, compact_body=tool("c1", "x…x"), compact_tokens=3)
+                   if m.body is long_output else m for m in record.messages]
+        await store.record_turn(dataclasses.replace(record, messages=compact))
+        await store.set_metadata("u", "only-metadata", {"state": {"step": 3}})
+        await conversation(store, "u", "long", 12)
+    finally:
+        await store.close()
+
+
+async def exports(url: str, schema: str | None = None) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    store = await open_store(StorageConfig(url=url, schema=schema))
+    try:
+        result = {}
+        for tenant, session_id in await store.tenants_sessions():
+            session = await store.get_session(tenant, session_id)
+            assert session is not None
+            result[(tenant, session_id)] = await store.export_session(session)
+        return result
+    finally:
+        await store.close()
+
+
+COUNT_LINE = re.compile(r"^(\w+)\s+source\s+(\d+)\s+copied\s+(\d+)\s+(\S+)$")
+
+
+def copied_counts(stdout: str) -> dict[str, tuple[int, int, str]]:
+    found = [COUNT_LINE.match(line) for line in stdout.splitlines()]
+    return {m[1]: (int(m[2]), int(m[3]), m[4]) for m in found if m}
+
+
+async def test_migrate_store_copies_sqlite_to_postgres_and_back(postgres: StoreUnderTest, tmp_path: Path) -> None:
+    source, back = tmp_path / "source.db", tmp_path / "back.db"
+    await populate(source)
+    schema = postgres.storage.schema
+    assert schema is not None
+    original = await exports(f"sqlite:///{source}")
+    assert sorted(original) == [("t", "edited"), ("u", "long"), ("u", "only-metadata"), ("u", "tools")]
+    # turns: 3 + 1 + 12; messages: 6 (2 superseded) + 4 + 12 turns of 2, 4 of them with a call and result
+    expected = {"sessions": 4, "turns": 16, "messages": 6 + 4 + 12 * 2 + 4 * 2, "summaries": 1}
+
+    there = run_cli("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", schema)
+    assert there.returncode == 0, there.stderr
+    assert copied_counts(there.stdout) == {table: (n, n, "ok") for table, n in expected.items()}
+    assert await exports(POSTGRES_URL, schema) == original
+
+    home = run_cli("migrate-store", "--from", POSTGRES_URL, "--from-schema", schema, "--to", f"sqlite:///{back}")
+    assert home.returncode == 0, home.stderr
+    assert copied_counts(home.stdout) == {table: (n, n, "ok") for table, n in expected.items()}
+    assert await exports(f"sqlite:///{back}") == original
+
+    # Copying into a store that already holds a session refuses instead of duplicating it.
+    again = run_cli("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", schema)
+    assert again.returncode == 1
+    assert "already exists" in again.stderr
+    assert await postgres.query("SELECT count(*) FROM sessions") == [(4,)]
+
+
+# --- packaging -----------------------------------------------------------------------------------
+
+
+def test_every_migration_ships_with_the_package(tmp_path: Path) -> None:
+    """A non-editable install (the Dockerfile's `pip install .`) carries both dialects' migrations."""
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "memproxy", tmp_path / "memproxy", ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "build_py",
+                            "--build-lib", str(tmp_path / "lib")], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    assert build.returncode == 0, build.stderr
+    shipped = sorted(p.relative_to(tmp_path / "lib").as_posix() for p in (tmp_path / "lib").rglob("*.sql"))
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "memproxy" / "store" / "migrations").rglob("*.sql"))
+    assert shipped == sources
+    assert any("/postgres/" in path for path in shipped)

@@ -1,0 +1,463 @@
+"""Many replicas, one truth: `memproxy serve` processes sharing one PostgreSQL schema.
+
+Real processes on 127.0.0.1 (port 0), driven by the `openai` SDK, in front of the fake provider. Three
+replicas are started at once for the module on one fresh schema (so they migrate it together): A and B
+serve the conversations, and a third is the one killed with SIGKILL mid-stream. What is checked is what reached the provider and what the
+database holds, read from a connection of the test's own (`tests/db.py`).
+
+How concurrent turns on one session are kept whole (memproxy/store/sql.py, memproxy/memory.py): a turn
+is written in one transaction that first locks the session's row (`FOR UPDATE`) and checks the
+session is still where the turn was planned; a turn that only continues the history is then
+appended after the other replica's turn, an edit or regenerate that lost the race gets 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import PROXY_KEY
+from db import rows, run_async
+from fake_upstream import FakeUpstream, Received, Reply
+from memproxy.config import StorageConfig
+from memproxy.store.sqlite import migrations
+from stores import POSTGRES_URL, StoreUnderTest, require_postgres, store_under_test
+from test_cli import START_TIMEOUT, clean_env, memproxy_command
+
+Message = dict[str, Any]
+
+# Summaries on, folding once summary + unsummarised history pass 400 tokens, the newest turn kept
+# verbatim; the short conversations of most tests stay far below that.
+MEMORY = """\
+memory:
+  summarizer_model: small
+  summaries: true
+  chunk_threshold_tokens: 400
+  tail_turns: 1
+  overflow: drop
+  tool_output_max_tokens: 0
+  dedupe_min_tokens: 0
+"""
+
+
+def write_config(path: Path, upstream_url: str, schema: str) -> Path:
+    path.write_text(f"""\
+server:
+  host: 127.0.0.1
+  port: 0
+storage:
+  url: "{POSTGRES_URL}"
+  schema: {schema}
+  pool_max_size: 4
+models:
+  - name: small
+    model: openai/small
+    api_base: {upstream_url}
+    api_key: upstream-secret
+    context_window: 2000
+    max_output_tokens: 256
+{MEMORY}auth:
+  keys:
+    - {{key: "{PROXY_KEY}", tenant: a}}
+""", encoding="utf-8")
+    return path
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen[str]
+    url: str
+    log: Path
+
+    def client(self, session: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=PROXY_KEY, max_retries=0,
+                                  default_headers={"X-Session-Id": session})
+
+    def stop(self) -> int:
+        """SIGTERM (a no-op on one already killed); the exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            code = self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        return code
+
+
+def start_replicas(config: Path, logs: list[Path]) -> list[Replica]:
+    """One `memproxy serve` per log file, all launched before any is waited for (so they start, and
+    migrate, at the same time); returned once each has printed its address."""
+    processes = []
+    for log in logs:
+        with log.open("w") as err:
+            processes.append(subprocess.Popen(
+                [*memproxy_command(), "serve", "-c", str(config), "--port", "0"],
+                stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()))
+    lines: queue.Queue[tuple[int, str]] = queue.Queue()
+
+    def read(i: int, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        while line := process.stdout.readline():  # readline blocks: read off the test's thread
+            if "listening on " in line:
+                lines.put((i, line.split("listening on ", 1)[1].strip()))
+                return
+        lines.put((i, ""))
+
+    for i, process in enumerate(processes):
+        threading.Thread(target=read, args=(i, process), daemon=True).start()
+    urls: dict[int, str] = {}
+    try:
+        while len(urls) < len(processes):
+            i, url = lines.get(timeout=START_TIMEOUT)
+            if not url:
+                raise AssertionError(f"replica {i} exited: {logs[i].read_text()}")
+            urls[i] = url
+    except BaseException:
+        for process in processes:
+            process.kill()
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+        raise
+    return [Replica(process, urls[i], logs[i]) for i, process in enumerate(processes)]
+
+
+def new_schema(tmp_path: Path) -> StorageConfig:
+    """A fresh schema name (created by the first replica to start); skips without PostgreSQL."""
+    run_async(require_postgres)
+    return run_async(lambda: store_under_test("postgres", tmp_path)).storage
+
+
+def drop_schema(storage: StorageConfig) -> None:
+    run_async(StoreUnderTest("postgres", storage).drop)
+
+
+@dataclass
+class Cluster:
+    a: Replica
+    b: Replica
+    victim: Replica  # the one killed mid-stream
+    storage: StorageConfig
+
+
+@pytest.fixture(scope="module")
+def cluster(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    folder = tmp_path_factory.mktemp("replicas")
+    storage = new_schema(folder)
+    assert storage.schema is not None
+    assert rows(StorageConfig(url=POSTGRES_URL), "SELECT count(*) FROM pg_namespace WHERE nspname = ?",
+                storage.schema) == [(0,)]  # fresh: the replicas create the schema and migrate it together
+    config = write_config(folder / "memproxy.yaml", upstream_server.url, storage.schema)
+    replicas: list[Replica] = []
+    try:
+        replicas = start_replicas(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
+        yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage)
+    finally:
+        codes = {r.log.name: r.stop() for r in replicas}
+        drop_schema(storage)
+    assert codes["a.log"] == 0, replicas[0].log.read_text()
+    assert codes["b.log"] == 0, replicas[1].log.read_text()
+
+
+# --- reading the shared store ------------------------------------------------------------------
+
+
+def stored(storage: StorageConfig, session: str, active: int | None = None) -> list[Message]:
+    """The session's message bodies in the order they were written (`active`: 1 the chain only, 0
+    the superseded only, None all)."""
+    sql = ("SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+           " WHERE s.tenant = 'a' AND s.session_id = ?")
+    params: list[Any] = [session]
+    if active is not None:
+        sql += " AND m.active = ?"
+        params.append(active)
+    return [json.loads(body) for (body,) in rows(storage, sql + " ORDER BY m.id", *params)]
+
+
+def chain(storage: StorageConfig, session: str) -> list[Message]:
+    """The active history in its order, checked to be numbered 0..n-1 as the session row says."""
+    found = rows(storage, "SELECT m.seq, m.body, s.length FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                          " WHERE s.tenant = 'a' AND s.session_id = ? AND m.active = 1 ORDER BY m.seq", session)
+    assert [seq for seq, _, _ in found] == list(range(len(found)))
+    assert all(length == len(found) for _, _, length in found)
+    return [json.loads(body) for _, body, _ in found]
+
+
+def turn_count(storage: StorageConfig, session: str) -> int:
+    [(count,)] = rows(storage, "SELECT count(*) FROM turns t JOIN sessions s ON s.pk = t.session_pk"
+                               " WHERE s.tenant = 'a' AND s.session_id = ?", session)
+    return int(count)
+
+
+def user(text: str) -> Message:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> Message:
+    return {"role": "assistant", "content": text}
+
+
+async def chat(client: openai.AsyncOpenAI, messages: list[Message]) -> str:
+    sent: Any = messages
+    completion = await client.chat.completions.create(model="small", messages=sent)
+    return completion.choices[0].message.content or ""
+
+
+async def in_thread(wait: Callable[[], Any]) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, wait)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Bounded polling of an effect in the database that nothing announces."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
+def session_id(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+# --- one conversation, turns alternating between replicas --------------------------------------
+
+
+@pytest.mark.parametrize("style", ["full", "new"])
+async def test_turns_alternating_between_replicas_see_one_history(
+    cluster: Cluster, upstream: FakeUpstream, style: str
+) -> None:
+    """Each request reaches the provider with the whole conversation, whichever replica served the
+    turn before; each message is stored once. `full`: the client resends its history; `new`: only
+    the new turn."""
+    session = session_id(f"alternate-{style}")
+    clients = [cluster.a.client(session), cluster.b.client(session)]
+    history: list[Message] = []
+    try:
+        for i in range(4):
+            question = user(f"question {i}")
+            reply = await chat(clients[i % 2], [*(history if style == "full" else []), question])
+            assert upstream.last().messages == [*history, question]
+            history += [question, assistant(reply)]
+    finally:
+        for client in clients:
+            await client.close()
+    assert stored(cluster.storage, session) == history  # each once, nothing superseded
+    assert chain(cluster.storage, session) == history
+    assert turn_count(cluster.storage, session) == 4
+
+
+# --- concurrent turns on one session, one to each replica --------------------------------------
+
+
+async def overlapping_turns(
+    cluster: Cluster, upstream: FakeUpstream, session: str, requests: tuple[list[Message], list[Message]]
+) -> tuple[str, str]:
+    """Send requests[0] to A and requests[1] to B so both are with the provider at once, each planned
+    on the same stored history; then let both answers go. Their replies."""
+    gates = (threading.Event(), threading.Event())
+    upstream.enqueue(Reply(content="answer via A", gate=gates[0]), Reply(content="answer via B", gate=gates[1]))
+    clients = (cluster.a.client(session), cluster.b.client(session))
+    tasks: list[asyncio.Task[str]] = []
+    try:
+        tasks.append(asyncio.create_task(chat(clients[0], requests[0])))
+        await in_thread(upstream.wait_for_request)  # A's request is held by the provider
+        tasks.append(asyncio.create_task(chat(clients[1], requests[1])))
+        await in_thread(upstream.wait_for_request)  # and B's, planned on the same history
+        assert [r.messages[-1] for r in upstream.chat_requests()[-2:]] == [requests[0][-1], requests[1][-1]]
+    finally:
+        for gate in gates:
+            gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for client in clients:
+            await client.close()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results[0], results[1]  # type: ignore[return-value]
+
+
+async def first_turn(cluster: Cluster, upstream: FakeUpstream, session: str) -> list[Message]:
+    client = cluster.a.client(session)
+    try:
+        reply = await chat(client, [user("q1")])
+    finally:
+        await client.close()
+    upstream.wait_for_request()  # take its arrival off the count
+    return [user("q1"), assistant(reply)]
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["stored-session", "new-session"])
+async def test_concurrent_new_turns_on_two_replicas_are_both_kept_once(
+    cluster: Cluster, upstream: FakeUpstream, existing: bool
+) -> None:
+    """`new-session`: both are the first turn of a session neither replica has seen yet."""
+    session = session_id("concurrent-new")
+    history = await first_turn(cluster, upstream, session) if existing else []
+    x, y = user("x via A"), user("y via B")
+    reply_a, reply_b = await overlapping_turns(cluster, upstream, session, ([x], [y]))
+    assert (reply_a, reply_b) == ("answer via A", "answer via B")
+    # Both were planned on the same stored history and sent with it.
+    assert [r.messages for r in upstream.chat_requests()[-2:]] == [[*history, x], [*history, y]]
+
+    turn_a, turn_b = [x, assistant(reply_a)], [y, assistant(reply_b)]
+    kept = chain(cluster.storage, session)
+    assert kept in ([*history, *turn_a, *turn_b], [*history, *turn_b, *turn_a])  # whole turns, in some order
+    assert stored(cluster.storage, session) == kept  # every message once, nothing superseded
+    assert turn_count(cluster.storage, session) == len(history) // 2 + 2
+    assert rows(cluster.storage, "SELECT count(*) FROM sessions WHERE session_id = ?", session) == [(1,)]
+
+    # The next turn, on either replica, goes out with both.
+    client = cluster.b.client(session)
+    try:
+        await chat(client, [user("after both")])
+    finally:
+        await client.close()
+    assert upstream.last().messages == [*kept, user("after both")]
+
+
+async def test_concurrent_full_history_turns_are_both_kept_and_the_next_one_rewrites_the_history(
+    cluster: Cluster, upstream: FakeUpstream
+) -> None:
+    """Two full-history clients continue one conversation at once: both turns are stored (the one
+    recorded second is appended after the first). Each client then resends only its own view, which
+    no longer matches the store: the next turn is read as an edit and supersedes the other client's
+    turn, which stays stored as a superseded branch, never lost and never sent again."""
+    session = session_id("concurrent-full")
+    history = await first_turn(cluster, upstream, session)
+    x, y = user("x via A"), user("y via B")
+    reply_a, reply_b = await overlapping_turns(cluster, upstream, session, ([*history, x], [*history, y]))
+    assert [r.messages for r in upstream.chat_requests()[-2:]] == [[*history, x], [*history, y]]
+    turn_a, turn_b = [x, assistant(reply_a)], [y, assistant(reply_b)]
+    kept = chain(cluster.storage, session)
+    assert kept in ([*history, *turn_a, *turn_b], [*history, *turn_b, *turn_a])
+    assert stored(cluster.storage, session) == kept
+
+    # A's client continues from what it saw: history, its own turn, a new question.
+    view_a = [*history, *turn_a, user("next via A")]
+    client = cluster.a.client(session)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(model="small", messages=view_a)  # type: ignore[arg-type]
+        reply = raw.parse().choices[0].message.content or ""
+    finally:
+        await client.close()
+    assert raw.headers["X-Memproxy-Reconcile"] == "edit"
+    assert upstream.last().messages == view_a  # exactly the client's view, B's turn not in it
+    assert chain(cluster.storage, session) == [*view_a, assistant(reply)]
+    written = [user("next via A"), assistant(reply)]
+    if kept[2] == x:  # A's turn was recorded first: only B's turn leaves the chain
+        assert stored(cluster.storage, session, active=0) == turn_b
+        assert stored(cluster.storage, session) == [*kept, *written]
+    else:  # B's first: the history forks after q1, A's turn is written again on the new branch
+        assert stored(cluster.storage, session, active=0) == [*turn_b, *turn_a]
+        assert stored(cluster.storage, session) == [*kept, *turn_a, *written]
+
+
+# --- one summariser per session across replicas ------------------------------------------------
+
+
+async def test_one_summarisation_per_session_across_replicas(cluster: Cluster, upstream: FakeUpstream) -> None:
+    session = session_id("summary")
+    asked = threading.Event()
+    release = threading.Event()
+
+    def summarizer(received: Received) -> Reply:
+        asked.set()
+        return Reply(content="The user asked about alpha and beta; both were answered.", gate=release)
+
+    upstream.summarizer = summarizer
+    a, b = cluster.a.client(session), cluster.b.client(session)
+    long_words = " ".join(f"alpha{i} beta{i}" for i in range(90))
+    try:
+        await chat(a, [user(f"first: {long_words}")])  # under the threshold: no fold
+        assert not asked.is_set()
+        await chat(a, [user(f"second: {long_words}")])  # over it: A folds the first turn, held
+        await in_thread(lambda: asked.wait(30))
+        assert asked.is_set(), "A did not start summarising"
+        # B is over the threshold too, after its turn and when asked to compact now: it stands aside.
+        await chat(b, [user("third")])
+        compaction = await b.post(f"/sessions/{session}/compact", cast_to=object, body={},
+                                  options={"timeout": 10})  # answers at once: it does not wait for A
+        assert isinstance(compaction, dict)
+        assert (compaction["outcome"], compaction["detail"]) == (
+            "nothing", "another process is summarising this session")
+        assert len(upstream.summary_requests()) == 1
+    finally:
+        release.set()
+        await a.close()
+        await b.close()
+    # A's fold completes and lets the session go; only then is the lease free.
+    await until(lambda: rows(cluster.storage, "SELECT count(*) FROM summary_leases")[0][0] == 0
+                and rows(cluster.storage, "SELECT count(*) FROM summaries")[0][0] > 0, "A's summary is saved")
+    assert rows(cluster.storage, "SELECT s.version, s.covers FROM summaries s JOIN sessions x ON x.pk = s.session_pk"
+                                 " WHERE x.session_id = ?", session) == [(1, 2)]
+    assert len(upstream.summary_requests()) == 1
+
+
+# --- a replica killed mid-stream ----------------------------------------------------------------
+
+
+async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continues(
+    cluster: Cluster, upstream: FakeUpstream
+) -> None:
+    session = session_id("killed")
+    victim = cluster.victim.client(session)
+    held = threading.Event()
+    try:
+        first = await chat(victim, [user("q1")])
+        upstream.enqueue(Reply(content="an answer that the replica never finishes", gate_after_first_chunk=held))
+        question: Any = [user("q2")]
+        stream = await victim.chat.completions.create(model="small", stream=True, messages=question)
+        received = ""
+        async for chunk in stream:
+            received += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+            if received:
+                break  # the answer is on its way, the rest held by the provider
+        assert received and received != "an answer that the replica never finishes"
+        cluster.victim.process.kill()  # SIGKILL: no cleanup, no goodbye
+        cluster.victim.process.wait()
+        await stream.close()
+    finally:
+        held.set()
+        await victim.close()
+    assert cluster.victim.process.returncode == -9
+
+    expected = [user("q1"), assistant(first)]
+    assert stored(cluster.storage, session) == expected  # nothing of the cut turn
+    assert turn_count(cluster.storage, session) == 1
+    # The other replica serves the retry: q2 once, no trace of the partial answer.
+    client = cluster.a.client(session)
+    try:
+        reply = await chat(client, [user("q2")])
+    finally:
+        await client.close()
+    assert upstream.last().messages == [*expected, user("q2")]
+    assert chain(cluster.storage, session) == [*expected, user("q2"), assistant(reply)]
+    assert stored(cluster.storage, session) == chain(cluster.storage, session)
+
+
+# --- migrations when replicas start together ----------------------------------------------------
+
+
+def test_replicas_starting_together_on_a_fresh_schema_migrate_once(cluster: Cluster) -> None:
+    """The module's three replicas were launched at once on a schema that did not exist yet."""
+    ids = [i for (i,) in rows(cluster.storage, "SELECT id FROM schema_migrations ORDER BY id")]
+    assert ids == [migration_id for migration_id, _ in migrations("postgres")]  # each once
+    tables = {t for (t,) in rows(cluster.storage, "SELECT table_name FROM information_schema.tables"
+                                                  " WHERE table_schema = current_schema()")}
+    assert {"sessions", "turns", "messages", "summaries", "summary_leases"} <= tables
