@@ -251,6 +251,10 @@ class Summarizer:
         if not await store.take_summary_lease(session, self._holder, model.timeout_seconds * 2 + 60):
             return FoldResult("nothing", current, detail="another process is summarising this session")
         try:
+            fresh = await store.current_summary(session, session.length)
+            if (fresh.version if fresh else 0) != (current.version if current else 0):
+                # Another process folded and let go of the lease between our reading and our claim.
+                return FoldResult("nothing", fresh, detail="another process has just summarised")
             return await self._fold_range(session, current, upto, chat_model, model)
         finally:
             await store.release_summary_lease(session, self._holder)
