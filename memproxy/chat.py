@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .bodies import json_object
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
@@ -57,7 +58,7 @@ class Exchange:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
-    body = await _read_json(request)
+    body = await json_object(request)
     exchange = _parse(config, body)
     tenant = request[CALLER].tenant
     if tenant is None:
@@ -69,17 +70,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with request.app[LOCKS].hold(tenant, session_id):
         await _prepare(request, exchange, tenant, session_id, body)
         return await _forward(request, exchange)
-
-
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
 
 
 def _parse(config: Config, body: dict[str, Any]) -> Exchange:

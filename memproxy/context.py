@@ -28,7 +28,7 @@ from .config import MemoryConfig
 from .errors import ContextLengthExceeded
 from .messages import Message, starts_unit
 from .store import SessionState, Store, StoredMessage, Summary, Totals
-from .tokens import REPLY_PRIMING, TokenCounter
+from .tokens import TokenCounter
 
 SUMMARY_PREFIX = (
     "Summary of the earlier conversation, for background only: it records what was said before "

@@ -10,12 +10,12 @@ The work is done by `memproxy.admin`, which the CLI shares; this module only spe
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
 from . import admin
+from .bodies import json_object
 from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
 from .session_ids import is_session_id
@@ -63,19 +63,6 @@ async def _session(request: web.Request) -> tuple[str, SessionState]:
     return tenant, session
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
 def _model(request: web.Request, name: Any) -> ModelConfig:
     """The model named, else the summariser's, else the first configured."""
     config = request.app[CONFIG]
@@ -116,7 +103,7 @@ async def clear(request: web.Request) -> web.Response:
 
 async def fork(request: web.Request) -> web.Response:
     tenant, session = await _session(request)
-    body = await _body(request)
+    body = await json_object(request, optional=True)
     new_id = body.get("new_id")
     if not isinstance(new_id, str) or not is_session_id(new_id):
         raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
@@ -149,7 +136,7 @@ async def import_session(request: web.Request) -> web.Response:
 async def context(request: web.Request) -> web.Response:
     """What the next request would send upstream, part by part, with token counts."""
     tenant, session = await _session(request)
-    body = await _body(request) if request.method == "POST" else {}
+    body = await json_object(request, optional=True) if request.method == "POST" else {}
     model = _model(request, body.get("model") or request.query.get("model"))
     messages = body.get("messages")
     if messages is None and request.query.get("message"):
@@ -162,7 +149,7 @@ async def context(request: web.Request) -> web.Response:
 
 async def compact(request: web.Request) -> web.Response:
     tenant, session = await _session(request)
-    model = _model(request, (await _body(request)).get("model"))
+    model = _model(request, (await json_object(request, optional=True)).get("model"))
     result = await request.app[SUMMARIZER].fold(tenant, session.session_id, model)
     if result.outcome == "failed":
         raise UpstreamError(f"the summariser failed: {result.detail}", code="summarization_failed")
@@ -181,7 +168,7 @@ async def put_metadata(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     if not is_session_id(session_id):
         raise BadRequest("not a session id", param="session_id")
-    metadata = await _body(request)
+    metadata = await json_object(request, optional=True)
     await request.app[STORE].set_metadata(tenant, session_id, metadata)
     return web.json_response(metadata)
 
@@ -191,7 +178,7 @@ async def patch_metadata(request: web.Request) -> web.Response:
     _, session = await _session(request)
     store = request.app[STORE]
     metadata = await store.get_metadata(session)
-    for key, value in (await _body(request)).items():
+    for key, value in (await json_object(request, optional=True)).items():
         if value is None:
             metadata.pop(key, None)
         else:
