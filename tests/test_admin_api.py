@@ -12,10 +12,9 @@ import asyncio
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import closing
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,8 +24,9 @@ import openai
 import pytest
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
+from db import rows, table_query, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
-from memproxy.config import Config, RetentionConfig
+from memproxy.config import Config, RetentionConfig, StorageConfig
 from memproxy.context import SUMMARY_PREFIX
 from memproxy.store.sqlite import sqlite_path
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
@@ -34,6 +34,9 @@ from memproxy.typedefs import CONFIG, SUMMARIZER
 
 Message = dict[str, Any]
 StartProxy = Callable[[Config], Any]
+MakeStorage = Callable[..., StorageConfig]
+
+pytestmark = pytest.mark.both_stores
 
 ADMIN_KEY = "admin-key-123"
 SYSTEM: Message = {"role": "system", "content": "You are terse."}
@@ -62,10 +65,10 @@ def short_summary(received: Received) -> Reply:
 
 
 async def start(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream,
-    retention: RetentionConfig | None = None, db: str = "memproxy.db", **memory: Any,
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+    retention: RetentionConfig | None = None, db: str = "memproxy", **memory: Any,
 ) -> Proxy:
-    config = make_config(tmp_path / db, upstream.url, **memory)
+    config = make_config(make_storage(db), upstream.url, **memory)
     config = replace(config, auth=replace(config.auth, admin_keys=(ADMIN_KEY,)),
                      retention=retention or RetentionConfig())
     proxy: Proxy = await start_proxy(config)
@@ -131,17 +134,7 @@ def assert_error(body: Any, *, type: str, code: str | None = None, param: str | 
     assert error["param"] == param
 
 
-# --- the SQLite file, from a second connection --------------------------------------------------
-
-
-@contextmanager
-def open_db(config: Config, write: bool = False) -> Iterator[sqlite3.Connection]:
-    path = sqlite_path(config.storage.url)
-    uri = f"file:{path}" + ("" if write else "?mode=ro")
-    with closing(sqlite3.connect(uri, uri=True, timeout=5)) as db:
-        yield db
-        if write:
-            db.commit()
+# --- the store, from a second connection ---------------------------------------------------------
 
 
 def config_of(proxy: Proxy) -> Config:
@@ -149,32 +142,30 @@ def config_of(proxy: Proxy) -> Config:
 
 
 def session_pk(config: Config, session: str, tenant: str = "a") -> int | None:
-    with open_db(config) as db:
-        row = db.execute("SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?",
-                         (tenant, session)).fetchone()
-    return None if row is None else int(row[0])
+    found = rows(config, "SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?", tenant, session)
+    return int(found[0][0]) if found else None
 
 
 def rows_of(config: Config, pk: int) -> dict[str, int]:
-    with open_db(config) as db:
-        counts = {"sessions": db.execute("SELECT count(*) FROM sessions WHERE pk = ?", (pk,)).fetchone()[0]}
-        for table in TABLES[1:]:
-            counts[table] = db.execute(f"SELECT count(*) FROM {table} WHERE session_pk = ?", (pk,)).fetchone()[0]
-    return counts
+    queries = [("SELECT count(*) FROM sessions WHERE pk = ?", (pk,))]
+    queries += [(f"SELECT count(*) FROM {table} WHERE session_pk = ?", (pk,)) for table in TABLES[1:]]
+    return {table: found[0][0] for table, found in zip(TABLES, table_query(config, queries))}
 
 
 def stored_bodies(config: Config, session: str, tenant: str = "a") -> list[Message]:
-    with open_db(config) as db:
-        rows = db.execute(
-            "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
-            " WHERE s.tenant = ? AND s.session_id = ? ORDER BY m.id", (tenant, session)).fetchall()
-    return [json.loads(r[0]) for r in rows]
+    found = rows(config, "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                         " WHERE s.tenant = ? AND s.session_id = ? ORDER BY m.id", tenant, session)
+    return [json.loads(r[0]) for r in found]
 
 
 def write_db(config: Config, sql: str, *params: Any) -> int:
-    """One write from a second connection; returns the rows changed."""
-    with open_db(config, write=True) as db:
-        return db.execute(sql, params).rowcount
+    """One write from a second connection (`tests/db.py` reads only); returns the rows changed."""
+    if config.storage.is_postgres:
+        return len(rows(config, f"{sql} RETURNING 1", *params))
+    with closing(sqlite3.connect(sqlite_path(config.storage.url), timeout=5)) as db:
+        changed = db.execute(sql, params).rowcount
+        db.commit()
+        return changed
 
 
 async def age(config: Config, session: str, seconds: float, tenant: str = "a") -> None:
@@ -200,9 +191,9 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) 
 
 
 async def test_list_newest_activity_first_with_titles_sizes_and_usage(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api, config = api_for(http, proxy), config_of(proxy)
     long_prompt = "  " + "Please plan a three week trip through Japan, Korea and Taiwan in spring " * 3
     upstream.enqueue(*[Reply(content=f"answer {i}", usage=USAGE) for i in range(5)])
@@ -222,13 +213,12 @@ async def test_list_newest_activity_first_with_titles_sizes_and_usage(
     assert unpriced["title"] == "first question"  # the first prompt, not the latest
     assert priced["tenant"] == "a" and priced["object"] == "session"
     assert priced["message_count"] == 4 and unpriced["message_count"] == 4
-    with open_db(config) as db:
-        for s in page["data"]:
-            tokens, created, updated = db.execute(
-                "SELECT (SELECT sum(tokens) FROM messages WHERE session_pk = s.pk AND active = 1),"
-                " created_at, updated_at FROM sessions s WHERE session_id = ?", (s["id"],)).fetchone()
-            assert s["tokens_stored"] == tokens > 0
-            assert (s["created_at"], s["updated_at"]) == (created, updated)
+    for s in page["data"]:
+        [(tokens, created, updated)] = rows(
+            config, "SELECT (SELECT sum(tokens) FROM messages WHERE session_pk = s.pk AND active = 1),"
+            " created_at, updated_at FROM sessions s WHERE session_id = ?", s["id"])
+        assert s["tokens_stored"] == tokens > 0
+        assert (s["created_at"], s["updated_at"]) == (created, updated)
     assert priced["created_at"] < unpriced["created_at"] < priced["updated_at"]
     updates = [s["updated_at"] for s in page["data"]]
     assert updates == sorted(updates, reverse=True)
@@ -245,9 +235,9 @@ async def test_list_newest_activity_first_with_titles_sizes_and_usage(
 
 
 async def test_list_pages_cover_every_session_exactly_once(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api, config = api_for(http, proxy), config_of(proxy)
     ids = [f"s{i}" for i in range(7)]
     for session in ids:
@@ -280,10 +270,10 @@ async def test_list_pages_cover_every_session_exactly_once(
     ("limit=", "limit"), ("after=yesterday", "after"), ("after=1.5_x", "after"), ("after=1_2_3", "after"),
 ])
 async def test_list_rejects_a_bad_limit_or_cursor(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
     query: str, param: str,
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     body = await api_for(http, proxy).get(f"/sessions?{query}", status=400)
     assert_error(body, type="invalid_request_error", param=param)
 
@@ -292,9 +282,9 @@ async def test_list_rejects_a_bad_limit_or_cursor(
 
 
 async def test_show_lists_messages_in_order_and_superseded_branches_apart(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     history = [SYSTEM, user("q1")]
     await chat(proxy, "s1", history)
@@ -326,9 +316,9 @@ async def test_show_lists_messages_in_order_and_superseded_branches_apart(
 
 
 async def test_compact_and_show_give_the_summary_and_its_history(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
     api = api_for(http, proxy)
     texts = iter(["First summary: the user asked q1 and q2.", "Second summary: q1 to q4 were answered."])
     upstream.summarizer = lambda received: Reply(content=next(texts))
@@ -388,9 +378,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 async def test_context_is_exactly_what_the_next_request_sends(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession, scenario: str
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession, scenario: str
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SCENARIOS[scenario])
+    proxy = await start(start_proxy, make_storage, upstream, **SCENARIOS[scenario])
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     await converse(proxy, upstream, scenario)
@@ -437,11 +427,11 @@ async def test_context_is_exactly_what_the_next_request_sends(
 
 
 async def test_context_says_when_the_next_request_will_summarise_first(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     """The one case a preview cannot show: history that no longer fits and no summary covers is
     folded by the request itself. The preview says so (and shows the marker meanwhile)."""
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="summarize",
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize",
                         chunk_threshold_tokens=100_000, tail_turns=1)
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
@@ -458,9 +448,9 @@ async def test_context_says_when_the_next_request_will_summarise_first(
 
 
 async def test_context_of_a_session_without_a_new_message_and_for_another_model(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     await chat(proxy, "s1", [user("hello")])
     preview = await api.get("/sessions/s1/context")  # the summariser's model by default
@@ -482,9 +472,9 @@ async def test_context_of_a_session_without_a_new_message_and_for_another_model(
 
 
 async def test_delete_removes_everything_about_a_session_for_good(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
     api, config = api_for(http, proxy), config_of(proxy)
     upstream.summarizer = short_summary
     for session in ("doomed", "kept"):
@@ -500,8 +490,7 @@ async def test_delete_removes_everything_about_a_session_for_good(
     body = await api.call("DELETE", "/sessions/doomed")
     assert body == {"id": "doomed", "object": "session.deleted", "deleted": True}
     assert rows_of(config, pk) == {table: 0 for table in TABLES}
-    with open_db(config) as db:
-        assert db.execute("SELECT count(*) FROM messages WHERE body LIKE '%doomed%'").fetchone()[0] == 0
+    assert rows(config, "SELECT count(*) FROM messages WHERE body LIKE '%doomed%'") == [(0,)]
     assert rows_of(config, kept_pk) == before
     assert_error(await api.get("/sessions/doomed", status=404), type="invalid_request_error",
                  code="session_not_found")
@@ -514,9 +503,9 @@ async def test_delete_removes_everything_about_a_session_for_good(
 
 
 async def test_clear_keeps_the_record_and_sends_nothing_from_before(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     await chat(proxy, "s1", [SYSTEM, user("my name is Ada")])
     await chat(proxy, "s1", [user("I live in Paris")])
@@ -540,9 +529,9 @@ async def test_clear_keeps_the_record_and_sends_nothing_from_before(
 
 
 async def test_fork_at_a_message_continues_independently(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     await chat(proxy, "s1", [SYSTEM, user("q1")])
     await chat(proxy, "s1", [user("q2")])
@@ -583,9 +572,9 @@ async def test_fork_at_a_message_continues_independently(
 
 
 async def test_export_imports_back_exactly(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="summarize", tail_turns=1,
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1,
                         tool_output_max_tokens=64)
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
@@ -647,21 +636,20 @@ async def test_export_imports_back_exactly(
 ], ids=["empty", "not-json", "no-session", "not-objects", "two-sessions", "unknown-record",
         "message-without-fields", "bad-session-fields"])
 async def test_import_of_a_malformed_export_is_400_and_stores_nothing(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession, text: str
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession, text: str
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     body = await api.post("/sessions/import?session_id=imported", data=text.encode(), status=400)
     assert_error(body, type="invalid_request_error")
-    with open_db(config_of(proxy)) as db:
-        assert [db.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in TABLES] == [0, 0, 0, 0]
+    assert [len(found) for found in table_rows(config_of(proxy), *TABLES).values()] == [0, 0, 0, 0]
 
 
 # --- metadata -----------------------------------------------------------------------------------
 
 
 async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # memproxy and aiohttp at every level; the rest at `serve`'s default level (at DEBUG, aiosqlite
@@ -669,7 +657,7 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
     caplog.set_level(logging.INFO)
     for name in ("memproxy", "aiohttp"):
         caplog.set_level(logging.DEBUG, logger=name)
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     secrets = ["sk-live-4f9a8b7c6d5e", "hunter2-password", "4111 1111 1111 1111", "ada@example.org"]
 
@@ -744,10 +732,10 @@ async def snapshot(api: Api, session: str, tenant: str | None = None) -> tuple[A
 
 @pytest.mark.parametrize("method, path, body", SESSION_ENDPOINTS, ids=ENDPOINT_IDS)
 async def test_another_tenants_session_is_a_404_like_one_that_does_not_exist(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
     method: str, path: str, body: Any,
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     for i in range(3):
@@ -772,9 +760,9 @@ async def test_another_tenants_session_is_a_404_like_one_that_does_not_exist(
 
 
 async def test_list_usage_and_metadata_are_per_tenant(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     other = api.as_(OTHER_KEY)
     upstream.enqueue(Reply(content="a1", usage={"prompt_tokens": 7, "completion_tokens": 3}),
@@ -802,9 +790,9 @@ async def test_list_usage_and_metadata_are_per_tenant(
 
 
 async def test_admin_key_sees_every_tenant_and_names_one_per_session(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     admin = api.as_(ADMIN_KEY)
     upstream.enqueue(Reply(content="a1", usage={"prompt_tokens": 7, "completion_tokens": 3}),
@@ -847,10 +835,10 @@ async def test_admin_key_sees_every_tenant_and_names_one_per_session(
     *SESSION_ENDPOINTS, ("PUT", "/sessions/{id}/metadata", {"k": 1}), ("POST", "/sessions/import", None),
 ], ids=[*ENDPOINT_IDS, "PUT /metadata", "POST import"])
 async def test_admin_key_without_a_tenant_on_a_session_endpoint_is_400(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
     method: str, path: str, body: Any,
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     await chat(proxy, "alpha", [user("from a")])
     export = await api.get("/sessions/alpha/export")
@@ -868,9 +856,9 @@ async def test_admin_key_without_a_tenant_on_a_session_endpoint_is_400(
 
 
 async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, overflow="drop")
+    proxy = await start(start_proxy, make_storage, upstream, overflow="drop")
     api, config = api_for(http, proxy), config_of(proxy)
     usages = [{"prompt_tokens": 100 * (i + 1), "completion_tokens": 10 + i} for i in range(6)]
     upstream.enqueue(*[Reply(content=f"answer {i}", usage=u) for i, u in enumerate(usages)])
@@ -881,9 +869,8 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
     await chat(proxy, "priced", [user("what does this cost?")], model="big")
     assert omitted[0] == 0 and omitted[-1] > 0
 
-    with open_db(config) as db:
-        turns = db.execute("SELECT s.session_id, t.context_tokens, t.full_tokens, t.cost FROM turns t"
-                           " JOIN sessions s ON s.pk = t.session_pk ORDER BY t.id").fetchall()
+    turns = rows(config, "SELECT s.session_id, t.context_tokens, t.full_tokens, t.cost FROM turns t"
+                         " JOIN sessions s ON s.pk = t.session_pk ORDER BY t.id")
     saved = {sid: sum(full - context for s, context, full, _ in turns if s == sid) for sid in ("long", "priced")}
     assert saved["long"] > 0 and saved["priced"] == 0
     # What resending everything would have cost: never less than what was sent, growing turn by
@@ -919,9 +906,9 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
 
 
 async def test_retention_is_off_by_default(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream)
+    proxy = await start(start_proxy, make_storage, upstream)
     assert config_of(proxy).retention == RetentionConfig(idle_ttl_seconds=None, max_messages_per_session=None)
     await chat(proxy, "s1", [user("remember me")])
     await age(config_of(proxy), "s1", 10 * 365 * 86400)
@@ -930,9 +917,9 @@ async def test_retention_is_off_by_default(
 
 
 async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
     api, config = api_for(http, proxy), config_of(proxy)
     await chat(proxy, "idle", [SYSTEM, user("my name is Ada")])
     await chat(proxy, "idle", [user("I live in Paris")])
@@ -958,10 +945,10 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
 
 
 async def test_the_sweep_removes_expired_sessions(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     retention = RetentionConfig(idle_ttl_seconds=60, sweep_interval_seconds=0.05)
-    proxy = await start(start_proxy, tmp_path, upstream, retention=retention)
+    proxy = await start(start_proxy, make_storage, upstream, retention=retention)
     api, config = api_for(http, proxy), config_of(proxy)
     for session in ("stale", "recent"):
         await chat(proxy, session, [user(f"{session} conversation")])
@@ -1002,11 +989,11 @@ async def converse_with_edits(proxy: Proxy, upstream: FakeUpstream, api: Api,
 
 
 async def test_message_cap_deletes_only_what_can_never_be_sent_again(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, http: aiohttp.ClientSession
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     memory = {"summaries": True, "overflow": "summarize", "tail_turns": 1}
     upstream.summarizer = short_summary
-    uncapped = await start(start_proxy, tmp_path, upstream, db="uncapped.db", **memory)
+    uncapped = await start(start_proxy, make_storage, upstream, db="uncapped", **memory)
 
     async def nothing(n: int) -> None:
         pass
@@ -1016,21 +1003,20 @@ async def test_message_cap_deletes_only_what_can_never_be_sent_again(
 
     upstream.reset()
     upstream.summarizer = short_summary
-    capped = await start(start_proxy, tmp_path, upstream, db="capped.db",
+    capped = await start(start_proxy, make_storage, upstream, db="capped",
                          retention=RetentionConfig(max_messages_per_session=4), **memory)
     config = config_of(capped)
     seen: dict[int, list[tuple[int, Message]]] = {}
 
-    def rows() -> list[tuple[int, Message]]:
-        with open_db(config) as db:
-            return [(r[0], json.loads(r[1])) for r in db.execute("SELECT active, body FROM messages ORDER BY id")]
+    def messages() -> list[tuple[int, Message]]:
+        return [(r[0], json.loads(r[1])) for r in rows(config, "SELECT active, body FROM messages ORDER BY id")]
 
     # The stored messages after each turn, once the cap has been applied (it runs after the answer).
     settled = {1: 2, 2: 4, 3: 4, 4: 5, 5: 7}
 
     async def settle(n: int) -> None:
-        await until(lambda: len(rows()) == settled[n], f"the cap applied after turn {n}")
-        seen[n] = rows()
+        await until(lambda: len(messages()) == settled[n], f"the cap applied after turn {n}")
+        seen[n] = messages()
 
     headers = await converse_with_edits(capped, upstream, api_for(http, capped), settle)
 

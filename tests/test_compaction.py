@@ -9,26 +9,25 @@ equal what the upstream received, so the budget math with compact forms is exact
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
-import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import Proxy, make_config
+from db import rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.compact import dedupe_repeats, trimmed_tool_output
-from memproxy.config import Config
+from memproxy.config import Config, StorageConfig
 from memproxy.messages import starts_unit
 from memproxy.store import StoredMessage
 from memproxy.summarize import chunks, render_message
 from memproxy.tokens import request_tokens
+from memproxy.typedefs import CONFIG
 from test_budget import (
     COUNTER,
     MARGIN,
@@ -37,11 +36,14 @@ from test_budget import (
     Message,
     assert_tool_units_whole,
     assistant_from,
-    db_path,
     tool_call,
     without_none,
     words,
 )
+
+pytestmark = pytest.mark.both_stores
+
+MakeStorage = Callable[..., StorageConfig]
 
 LIMIT = 100  # tool_output_max_tokens in these tests
 DEDUPE = 50  # dedupe_min_tokens in these tests
@@ -51,9 +53,10 @@ REFERENCE = re.compile(r"\[The same (\d+) characters as an earlier message above
 SYSTEM: list[Message] = [{"role": "system", "content": "You are an agent."}]
 
 
-def compaction_config(tmp_path: Path, upstream: FakeUpstream, name: str = "memproxy", **memory: Any) -> Config:
+def compaction_config(make_storage: MakeStorage, upstream: FakeUpstream, name: str = "memproxy",
+                      **memory: Any) -> Config:
     settings: dict[str, Any] = {"tool_output_max_tokens": LIMIT, "dedupe_min_tokens": DEDUPE, **memory}
-    return make_config(tmp_path / f"{name}.db", upstream.url, **settings)
+    return make_config(make_storage(name), upstream.url, **settings)
 
 
 def big_output(tag: str, n: int = 400) -> str:
@@ -163,10 +166,9 @@ class Agent:
 
 def stored_rows(proxy: Proxy) -> list[tuple[str, Message, Message | None]]:
     """(role, body, compact body) of every active message, read from a second connection."""
-    with contextlib.closing(sqlite3.connect(db_path(proxy))) as db:
-        rows = db.execute(
-            "SELECT role, body, compact_body FROM messages WHERE active = 1 ORDER BY session_pk, seq").fetchall()
-    return [(role, json.loads(body), json.loads(compact) if compact else None) for role, body, compact in rows]
+    found = rows(proxy.app[CONFIG],
+                 "SELECT role, body, compact_body FROM messages WHERE active = 1 ORDER BY session_pk, seq")
+    return [(role, json.loads(body), json.loads(compact) if compact else None) for role, body, compact in found]
 
 
 # --- trimmed_tool_output, directly -------------------------------------------------------------
@@ -278,9 +280,9 @@ def test_dedupe_never_makes_what_is_sent_bigger(min_tokens: int) -> None:
 
 @pytest.mark.parametrize("style", ["full", "new"])
 async def test_an_older_tool_output_is_sent_as_head_and_tail_and_stored_in_full(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, style: str
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream, style: str
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "trim", style)
     output = big_output("config.yaml")
     small = "a small result"
@@ -309,9 +311,9 @@ async def test_an_older_tool_output_is_sent_as_head_and_tail_and_stored_in_full(
 @pytest.mark.parametrize("style", ["full", "new"])
 @pytest.mark.parametrize("with_question", [False, True])
 async def test_an_agent_loop_sends_its_own_tool_outputs_in_full_until_the_next_user_message(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, style: str, with_question: bool
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream, style: str, with_question: bool
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "loop", style)
     old = big_output("old.txt", 200)
     await agent.ask("read old.txt", tool_call("call_0"))
@@ -347,9 +349,9 @@ async def test_an_agent_loop_sends_its_own_tool_outputs_in_full_until_the_next_u
 
 
 async def test_a_tool_output_given_as_text_parts_is_trimmed_like_a_string(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "parts")
     output = big_output("parts.json")
     parts = [{"type": "text", "text": output[:500]}, {"type": "text", "text": output[500:]}]
@@ -363,8 +365,8 @@ async def test_a_tool_output_given_as_text_parts_is_trimmed_like_a_string(
     assert [body["content"] for role, body, _ in stored_rows(proxy) if role == "tool"] == [parts]
 
 
-async def test_a_limit_of_zero_disables_trimming(tmp_path: Path, start_proxy: Any, upstream: FakeUpstream) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream, tool_output_max_tokens=0))
+async def test_a_limit_of_zero_disables_trimming(make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(compaction_config(make_storage, upstream, tool_output_max_tokens=0))
     agent = Agent(proxy, upstream, "off")
     output = big_output("data.csv")
     await agent.ask("read it", tool_call("call_1"))
@@ -376,9 +378,9 @@ async def test_a_limit_of_zero_disables_trimming(tmp_path: Path, start_proxy: An
 
 
 async def test_turning_trimming_off_applies_to_outputs_stored_trimmed_before(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
-    config = compaction_config(tmp_path, upstream)
+    config = compaction_config(make_storage, upstream)
     proxy = await start_proxy(config)
     agent = Agent(proxy, upstream, "later-off")
     output = big_output("data.csv")
@@ -396,12 +398,12 @@ async def test_turning_trimming_off_applies_to_outputs_stored_trimmed_before(
 
 
 async def test_trimming_lets_more_turns_fit_and_the_budget_stays_exact(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
     """The same conversation with and without trimming; then the budget edge, found by recount."""
     included: dict[int, int] = {}
     for limit in (0, LIMIT):
-        proxy = await start_proxy(compaction_config(tmp_path, upstream, f"limit-{limit}",
+        proxy = await start_proxy(compaction_config(make_storage, upstream, f"limit-{limit}",
                                                     tool_output_max_tokens=limit))
         agent = Agent(proxy, upstream, f"fit-{limit}")
         for turn in range(6):
@@ -433,9 +435,9 @@ async def test_trimming_lets_more_turns_fit_and_the_budget_stays_exact(
 
 
 async def test_trimmed_counts_are_reported_on_a_stream(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "stream")
     output = big_output("log")
     await agent.ask("tail the log", tool_call("call_1"))
@@ -459,9 +461,9 @@ async def test_trimmed_counts_are_reported_on_a_stream(
 
 @pytest.mark.parametrize("style", ["full", "new"])
 async def test_the_same_file_pasted_twice_is_sent_once(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, style: str
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream, style: str
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "paste", style)
     paste = f"main.py:\n{words(150, 5)}"
     await agent.ask(paste)
@@ -485,9 +487,9 @@ async def test_the_same_file_pasted_twice_is_sent_once(
 
 @pytest.mark.parametrize("limit", [0, LIMIT])
 async def test_the_same_tool_output_twice_is_sent_once(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, limit: int
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream, limit: int
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream, tool_output_max_tokens=limit))
+    proxy = await start_proxy(compaction_config(make_storage, upstream, tool_output_max_tokens=limit))
     agent = Agent(proxy, upstream, "tool-repeat")
     output = big_output("README.md", 150)
     for turn in range(2):
@@ -510,9 +512,9 @@ async def test_the_same_tool_output_twice_is_sent_once(
 
 @pytest.mark.parametrize("dedupe", [0, DEDUPE])
 async def test_small_repeats_and_a_threshold_of_zero_are_left_alone(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, dedupe: int
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream, dedupe: int
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream, dedupe_min_tokens=dedupe))
+    proxy = await start_proxy(compaction_config(make_storage, upstream, dedupe_min_tokens=dedupe))
     agent = Agent(proxy, upstream, "small-repeats")
     small = f"small: {words(20)}"
     large = f"large: {words(100)}"
@@ -531,11 +533,11 @@ async def test_small_repeats_and_a_threshold_of_zero_are_left_alone(
 
 
 async def test_repeats_within_the_newest_exchange_are_sent_in_full(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
     """An agent reads the same file three times in one exchange, a file pasted in an older one:
     nothing in the current exchange is replaced, not even what repeats the older copy."""
-    proxy = await start_proxy(compaction_config(tmp_path, upstream, tool_output_max_tokens=0))
+    proxy = await start_proxy(compaction_config(make_storage, upstream, tool_output_max_tokens=0))
     agent = Agent(proxy, upstream, "newest-repeats")
     file = f"util.py:\n{words(120, 7)}"
     await agent.ask(file)
@@ -553,9 +555,9 @@ async def test_repeats_within_the_newest_exchange_are_sent_in_full(
 
 
 async def test_a_tiny_threshold_never_replaces_a_repeat_by_something_longer(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
-    proxy = await start_proxy(compaction_config(tmp_path, upstream, dedupe_min_tokens=1))
+    proxy = await start_proxy(compaction_config(make_storage, upstream, dedupe_min_tokens=1))
     agent = Agent(proxy, upstream, "tiny")
     for _ in range(3):
         await agent.ask("yes")
@@ -567,11 +569,11 @@ async def test_a_tiny_threshold_never_replaces_a_repeat_by_something_longer(
 
 
 async def test_a_reference_keeps_the_tool_unit_valid_for_the_provider(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
     """Parallel calls returning the same large output: the later result is a reference, but still a
     tool result answering its own call, right after it."""
-    proxy = await start_proxy(compaction_config(tmp_path, upstream))
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
     agent = Agent(proxy, upstream, "parallel")
     output = big_output("same", 300)
     await agent.ask("read both replicas", tool_call("call_a"), tool_call("call_b"))

@@ -20,13 +20,10 @@ was left out.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import sqlite3
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -35,10 +32,12 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import Proxy, make_config
+from db import table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.compact import trimmed_tool_output
+from memproxy.config import Config, StorageConfig
 from memproxy.tokens import request_tokens
-from memproxy.typedefs import SUMMARIZER
+from memproxy.typedefs import CONFIG, SUMMARIZER
 from test_budget import (
     COUNTER,
     DEFAULT_RESERVE,
@@ -49,13 +48,14 @@ from test_budget import (
     assert_context_length_exceeded,
     assert_tool_units_whole,
     assistant_from,
-    db_path,
     mandatory_tail,
     tool_call,
     without_none,
     words,
 )
 from test_compaction import assert_preview_of
+
+pytestmark = pytest.mark.both_stores
 
 POLICIES: dict[str, dict[str, Any]] = {
     # overflow policy -> memory settings; the limits differ so both sides of each are exercised
@@ -122,11 +122,9 @@ scripts = st.builds(
 )
 
 
-def store_state(path: str) -> dict[str, list[tuple[Any, ...]]]:
+def store_state(config: Config) -> dict[str, list[tuple[Any, ...]]]:
     """Every row the proxy has stored, summaries included, read from a second connection."""
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        return {table: db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
-                for table in ("sessions", "messages", "turns", "summaries")}
+    return table_rows(config, "sessions", "messages", "turns", "summaries")
 
 
 def text_of(message: Message) -> str | None:
@@ -141,7 +139,7 @@ class Client:
         self.proxy = proxy
         self.client = proxy.clients[0] if proxy.clients else proxy.client(session=None)
         self.upstream = upstream
-        self.db = db_path(proxy)
+        self.config: Config = proxy.app[CONFIG]
         self.script = script
         self.memory = POLICIES[script.policy]
         self.limit: int = self.memory["tool_output_max_tokens"]
@@ -184,7 +182,7 @@ class Client:
         headers = {"X-Session-Id": self.session}
         if self.script.style == "new":  # else a repeated first message would read as a regeneration
             headers["X-Memproxy-History"] = "new"
-        calls, state = len(self.upstream.chat_requests()), store_state(self.db)
+        calls, state = len(self.upstream.chat_requests()), store_state(self.config)
         if not refused:
             self.upstream.enqueue(reply)
         try:
@@ -195,7 +193,7 @@ class Client:
             assert refused, f"refused though the mandatory part fits: {exc.response.text}"
             assert_context_length_exceeded(exc)
             assert len(self.upstream.chat_requests()) == calls, "refused after calling upstream"
-            assert store_state(self.db) == state, "a refused request changed the store"
+            assert store_state(self.config) == state, "a refused request changed the store"
             event("refused")
             return False
         assert not refused, "sent though the mandatory part cannot fit"
@@ -350,12 +348,13 @@ def proxies() -> dict[str, Proxy]:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(script=scripts)
 async def test_every_request_fits_with_memory_on_or_is_refused_up_front(
-    tmp_path: Path, start_proxy: Any, upstream: FakeUpstream, proxies: dict[str, Proxy], script: Script
+    make_storage: Callable[..., StorageConfig], start_proxy: Any, upstream: FakeUpstream, proxies: dict[str, Proxy],
+    script: Script
 ) -> None:
     upstream.reset()  # a shrinking run may have left replies behind
     upstream.summarizer = fixed_summariser
     if script.policy not in proxies:
-        config = make_config(tmp_path / f"{script.policy}.db", upstream.url, summaries=True,
+        config = make_config(make_storage(script.policy), upstream.url, summaries=True,
                              overflow=script.policy, **POLICIES[script.policy])
         proxies[script.policy] = await start_proxy(config)
     await Client(proxies[script.policy], upstream, script).play()

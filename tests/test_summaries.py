@@ -21,28 +21,27 @@ import asyncio
 import json
 import logging
 import re
-import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 import pytest
 
+import db
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from fake_upstream import FakeUpstream, Received, Reply
-from memproxy.config import Config, ModelConfig
-from memproxy.store.sqlite import sqlite_path
+from memproxy.config import Config, ModelConfig, StorageConfig
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG, SUMMARIZER
 from test_budget import assert_tool_units_whole, tool_call, without_none, words
 
 Message = dict[str, Any]
 StartProxy = Callable[[Config], Any]
+
+pytestmark = pytest.mark.both_stores
 
 WINDOW = 2000
 BUDGET = WINDOW - 256 - 20  # model "small": window - default output reserve - safety margin
@@ -91,13 +90,6 @@ def new_part(received: Received) -> str:
 # --- reading the store ---------------------------------------------------------------------------
 
 
-@contextmanager
-def read_db(config: Config) -> Iterator[sqlite3.Connection]:
-    path = sqlite_path(config.storage.url)
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        yield db
-
-
 @dataclass(frozen=True)
 class StoredSummary:
     version: int
@@ -110,28 +102,27 @@ class StoredSummary:
 
 def summary_rows(config: Config, session: str = "s1", tenant: str = "a") -> list[StoredSummary]:
     """Every summary version of a session, oldest first (the audit trail)."""
-    with read_db(config) as db:
-        rows = db.execute(
-            "SELECT v.version, v.text, v.covers, v.tokens, v.replaced_tokens, v.model FROM summaries v"
-            " JOIN sessions s ON s.pk = v.session_pk WHERE s.tenant = ? AND s.session_id = ?"
-            " ORDER BY v.version", (tenant, session)).fetchall()
-    return [StoredSummary(*row) for row in rows]
+    found = db.rows(
+        config,
+        "SELECT v.version, v.text, v.covers, v.tokens, v.replaced_tokens, v.model FROM summaries v"
+        " JOIN sessions s ON s.pk = v.session_pk WHERE s.tenant = ? AND s.session_id = ?"
+        " ORDER BY v.version", tenant, session)
+    return [StoredSummary(*row) for row in found]
 
 
 def stored(config: Config, session: str = "s1", tenant: str = "a") -> list[Message]:
     """The session's active chain, as stored."""
-    with read_db(config) as db:
-        rows = db.execute(
-            "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
-            " WHERE s.tenant = ? AND s.session_id = ? AND m.active = 1 ORDER BY m.seq",
-            (tenant, session)).fetchall()
-    return [json.loads(r[0]) for r in rows]
+    found = db.rows(
+        config,
+        "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+        " WHERE s.tenant = ? AND s.session_id = ? AND m.active = 1 ORDER BY m.seq",
+        tenant, session)
+    return [json.loads(r[0]) for r in found]
 
 
 def stored_tokens(config: Config, session: str = "s1") -> int:
-    with read_db(config) as db:
-        row = db.execute("SELECT head_cum FROM sessions WHERE session_id = ?", (session,)).fetchone()
-    return int(row[0]) if row else 0
+    found = db.rows(config, "SELECT head_cum FROM sessions WHERE session_id = ?", session)
+    return int(found[0][0]) if found else 0
 
 
 # --- what the proxy sent upstream ----------------------------------------------------------------
@@ -263,8 +254,8 @@ def tool_result(call_id: str, text: str) -> Message:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
-async def start(start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, **memory: Any) -> Proxy:
-    config = make_config(tmp_path / "memproxy.db", upstream.url, **memory)
+async def start(start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, **memory: Any) -> Proxy:
+    config = make_config(storage, upstream.url, **memory)
     proxy: Proxy = await start_proxy(config)
     return proxy
 
@@ -303,9 +294,9 @@ def assert_no_content_logged(caplog: pytest.LogCaptureFixture, *fragments: str) 
 
 
 async def test_no_summary_below_the_chunk_threshold(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream)
     for turn in range(5):
@@ -326,10 +317,10 @@ async def test_no_summary_below_the_chunk_threshold(
     (3, 10, 1),  # never fewer than one
 ])
 async def test_crossing_the_threshold_folds_all_but_the_verbatim_tail(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, tail_turns: int,
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, tail_turns: int,
     tail_tokens: int | None, kept_turns: int,
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, tail_turns=tail_turns,
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, tail_turns=tail_turns,
                         tail_tokens=tail_tokens)
     config = proxy.app[CONFIG]
     threshold = config.memory.chunk_threshold(WINDOW)
@@ -359,15 +350,15 @@ async def test_crossing_the_threshold_folds_all_but_the_verbatim_tail(
 
 
 async def test_the_default_threshold_scales_with_the_model_window(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     upstream.summarizer = fact_summariser
     small = Conversation(proxy, upstream, "on-small")
     big = Conversation(proxy, upstream, "on-big", model="big", budget=100_000 - 1000 - 20)
     for turn in range(10):
         for chat in (small, big):
-            await chat.send([user(f"question {turn}: {words(80, turn)}")], check=False)
+            await chat.say(f"question {turn}: {words(80, turn)}")
             await chat.idle()
     config = proxy.app[CONFIG]
     assert stored_tokens(config, "on-small") > WINDOW // 2 and stored_tokens(config, "on-big") > WINDOW // 2
@@ -380,10 +371,10 @@ async def test_the_default_threshold_scales_with_the_model_window(
     ("small", "small", "small"),
 ])
 async def test_the_summariser_model_is_configurable(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, summarizer_model: str | None,
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, summarizer_model: str | None,
     expected_name: str, expected_upstream_model: str,
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, summarizer_model=summarizer_model,
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, summarizer_model=summarizer_model,
                         chunk_threshold_tokens=300)
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream, model="big", budget=100_000 - 1000 - 20)
@@ -399,10 +390,10 @@ async def test_the_summariser_model_is_configurable(
 
 
 async def test_a_conversation_many_windows_long_stays_in_budget_and_keeps_early_facts(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="memproxy")
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     config = proxy.app[CONFIG]
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream, "long")
@@ -493,12 +484,12 @@ REJECTED: dict[str, tuple[Callable[[Received], Reply], dict[str, Any], str, str]
 
 @pytest.mark.parametrize("case", list(REJECTED))
 async def test_a_rejected_summary_leaves_everything_unchanged_logs_and_backs_off(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture,
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture,
     case: str,
 ) -> None:
     answer, memory, outcome, detail = REJECTED[case]
     caplog.set_level(logging.INFO, logger="memproxy")
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=150,
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=150,
                         tail_turns=1, failure_backoff_seconds=3600, **memory)
     config = proxy.app[CONFIG]
     upstream.summarizer = answer
@@ -535,10 +526,10 @@ async def test_a_rejected_summary_leaves_everything_unchanged_logs_and_backs_off
 
 
 async def test_a_failed_summary_is_retried_once_the_backoff_has_passed(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="memproxy.summaries")
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=150,
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=150,
                         tail_turns=1, failure_backoff_seconds=0.05)
     config = proxy.app[CONFIG]
     answers = [Reply(status=500)]
@@ -554,7 +545,7 @@ async def test_a_failed_summary_is_retried_once_the_backoff_has_passed(
     assert "=== EXISTING SUMMARY ===\nNONE\n" in summariser_input(retry)  # nothing kept from the failure
     [summary] = summary_rows(config)
     assert facts_in(summary.text) == list(range(turns - 1))
-    assert [re.search(r"outcome=(\w+)", line)[1] for line in summary_logs(caplog)] == ["failed", "applied"]  # type: ignore[index]
+    assert [re.findall(r"outcome=(\w+)", line) for line in summary_logs(caplog)] == [["failed"], ["applied"]]
     sent = await chat.say("and now?")
     assert sent.summary == summary.text
 
@@ -563,9 +554,9 @@ async def test_a_failed_summary_is_retried_once_the_backoff_has_passed(
 
 
 async def test_concurrent_sessions_never_fold_twice_at_once(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="marker")
+    proxy = await start(start_proxy, storage, upstream, summaries=True, overflow="marker")
     config = proxy.app[CONFIG]
     gate = threading.Event()
     upstream.summarizer = gated(gate)
@@ -593,6 +584,9 @@ async def test_concurrent_sessions_never_fold_twice_at_once(
         await asyncio.gather(*(talk(name, 0, 12) for name in names))
         await until(lambda: all(folds_of(name) for name in names), "every session asked for a summary")
         assert all(len(folds_of(name)) == 1 for name in names)
+        # Each fold started at least two turns before the session stopped (the newest three turns
+        # are not folded), so those turns did ask again.
+        assert all(max(facts_in(summariser_input(folds_of(name)[0]))) <= 12 - 3 - 3 for name in names)
         assert all(summary_rows(config, name) == [] for name in names)
     finally:
         gate.set()
@@ -613,9 +607,9 @@ async def test_concurrent_sessions_never_fold_twice_at_once(
 
 
 async def test_manual_compaction_waits_for_a_fold_in_flight_instead_of_racing_it(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     config = proxy.app[CONFIG]
     gate = threading.Event()
     upstream.summarizer = gated(gate)
@@ -644,10 +638,10 @@ async def test_manual_compaction_waits_for_a_fold_in_flight_instead_of_racing_it
 
 
 async def test_a_fold_of_a_history_edited_meanwhile_is_not_applied(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="memproxy.summaries")
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow="marker")
+    proxy = await start(start_proxy, storage, upstream, summaries=True, overflow="marker")
     config = proxy.app[CONFIG]
     gate = threading.Event()
     upstream.summarizer = gated(gate)
@@ -664,7 +658,7 @@ async def test_a_fold_of_a_history_edited_meanwhile_is_not_applied(
         # including messages the held fold covers.
         chat.history = chat.history[:2]
         sent = await chat.say("question 1, asked differently: FACT-900")
-        assert sent.summary is None
+        assert sent.headers["x-memproxy-reconcile"] == "edit" and sent.summary is None
     finally:
         gate.set()
     await chat.idle()
@@ -677,9 +671,9 @@ async def test_a_fold_of_a_history_edited_meanwhile_is_not_applied(
 
 
 async def test_a_summary_of_messages_edited_later_is_no_longer_used(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     config = proxy.app[CONFIG]
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream, style="full")
@@ -692,6 +686,7 @@ async def test_a_summary_of_messages_edited_later_is_no_longer_used(
     assert sent.version == 1 and facts_in(sent.summary or "") != []
     chat.history = chat.history[:2]  # an edit of the second question
     sent = await chat.say("question 1, asked differently: FACT-900")
+    assert sent.headers["x-memproxy-reconcile"] == "edit"
     assert sent.summary is None and sent.version == 0
     assert facts_in(sent.text()) == [0, 900]
     assert [s.version for s in summary_rows(config)] == [1]  # kept for audit, not used
@@ -701,9 +696,9 @@ async def test_a_summary_of_messages_edited_later_is_no_longer_used(
 
 
 async def test_a_streamed_turn_completes_while_a_fold_is_in_flight(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     config = proxy.app[CONFIG]
     gate = threading.Event()
     upstream.summarizer = gated(gate)
@@ -734,9 +729,9 @@ async def test_a_streamed_turn_completes_while_a_fold_is_in_flight(
 
 @pytest.mark.parametrize("summaries", ["off", "failing"])
 async def test_the_marker_policy_says_how_many_messages_were_left_out(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, summaries: str
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, summaries: str
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=summaries != "off", overflow="marker",
+    proxy = await start(start_proxy, storage, upstream, summaries=summaries != "off", overflow="marker",
                         failure_backoff_seconds=3600)
     answers = [Reply(status=500)] * 20 + [Reply(content="Known facts: FACT-0.")]  # one summary, then failures
     upstream.summarizer = lambda _: answers.pop()
@@ -762,9 +757,9 @@ async def test_the_marker_policy_says_how_many_messages_were_left_out(
 
 
 async def test_the_drop_policy_leaves_turns_out_without_a_marker(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=False, overflow="drop")
+    proxy = await start(start_proxy, storage, upstream, summaries=False, overflow="drop")
     chat = Conversation(proxy, upstream)
     for turn in range(20):
         await chat.say(f"question {turn}: {words(90, turn)}")
@@ -775,10 +770,10 @@ async def test_the_drop_policy_leaves_turns_out_without_a_marker(
 
 
 async def test_the_summarize_policy_folds_before_answering(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
     # No background fold ever: the threshold is out of reach, so only the overflow folds.
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
     config = proxy.app[CONFIG]
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream)
@@ -802,9 +797,9 @@ async def test_the_summarize_policy_folds_before_answering(
 
 
 async def test_the_summarize_policy_gives_up_waiting_after_its_timeout(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000,
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000,
                         sync_summary_timeout_seconds=0.2)
     config = proxy.app[CONFIG]
     gate = threading.Event()
@@ -831,9 +826,9 @@ async def test_the_summarize_policy_gives_up_waiting_after_its_timeout(
 
 @pytest.mark.parametrize("overflow", ["summarize", "marker", "drop"])
 async def test_a_summary_that_no_longer_fits_is_left_out_rather_than_refusing(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, overflow: str
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, overflow: str
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, summaries=True, overflow=overflow)
+    proxy = await start(start_proxy, storage, upstream, summaries=True, overflow=overflow)
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream)
     turn = 0
@@ -857,10 +852,10 @@ async def test_a_summary_that_no_longer_fits_is_left_out_rather_than_refusing(
 
 
 async def test_compaction_folds_everything_but_the_tail_now(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="memproxy.summaries")
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
     config = proxy.app[CONFIG]
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream)
@@ -898,9 +893,9 @@ async def test_compaction_folds_everything_but_the_tail_now(
 
 
 async def test_compaction_of_an_unknown_or_foreign_session_is_not_found(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream, "mine")
     for turn in range(5):
@@ -918,9 +913,9 @@ async def test_compaction_of_an_unknown_or_foreign_session_is_not_found(
 
 
 async def test_compaction_with_a_failing_summariser_is_a_502_and_changes_nothing(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
     config = proxy.app[CONFIG]
     upstream.summarizer = lambda _: Reply(status=500, error_message="the summariser is down")
     chat = Conversation(proxy, upstream)
@@ -937,9 +932,9 @@ async def test_compaction_with_a_failing_summariser_is_a_502_and_changes_nothing
 
 
 async def test_every_summary_version_is_kept_for_audit(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, tmp_path, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
     config = proxy.app[CONFIG]
     upstream.summarizer = fact_summariser
     chat = Conversation(proxy, upstream)
@@ -980,13 +975,13 @@ def near_cap_summariser(received: Received) -> Reply:
 
 
 async def agent_session_compacted(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream, window: int,
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, window: int,
     summariser: Callable[[Received], Reply],
 ) -> tuple[Config, Any, list[Received], list[StoredSummary]]:
     """A session that read a big file early on, then talked on; compacted with a summariser model
     "tight" of `window` tokens. Returns the config, the compaction's answer, the summariser requests
     and the summary versions; checks that every summariser request fit the window."""
-    config = make_config(tmp_path / "memproxy.db", upstream.url, **{**SUMMARIES, "overflow": "drop"},
+    config = make_config(storage, upstream.url, **{**SUMMARIES, "overflow": "drop"},
                          summarizer_model="tight", chunk_threshold_tokens=1_000_000, summary_max_tokens=TIGHT_CAP)
     tight = ModelConfig(name="tight", model="openai/tight", api_base=upstream.url, api_key="upstream-secret",
                         context_window=window, max_output_tokens=100)
@@ -1012,11 +1007,11 @@ async def agent_session_compacted(
 
 
 async def test_the_summariser_input_fits_its_own_window_in_several_chunks(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
     # Summaries written near their cap: the later chunks carry a bigger previous summary.
     config, body, requests, versions = await agent_session_compacted(
-        start_proxy, tmp_path, upstream, 1200, near_cap_summariser)
+        start_proxy, storage, upstream, 1200, near_cap_summariser)
     assert len(requests) == len(versions) >= 3  # folded in several chunks, each saved
     assert [s.version for s in versions] == list(range(1, len(versions) + 1))
     assert body["summary"]["version"] == versions[-1].version
@@ -1032,13 +1027,13 @@ async def test_the_summariser_input_fits_its_own_window_in_several_chunks(
 
 
 async def test_a_unit_too_big_for_one_summariser_request_is_cut_and_the_fold_still_applies(
-    start_proxy: StartProxy, tmp_path: Path, upstream: FakeUpstream
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
     # A window so small that even the trimmed tool output exceeds a chunk: it is cut again to fit,
     # and the short question before it is folded with it, not alone (a summary of one short
     # message cannot be smaller than it, and would fail the whole fold).
     _, body, requests, versions = await agent_session_compacted(
-        start_proxy, tmp_path, upstream, 900, fact_summariser)
+        start_proxy, storage, upstream, 900, fact_summariser)
     assert len(requests) == len(versions) >= 3
     [with_output] = [r for r in requests if "FACT-777" in new_part(r)]
     assert "FACT-0 read the file" in new_part(with_output)
