@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -22,6 +23,8 @@ from pathlib import Path
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
 
 import load  # noqa: E402
 import seed  # noqa: E402
@@ -32,7 +35,7 @@ from run import BENCH_MEMORY, ENCODING, MEMORY, PASS, TENANT, make_targets, memp
 
 async def profile(args: argparse.Namespace) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix="memproxy-profile-"))
-    out = Path(args.out) if args.out else workdir / "profile.txt"
+    out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "memproxy-profile.txt"
     processes = servers.Processes(workdir)
     try:
         upstream = servers.start_upstream(processes)
@@ -59,10 +62,11 @@ async def profile(args: argparse.Namespace) -> Path:
         memproxy.stop()  # SIGTERM: memproxy shuts down, and pyinstrument writes its report
     finally:
         processes.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
     return out
 
 
-async def _history_loop(session: load.aiohttp.ClientSession, target: load.Target, size: int,
+async def _history_loop(session: aiohttp.ClientSession, target: load.Target, size: int,
                         seconds: float) -> load.Sample:
     """One client on the seeded session `hist-SIZE`, through the sweep model."""
     history = load.Target("history", target.url, target.headers, model="bench-sweep", sessions="hist")
@@ -82,7 +86,7 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="the fake upstream's delay")
     parser.add_argument("--history", type=int, default=0,
                         help="profile one session seeded with this many ~400-token messages instead")
-    parser.add_argument("--out", help="where the text report goes (default: a temp dir)")
+    parser.add_argument("--out", help="where the text report goes (default: memproxy-profile.txt in the temp dir)")
     args = parser.parse_args()
     out = asyncio.run(profile(args))
     print(f"profile: report in {out}")

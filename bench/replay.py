@@ -58,7 +58,7 @@ def data_path(explicit: str | None = None) -> Path:
 def load_conversations(path: Path, limit_exchanges: int | None = None,
                        limit_conversations: int | None = None) -> list[Conversation]:
     raw = json.loads(path.read_text(encoding="utf-8"))
-    conversations = []
+    conversations: list[Conversation] = []
     for item in raw[:limit_conversations]:
         conv = item["conversation"]
         a, b = conv["speaker_a"], conv["speaker_b"]

@@ -8,6 +8,7 @@ milliseconds do.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -138,7 +139,7 @@ class Report:
         return rows
 
     def busiest(self) -> str:
-        return max(self.r["concurrency"], key=int)
+        return str(max(self.r["concurrency"], key=int))
 
     def saturation(self) -> dict[str, tuple[float, float, float]]:
         """path -> (req/s, cores its server used, requests per server CPU-second) at the most clients."""
@@ -169,7 +170,9 @@ class Report:
         self.add("## Targets", "",
                  "From issue 6, all measured in this one run. Ratio = memproxy / reference (below 1 is "
                  "better, except throughput per core, where at least 1 passes). \"Memory on\" is memproxy "
-                 "with a session header: the product; its pass-through figures are in section 1.", "",
+                 "with a session header: the product; its pass-through figures are in section 1. Throughput "
+                 "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
+                 "is one process, LiteLLM's proxy one worker per core (section 2).", "",
                  "| target | measured | ratio | result |", "|---|---|---|---|")
         for name, measured, r, ok in self.targets():
             self.add(f"| {name} | {measured} | {r} | {verdict(ok)} |")
@@ -527,9 +530,25 @@ class Report:
         self.section_method()
         path = self.out / "benchmarks.md"
         path.write_text("\n".join(self.lines).rstrip() + "\n", encoding="utf-8")
-        (self.out / "bench-results.json").write_text(json.dumps(self.r, indent=1) + "\n", encoding="utf-8")
+        (self.out / "bench-results.json").write_text(json.dumps(self.r, separators=(",", ":")) + "\n",
+                                                     encoding="utf-8")
         return path
 
 
 def write(results: dict[str, Any], out: Path, small: bool = False) -> Path:
     return Report(results, out, small).write()
+
+
+def main() -> None:
+    """Render a saved `bench-results.json` again (after a change to this file), without a new run."""
+    parser = argparse.ArgumentParser(description="rewrite benchmarks.md and the plots from saved results")
+    parser.add_argument("results", help="a bench-results.json")
+    parser.add_argument("--out", help="where to write (default: beside the results)")
+    args = parser.parse_args()
+    source = Path(args.results)
+    results = json.loads(source.read_text(encoding="utf-8"))
+    print(write(results, Path(args.out) if args.out else source.parent, small=results["meta"]["quick"]))
+
+
+if __name__ == "__main__":
+    main()

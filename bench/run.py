@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,7 +57,7 @@ DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "l
 # The latency paths' memproxy: defaults, except that no summary is folded (the history sweep's
 # 100,000-message sessions would otherwise be summarised in the background during the run); turns
 # that do not fit get the marker instead.
-BENCH_MEMORY = {"summaries": False, "overflow": "marker"}
+BENCH_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "marker"}
 SWEEP_WINDOW = 4096
 REPLAY_WINDOW = 4000
 REPLAY_OUTPUT = 256
@@ -160,6 +160,15 @@ class RssSampler:
         self._thread.join(5)
 
 
+T = TypeVar("T")
+
+
+def rotate(items: list[T], round_: int) -> list[T]:
+    """The order a round visits things in: shifted by one each round, so none is always first."""
+    shift = round_ % len(items)
+    return items[shift:] + items[:shift]
+
+
 def summarize(sample: load.Sample) -> dict[str, Any]:
     p = load.percentile
     out: dict[str, Any] = {"n": sample.completed, "errors": sample.errors, "wall_s": round(sample.wall, 3)}
@@ -194,10 +203,8 @@ class Bench:
             return self.litellm
         return self.memproxy
 
-    def rotated(self, round_: int, paths: list[str] | None = None) -> list[str]:
-        names = paths if paths is not None else list(self.targets)
-        shift = round_ % len(names)
-        return names[shift:] + names[:shift]
+    def rotated(self, round_: int) -> list[str]:
+        return rotate(list(self.targets), round_)
 
     async def control(self, **settings: Any) -> None:
         async with self.sessions[DIRECT].post(f"{self.upstream.url}/_control", json=settings) as response:
@@ -311,11 +318,11 @@ async def phase_throughput(bench: Bench) -> dict[str, list[dict[str, Any]]]:
         for rate in plan.rates:
             if active == [DIRECT]:
                 break  # the direct path only shows the harness is not the limit
-            for name in bench.rotated(r, active):
+            for name in rotate(active, r):
                 target, session = bench.targets[name], bench.sessions[name]
                 sample, cpu = await measure(bench, name, lambda: load.open_loop(
                     session, target, rate, plan.step_seconds, f"t{r}-{rate}"))
-                row = {"rate": rate, **summarize(sample), **cpu,
+                row: dict[str, Any] = {"rate": rate, **summarize(sample), **cpu,
                        "achieved_rps": round(sample.completed / max(sample.wall, 1e-9), 1)}
                 row["ok"] = (sample.errors == 0 and sample.completed >= 0.98 * sample.scheduled
                              and row.get("p99", 1e9) < 100.0)
@@ -353,7 +360,7 @@ async def phase_history(bench: Bench) -> dict[str, list[dict[str, Any]]]:
             # As long as the seeded messages, so the window keeps holding about as many messages.
             body = load.chat_body("bench-sweep", question, text=seed.message_text(rng, 400))
             question += 1
-            for size in bench.rotated(r, list(plan.history_sizes)):  # type: ignore[arg-type]
+            for size in rotate(list(plan.history_sizes), r):
                 await load.send(session, target, body, str(size), samples[size], time.perf_counter(), False)
         for size, sample in samples.items():
             out[str(size)].append(summarize(sample))
@@ -440,8 +447,11 @@ def versions(litellm_status: str) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             return "-"
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip() or "-"
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, timeout=30).stdout.strip() or "-"
+    except (OSError, subprocess.SubprocessError):
+        commit = "-"
     return {"python": platform.python_version(), "memproxy": f"{version('memproxy')} ({commit})",
             "litellm": version("litellm"), "aiohttp": version("aiohttp"), "matplotlib": version("matplotlib"),
             "litellm_proxy": litellm_status}

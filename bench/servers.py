@@ -101,9 +101,9 @@ class Processes:
         try:
             if ready_line:
                 assert process.stdout is not None
-                server.url = _wait_for_line(process, process.stdout, ready_line, timeout, log).split()[-1]
+                server.url = _wait_for_line(name, process, process.stdout, ready_line, timeout, log).split()[-1]
             if health_url:
-                _wait_for_health(process, health_url, timeout)
+                _wait_for_health(name, process, health_url, timeout)
         except Exception:
             server.stop()
             raise
@@ -114,8 +114,8 @@ class Processes:
             server.stop()
 
 
-def _wait_for_line(process: subprocess.Popen[bytes], stream: IO[bytes], prefix: str, timeout: float,
-                   log: IO[bytes]) -> str:
+def _wait_for_line(name: str, process: subprocess.Popen[bytes], stream: IO[bytes], prefix: str,
+                   timeout: float, log: IO[bytes]) -> str:
     found: list[str] = []
     done = threading.Event()
 
@@ -132,15 +132,15 @@ def _wait_for_line(process: subprocess.Popen[bytes], stream: IO[bytes], prefix: 
 
     threading.Thread(target=read, daemon=True).start()  # keeps draining stdout afterwards
     if not done.wait(timeout) or not found:
-        raise RuntimeError(f"{process.args[0]} did not start (exit {process.poll()}); see its log")
+        raise RuntimeError(f"{name} did not start (exit {process.poll()}); see its log")
     return found[0]
 
 
-def _wait_for_health(process: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+def _wait_for_health(name: str, process: subprocess.Popen[bytes], url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} while starting; see its log")
+            raise RuntimeError(f"{name} exited with {process.returncode} while starting; see its log")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:

@@ -12,6 +12,7 @@ an unknown model, and the few names litellm keeps for itself (`metadata`) travel
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ def load_litellm() -> Any:
     litellm: Any = importlib.import_module("litellm")
     litellm.suppress_debug_info = True
     litellm.telemetry = False
+    # litellm's loggers write a line per call at INFO (twice: their own handler and the root's) and
+    # request content at DEBUG; memproxy logs what matters itself, and never message content.
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return litellm
 
 
