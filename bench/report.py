@@ -430,7 +430,7 @@ class Report:
                 if label.startswith("0 ms"):
                     bars.append((LABELS[path], memory, upstream - direct, direct, rest))
         self.add("", "![Server-Timing split](bench-timing.png)", "")
-        fig, ax = self.figure(8, 2.8)
+        fig, ax = self.figure(8, 3.4)
         parts = ("memory work", "litellm (upstream - direct)", "fake upstream + client (direct)",
                  "HTTP, JSON, recording (rest)")
         colors = ("#2ca02c", "#ff7f0e", "#bbbbbb", "#9467bd")
@@ -444,7 +444,7 @@ class Report:
         ax.set_yticklabels([b[0] for b in bars])
         ax.set_xlabel("ms at p50, 0 ms upstream, 1 client")
         ax.set_title("where a request's time goes")
-        ax.legend(fontsize="x-small", loc="lower right")
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
         self.save(fig, "bench-timing.png")
 
     def section_replay(self) -> None:
