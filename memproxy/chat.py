@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,11 +216,12 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
     return response
 
 
-async def _relay(chunks: AsyncIterator[dict[str, Any]], response: web.StreamResponse,
+async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
                  assembler: StreamAssembler) -> None:
-    async for chunk in chunks:
-        assembler.add(chunk)
-        await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+    async with aclosing(chunks):  # a client that went away releases the upstream connection now
+        async for chunk in chunks:
+            assembler.add(chunk)
+            await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
 
 
 async def _record(request: web.Request, exchange: Exchange, reply: Message,

@@ -64,8 +64,10 @@ class ModelConfig:
     max_output_tokens: int = 1024
     tokenizer: str = "auto"
     timeout_seconds: float = 600.0
+    transport: str = "auto"
 
 
+TRANSPORTS = ("auto", "openai", "litellm")
 OVERFLOW_POLICIES = ("summarize", "marker", "drop")
 
 
@@ -316,6 +318,9 @@ def _models(data: _Section) -> tuple[ModelConfig, ...]:
         tokenizer = s.string("tokenizer", d.tokenizer) or d.tokenizer
         if tokenizer not in TOKENIZERS:
             raise ConfigError(s.key("tokenizer"), f"must be one of {', '.join(TOKENIZERS)}")
+        transport = s.string("transport", d.transport) or d.transport
+        if transport not in TRANSPORTS:
+            raise ConfigError(s.key("transport"), f"must be one of {', '.join(TRANSPORTS)}")
         max_output = s.integer("max_output_tokens", d.max_output_tokens, minimum=1)
         assert max_output is not None
         window = s.integer("context_window", None, minimum=1)
@@ -333,6 +338,7 @@ def _models(data: _Section) -> tuple[ModelConfig, ...]:
                 max_output_tokens=max_output,
                 tokenizer=tokenizer,
                 timeout_seconds=s.number("timeout_seconds", d.timeout_seconds),
+                transport=transport,
             )
         )
         s.finish()

@@ -1,4 +1,8 @@
-"""The one boundary to litellm: completions, streams, model windows, token counters, error mapping.
+"""The one boundary to providers: completions, streams, model windows, token counters, error mapping.
+
+Each model has a transport. `openai/...` models go through memproxy's own OpenAI-compatible client
+(`memproxy.upstream`) unless configured `transport: litellm`; every other provider goes through
+litellm, which translates the OpenAI request into the provider's own API.
 
 litellm is imported when a `Provider` is created (at server start, inside its cleanup context), never
 when this module is imported: it costs seconds and hundreds of MB, and `/healthz` and the light CLI
@@ -14,22 +18,19 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
+from .upstream import PREFIX, OpenAIUpstream, status_error
 
 # Client parameters that litellm would take as its own settings; they go upstream in extra_body.
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
                        "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
                        "client", "allowed_openai_params", "drop_params"})
-_UPSTREAM_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 429: "rate_limit_error"}
-_UPSTREAM_CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstream_forbidden",
-                   404: "upstream_not_found", 429: "rate_limit_exceeded"}
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 
 
@@ -68,14 +69,19 @@ class LitellmCounter:
 class Provider:
     def __init__(self, config: Config, litellm: Any = None) -> None:
         self._litellm = litellm or load_litellm()
+        self._openai = OpenAIUpstream()
         self._windows: dict[str, int] = {}
         self._counters: dict[str, TokenCounter] = {}
+        self._native: dict[str, bool] = {}
+        self._unpriced: set[str] = set()
         for index, model in enumerate(config.models):
             self._windows[model.name] = self._resolve_window(index, model)
             self._counters[model.name] = self._make_counter(model)
+            self._native[model.name] = transport(model) == "openai"
 
     async def close(self) -> None:
-        """Close litellm's cached HTTP clients; they belong to this event loop."""
+        """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
+        await self._openai.close()
         await self._litellm.close_litellm_async_clients()
         self._litellm.in_memory_llm_clients_cache.flush_cache()
 
@@ -88,12 +94,13 @@ class Provider:
     def cost(self, model: ModelConfig, usage: dict[str, Any] | None) -> float | None:
         """What a call cost upstream, where litellm knows the model's price."""
         prompt, completion = (usage or {}).get("prompt_tokens"), (usage or {}).get("completion_tokens")
-        if not isinstance(prompt, int) or not isinstance(completion, int):
+        if not isinstance(prompt, int) or not isinstance(completion, int) or model.model in self._unpriced:
             return None
         try:
             prompt_cost, completion_cost = self._litellm.cost_per_token(
                 model=model.model, prompt_tokens=prompt, completion_tokens=completion)
-        except Exception:  # an unpriced model (a local server, a custom name)
+        except Exception:  # an unpriced model (a local server, a custom name): not asked again
+            self._unpriced.add(model.model)
             return None
         return float(prompt_cost + completion_cost)
 
@@ -139,6 +146,8 @@ class Provider:
         return kwargs
 
     async def complete(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
+        if self._native[model.name]:
+            return await self._openai.complete(model, messages, params)
         try:
             response = await self._litellm.acompletion(**self._kwargs(model, messages, params))
         except Exception as exc:
@@ -148,8 +157,10 @@ class Provider:
 
     async def stream(
         self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
+        if self._native[model.name]:
+            return await self._openai.stream(model, messages, params)
         try:
             response = await self._litellm.acompletion(**self._kwargs(model, messages, {**params, "stream": True}))
             iterator = response.__aiter__()
@@ -168,21 +179,22 @@ class Provider:
         message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
-        status = getattr(exc, "status_code", None)
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
-        if not isinstance(status, int) or not 400 <= status <= 599:
-            status = 502
-        code = getattr(exc, "code", None)
-        if not isinstance(code, str) or not code or code.isdigit():
-            code = _UPSTREAM_CODES.get(status, "upstream_error")
-        return UpstreamError(message, status=status, type=_UPSTREAM_TYPES.get(status, "upstream_error"),
-                             code=code)
+        return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+def transport(model: ModelConfig) -> str:
+    """`openai` (memproxy's own client) or `litellm`, as configured; `auto` picks the own client for
+    litellm's `openai/` provider, which means the OpenAI API at `api_base`."""
+    if model.transport != "auto":
+        return model.transport
+    return "openai" if model.model.startswith(PREFIX) else "litellm"
 
 
 async def _chunks(
     first: Any, rest: AsyncIterator[Any] | None, provider: Provider
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     if first is None or rest is None:
         return
     yield first.model_dump(exclude_none=True)

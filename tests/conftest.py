@@ -4,6 +4,10 @@ Which store: a module that opts in with `pytestmark = pytest.mark.both_stores` r
 that uses `store_kind` (through `config`, `storage`, `make_storage`) once on SQLite and once on
 PostgreSQL (a fresh schema per test, dropped afterwards; skipped outside CI when PostgreSQL cannot be
 reached). Every other module stays on SQLite. Read what a proxy stored through `tests/db.py`.
+
+Which transport: the test models are `openai/...` on the fake upstream, so they go through memproxy's
+own OpenAI client (`transport: auto`). A module marked `both_transports` also runs each test that
+uses `transport` (through `config`) with `transport: litellm`.
 """
 
 from __future__ import annotations
@@ -32,18 +36,26 @@ OTHER_KEY = "test-proxy-key-b"
 
 
 STORE_KINDS = ("sqlite", "postgres")
+TRANSPORTS = ("auto", "litellm")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Tests of a module marked `both_stores` run on each store; the `store_kind` fixture below
-    (SQLite) serves the rest."""
+    """Tests of a module marked `both_stores` run on each store, of one marked `both_transports` on
+    each transport; the `store_kind` and `transport` fixtures below serve the rest."""
     if "store_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_stores"):
         metafunc.parametrize("store_kind", STORE_KINDS)
+    if "transport" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_transports"):
+        metafunc.parametrize("transport", TRANSPORTS)
 
 
 @pytest.fixture
 def store_kind() -> str:
     return "sqlite"
+
+
+@pytest.fixture
+def transport() -> str:
+    return "auto"
 
 
 @pytest.fixture
@@ -88,16 +100,17 @@ CORE_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "drop", "tool_out
                                "dedupe_min_tokens": 0}
 
 
-def make_config(db: Path | StorageConfig, upstream_url: str, **memory: Any) -> Config:
+def make_config(db: Path | StorageConfig, upstream_url: str, transport: str = "auto", **memory: Any) -> Config:
     """`db`: a SQLite file, or any store (the `storage` fixture, to run on the test's store kind)."""
     return Config(
         server=ServerConfig(host="127.0.0.1", port=0),
         storage=db if isinstance(db, StorageConfig) else StorageConfig(url=f"sqlite:///{db}"),
         models=(
             ModelConfig(name="small", model="openai/small", api_base=upstream_url, api_key="upstream-secret",
-                        context_window=2000, max_output_tokens=256),
+                        context_window=2000, max_output_tokens=256, transport=transport),
             ModelConfig(name="big", model="openai/gpt-4o-mini", api_base=upstream_url,
-                        api_key="upstream-secret", context_window=100_000, max_output_tokens=1000),
+                        api_key="upstream-secret", context_window=100_000, max_output_tokens=1000,
+                        transport=transport),
         ),
         memory=MemoryConfig(**{"summarizer_model": "small", "safety_margin_tokens": 20, **CORE_MEMORY,
                                **memory}),
@@ -106,8 +119,8 @@ def make_config(db: Path | StorageConfig, upstream_url: str, **memory: Any) -> C
 
 
 @pytest.fixture
-def config(storage: StorageConfig, upstream: FakeUpstream) -> Config:
-    return make_config(storage, upstream.url)
+def config(storage: StorageConfig, upstream: FakeUpstream, transport: str) -> Config:
+    return make_config(storage, upstream.url, transport)
 
 
 class Proxy:

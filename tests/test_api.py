@@ -16,7 +16,7 @@ from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from fake_upstream import FakeUpstream, Reply
 from memproxy.typedefs import STORE
 
-pytestmark = pytest.mark.both_stores
+pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
 
 TOOLS: Any = [{  # the SDK types these as TypedDicts; the test only needs the JSON
     "type": "function",

@@ -58,6 +58,7 @@ def test_default_after_colon_dash() -> None:
         ("models: [{name: a, model: m, context_window: 100, max_output_tokens: 100}]", {},
          "models[0].max_output_tokens", "smaller than context_window"),
         ("models: [{name: a, model: m, tokenizer: bpe}]", {}, "models[0].tokenizer", "must be one of"),
+        ("models: [{name: a, model: m, transport: httpx}]", {}, "models[0].transport", "must be one of"),
         ("models: [{name: a, model: m}, {name: a, model: n}]", {}, "models[1].name", "duplicate"),
         ("storage: {url: 'mysql://x'}", {}, "storage.url", "unsupported store"),
         ("memory: {summarizer_model: nope}", {}, "memory.summarizer_model", "not a name in models"),

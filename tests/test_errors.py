@@ -19,7 +19,7 @@ from db import rows, table_rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 
-pytestmark = pytest.mark.both_stores
+pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
 
 TABLES = ("sessions", "turns", "messages")
 USER: Any = {"role": "user", "content": "hi"}

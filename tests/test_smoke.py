@@ -7,7 +7,7 @@ from db import rows
 from fake_upstream import FakeUpstream
 from memproxy.config import Config
 
-pytestmark = pytest.mark.both_stores
+pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
 
 
 async def test_remembers(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:

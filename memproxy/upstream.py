@@ -1,0 +1,208 @@
+"""memproxy's own client for OpenAI-compatible providers: the request as the client sent it, over one
+pooled aiohttp session.
+
+For a provider that already speaks the OpenAI API (OpenAI itself, vLLM, llama.cpp, Ollama, LM Studio,
+most gateways) there is nothing to translate, and litellm's `openai/` route costs 6-8 ms of CPU a
+call, most of it the OpenAI SDK re-validating every message against its types; this client costs
+about 0.3 ms (docs/benchmarks.md). Parameters go upstream byte for byte as the client sent them, the
+answer comes back as the provider wrote it. `Provider` uses this for `openai/...` models unless the
+model's `transport` says `litellm`.
+
+Errors become `UpstreamError`s with the provider's own status and message; a timeout is 504 and an
+unreachable provider 502, as on the litellm route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import aiohttp
+
+from .config import ModelConfig
+from .errors import UpstreamError
+from .messages import Message
+
+PREFIX = "openai/"
+DEFAULT_BASE = "https://api.openai.com/v1"
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 429: "rate_limit_error"}
+_CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstream_forbidden",
+          404: "upstream_not_found", 429: "rate_limit_exceeded"}
+
+
+def status_error(status: int | None, message: str, code: Any = None) -> UpstreamError:
+    """The error for a provider's HTTP status: its status (502 if it gave none that is an error),
+    an OpenAI error type for it, and its own error code where it sent a meaningful one."""
+    if not isinstance(status, int) or not 400 <= status <= 599:
+        status = 502
+    if not isinstance(code, str) or not code or code.isdigit():
+        code = _CODES.get(status, "upstream_error")
+    return UpstreamError(message, status=status, type=_TYPES.get(status, "upstream_error"), code=code)
+
+
+def unreachable(exc: BaseException) -> UpstreamError:
+    return UpstreamError(f"upstream unreachable: {exc}", status=502, code="upstream_unreachable")
+
+
+def timed_out(seconds: float) -> UpstreamError:
+    return UpstreamError(f"upstream timed out after {seconds:g} s", status=504, code="upstream_timeout")
+
+
+class OpenAIUpstream:
+    """One connection pool for every OpenAI-compatible model; created on first use, in the loop
+    that serves requests, and closed with the provider."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No pool limit: memproxy never holds more upstream calls than it has requests in flight.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                json_serialize=_dumps, skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def complete(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=model.timeout_seconds)
+        try:
+            async with self._post(model, messages, params, timeout) as response:
+                if response.status >= 400:
+                    raise await _http_error(response)
+                raw = await response.read()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise timed_out(model.timeout_seconds) from None
+        except aiohttp.ClientError as exc:
+            raise unreachable(exc) from exc
+        result = _json(raw)
+        if isinstance(result, dict) and isinstance(result.get("error"), dict):
+            raise _error_from(None, result)
+        if not isinstance(result, dict) or not isinstance(result.get("choices"), list):
+            raise UpstreamError("upstream answered with something that is not a chat completion")
+        return result
+
+    async def stream(
+        self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Chunks as dicts; the response's status and first chunk are awaited before this returns,
+        so early errors raise here. A stall between chunks longer than the timeout is a 504."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=model.timeout_seconds,
+                                        sock_read=model.timeout_seconds)
+        try:
+            response = await self._post(model, messages, {**params, "stream": True}, timeout)
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise timed_out(model.timeout_seconds) from None
+        except aiohttp.ClientError as exc:
+            raise unreachable(exc) from exc
+        chunks = _chunks(response, model.timeout_seconds)
+        try:
+            if response.status >= 400:
+                raise await _http_error(response)
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            response.release()
+            return _empty()
+        except BaseException:
+            response.release()
+            raise
+        return _rest(first, chunks, response)
+
+    def _post(self, model: ModelConfig, messages: list[Message], params: dict[str, Any],
+              timeout: aiohttp.ClientTimeout) -> Any:
+        """The request, to be awaited or used as a context manager."""
+        base = model.api_base or os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE") \
+            or DEFAULT_BASE
+        key = model.api_key if model.api_key is not None else os.environ.get("OPENAI_API_KEY")
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        body = {**params, "model": model_id(model), "messages": messages}
+        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=_dumps(body).encode(),
+                                 headers=headers, timeout=timeout)
+
+
+def model_id(model: ModelConfig) -> str:
+    """The model name the provider knows: litellm's model string without its `openai/` prefix."""
+    return model.model[len(PREFIX):] if model.model.startswith(PREFIX) else model.model
+
+
+async def _chunks(response: aiohttp.ClientResponse, timeout: float) -> AsyncGenerator[dict[str, Any], None]:
+    """The `data:` events of an SSE body, decoded, up to `[DONE]` or the end of the body."""
+    data: list[str] = []
+    try:
+        async for raw in response.content:
+            line = raw.decode("utf-8").rstrip("\r\n")
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+                continue
+            if line or not data:
+                continue  # comments, event names, ids; or a blank line between events
+            payload, data = "\n".join(data), []
+            if payload.strip() == "[DONE]":
+                return
+            chunk = _json(payload.encode())
+            if not isinstance(chunk, dict):
+                raise UpstreamError("upstream sent a stream event that is not a JSON object")
+            if isinstance(chunk.get("error"), dict):
+                raise _error_from(None, chunk)
+            yield chunk
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        raise timed_out(timeout) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
+
+
+async def _rest(first: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None],
+                response: aiohttp.ClientResponse) -> AsyncGenerator[dict[str, Any], None]:
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        response.release()
+
+
+async def _empty() -> AsyncGenerator[dict[str, Any], None]:
+    return
+    yield  # an async generator that yields nothing
+
+
+async def _http_error(response: aiohttp.ClientResponse) -> UpstreamError:
+    raw = await response.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return _error_from(response.status, body)
+    text = raw.decode("utf-8", "replace").strip()[:1000] or response.reason or "no message"
+    return status_error(response.status, text)
+
+
+def _error_from(status: int | None, body: dict[str, Any]) -> UpstreamError:
+    error = body["error"]
+    message = error.get("message")
+    return status_error(status if status is not None else error.get("status") or error.get("code"),
+                        message if isinstance(message, str) and message else "upstream error",
+                        error.get("code"))
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise UpstreamError("upstream answered with invalid JSON") from None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
