@@ -21,9 +21,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
+VIA_LITELLM = "memproxy-litellm"
 LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass-through",
-          LITELLM: "LiteLLM proxy"}
-COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", LITELLM: "#d62728"}
+          VIA_LITELLM: "memproxy, memory on, via litellm", LITELLM: "LiteLLM proxy"}
+COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", VIA_LITELLM: "#9ecae1", LITELLM: "#d62728"}
 SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
             "## 2. Throughput", "## 3. Streams", "## 4. History sweep", "## 5. Resident memory",
             "## 6. Where the time goes", "## 7. Token-cost replay", "## How it was measured")
@@ -410,9 +411,9 @@ class Report:
         self.add("## 6. Where the time goes", "",
                  "memproxy's `Server-Timing` header splits each request: `memory` is everything before the "
                  "upstream call (parsing, auth, session lock, reconcile, budget, store reads); `upstream` is "
-                 "the call through litellm (litellm's own work plus the fake upstream's answer). The direct "
-                 "path's latency is the fake upstream and client alone, so `upstream - direct` is roughly "
-                 "litellm's share, and `total - memory - upstream` the HTTP server, JSON and recording the "
+                 "the call (memproxy's OpenAI client, or litellm on the \"via litellm\" path, plus the fake "
+                 "upstream's answer). The direct path's latency is the fake upstream and client alone, so "
+                 "`upstream - direct` is roughly the client's share, and `total - memory - upstream` the HTTP server, JSON and recording the "
                  "turn. Medians of per-round p50s (ms).", "",
                  "| setting | path | total | memory | upstream | of which direct | rest |", "|---|---|---|---|---|---|---|")
         bars = []
@@ -421,7 +422,7 @@ class Report:
             settings.append((f"50 ms upstream, {c} client{'s' if c != '1' else ''}", conc[c]))
         for label, by_path in settings:
             direct = stat(by_path[DIRECT], "p50")
-            for path in (MEMORY, PASS):
+            for path in (p for p in (MEMORY, PASS, VIA_LITELLM) if p in by_path):
                 rows = by_path[path]
                 total, memory, upstream = stat(rows, "p50"), stat(rows, "memory_p50"), stat(rows, "upstream_p50")
                 rest = total - memory - upstream
@@ -431,7 +432,7 @@ class Report:
                     bars.append((LABELS[path], memory, upstream - direct, direct, rest))
         self.add("", "![Server-Timing split](bench-timing.png)", "")
         fig, ax = self.figure(8, 3.4)
-        parts = ("memory work", "litellm (upstream - direct)", "fake upstream + client (direct)",
+        parts = ("memory work", "upstream client (upstream - direct)", "fake upstream + client (direct)",
                  "HTTP, JSON, recording (rest)")
         colors = ("#2ca02c", "#ff7f0e", "#bbbbbb", "#9467bd")
         for i, (name, *values) in enumerate(bars):

@@ -53,6 +53,7 @@ PROXY_KEY = "bench-proxy-key"
 LITELLM_KEY = "sk-bench-master-key"
 ENCODING = "o200k_base"  # what memproxy's tokenizer picks for `openai/bench-model`
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
+VIA_LITELLM = "memproxy-litellm"  # memory on, through `transport: litellm`
 
 # The latency paths' memproxy: defaults, except that no summary is folded (the history sweep's
 # 100,000-message sessions would otherwise be summarised in the background during the run); turns
@@ -115,6 +116,13 @@ models:
     api_key: upstream-key
     context_window: {SWEEP_WINDOW}
     max_output_tokens: 256
+  - name: bench-litellm
+    model: openai/bench-model
+    transport: litellm
+    api_base: {upstream}/v1
+    api_key: upstream-key
+    context_window: {window}
+    max_output_tokens: 512
 memory:
 {memory_lines or "  {}"}
 auth:
@@ -234,6 +242,8 @@ def make_targets(upstream: str, memproxy: str, litellm: str | None) -> dict[str,
         MEMORY: load.Target(MEMORY, f"{memproxy}/v1/chat/completions",
                             {"Authorization": f"Bearer {PROXY_KEY}"}, sessions="lat"),
         PASS: load.Target(PASS, f"{memproxy}/v1/chat/completions", {"Authorization": f"Bearer {PROXY_KEY}"}),
+        VIA_LITELLM: load.Target(VIA_LITELLM, f"{memproxy}/v1/chat/completions",
+                                 {"Authorization": f"Bearer {PROXY_KEY}"}, model="bench-litellm", sessions="via"),
     }
     if litellm:
         targets[LITELLM] = load.Target(LITELLM, f"{litellm}/v1/chat/completions",
@@ -461,7 +471,9 @@ def settings(plan: Plan, litellm_workers: int) -> dict[str, Any]:
     return {
         "plan": asdict(plan),
         "memproxy": {"process": "one process (`memproxy serve`), SQLite store in a temp dir, log level INFO",
-                     "model": "openai/bench-model via litellm, context window 8192 (sweep model: 4096)",
+                     "model": "openai/bench-model through memproxy's own OpenAI client (`transport: auto`), context"
+                              " window 8192 (sweep model: 4096); the \"via litellm\" path: the same model with"
+                              " `transport: litellm`",
                      "memory": BENCH_MEMORY, "auth": "one proxy key"},
         "litellm_proxy": {"workers": litellm_workers, "env": servers.LITELLM_ENV,
                           "config": "master key, proxy_batch_write_at 60, disable_error_logs, request_timeout 600,"

@@ -45,7 +45,7 @@ def test_quick_bench_writes_report_and_plots(tmp_path: Path) -> None:
         assert f"({plot})" in report
 
     results = json.loads((tmp_path / "bench-results.json").read_text(encoding="utf-8"))
-    assert results["paths"] == ["direct", "memproxy-memory", "memproxy-pass"]
+    assert results["paths"] == ["direct", "memproxy-memory", "memproxy-pass", "memproxy-litellm"]
     for phase in ("cpu", "concurrency", "streams", "throughput", "history", "soak", "rss", "replay"):
         assert phase in results, phase
     memory_on = results["cpu"]["memproxy-memory"][0]
