@@ -111,6 +111,7 @@ def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
         "tenant": tenant,
         "sessions": usage.sessions,
         "turns": usage.turns,
+        "summary_calls": usage.summary_calls,
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "cost": usage.cost,

@@ -137,10 +137,7 @@ def turn_record(
         kind=turn.reconciled.kind,
         context_tokens=turn.context.tokens,
         latency_ms=latency_ms,
-        usage=Usage(
-            prompt_tokens=_int(usage, "prompt_tokens"),
-            completion_tokens=_int(usage, "completion_tokens"),
-        ),
+        usage=Usage.reported(usage),
         full_tokens=turn.full_tokens,
         cost=cost,
         title=_title(turn),
@@ -196,8 +193,3 @@ def _title(turn: PreparedTurn) -> str | None:
             if text:
                 return text.strip()[:100]
     return None
-
-
-def _int(usage: dict[str, Any] | None, key: str) -> int | None:
-    value = (usage or {}).get(key)
-    return value if isinstance(value, int) else None

@@ -33,7 +33,7 @@ from .errors import Conflict, ProxyError
 from .messages import Message
 from .provider import Provider
 from .redact import session_digest
-from .store import SessionState, Store, StoredMessage, Summary
+from .store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
 from .tokens import TokenCounter
 
 log = logging.getLogger("memproxy.summaries")
@@ -279,7 +279,8 @@ class Summarizer:
         folded: list[StoredMessage] = []
         for chunk, transcript in chunks(messages, rendered, sizes, room, counter):
             replaced = _size(chat_counter, previous) + sum(m.compact_tokens for m in chunk)
-            text, error = await self._summarise(model, previous.text if previous else None, transcript, cap)
+            text, error = await self._summarise(session, model, previous.text if previous else None,
+                                                transcript, cap)
             outcome = "failed" if error else "discarded"
             if text is not None:
                 tokens = summary_tokens(chat_counter, text)
@@ -320,14 +321,25 @@ class Summarizer:
         return max(window - cap - self._memory.safety_margin(window) - fixed - previous_tokens, 256)
 
     async def _summarise(
-        self, model: ModelConfig, previous: str | None, transcript: str, cap: int
+        self, session: SessionState, model: ModelConfig, previous: str | None, transcript: str, cap: int
     ) -> tuple[str | None, str | None]:
-        """The new summary text, or None and why (None for an empty or cut-off answer)."""
+        """The new summary text, or None and why (None for an empty or cut-off answer). Every
+        answered call is accounted to the session, whether its summary is used or not."""
+        messages = summarizer_messages(previous, transcript, cap)
+        started = time.perf_counter()
         try:
-            response = await self._provider.complete(
-                model, summarizer_messages(previous, transcript, cap), {"max_tokens": cap, "temperature": 0})
+            response = await self._provider.complete(model, messages, {"max_tokens": cap, "temperature": 0})
         except ProxyError as exc:
             return None, f"{exc.status} {exc.code}"
+        usage = response.get("usage")
+        counter = self._provider.counter(model)
+        await self._store.record_summary_call(session, SummaryCall(
+            model=model.name,
+            context_tokens=sum(counter.message(m) for m in messages),
+            usage=Usage.reported(usage),
+            latency_ms=(time.perf_counter() - started) * 1000,
+            cost=self._provider.cost(model, usage if isinstance(usage, dict) else None),
+        ))
         choice: dict[str, Any] = (response.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content")
         if choice.get("finish_reason") == "length" or not isinstance(text, str) or not text.strip():

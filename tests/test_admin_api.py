@@ -600,7 +600,8 @@ async def test_export_imports_back_exactly(
     assert exported.endswith("\n") and len(records) == len(exported.splitlines())
     kinds = [r["type"] for r in records]
     assert kinds[0] == "session" and kinds.count("session") == 1
-    assert kinds.count("turn") == 5 and kinds.count("summary") == 1
+    assert kinds.count("turn") == 6 and kinds.count("summary") == 1  # 5 chat turns, 1 summariser call
+    assert [r["kind"] for r in records if r["type"] == "turn"].count("summary") == 1
     assert kinds.count("message") == 10  # 8 on the active chain, 2 superseded
     assert records[0]["session_id"] == "orig" and records[0]["metadata"] == {"known": {"city": "Oslo"},
                                                                            "pending": None}
@@ -891,7 +892,7 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
 
     usage = await api.get("/usage")
     assert usage == {
-        "object": "usage", "tenant": "a", "sessions": 2, "turns": 6,
+        "object": "usage", "tenant": "a", "sessions": 2, "turns": 6, "summary_calls": 0,
         "prompt_tokens": sum(u["prompt_tokens"] for u in usages),
         "completion_tokens": sum(u["completion_tokens"] for u in usages),
         "cost": pytest.approx(priced_cost),
@@ -900,6 +901,39 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
         "tokens_saved": saved["long"],
     }
     assert (await api.as_(OTHER_KEY).get("/usage"))["turns"] == 0
+
+
+async def test_summariser_calls_are_spending_too(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A summariser call's tokens and cost count in its session's usage, and what it sent counts
+    against the tokens memory saved; it is not a chat turn. Discarded summaries were paid for too."""
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    api, config = api_for(http, proxy), config_of(proxy)
+    for i in range(3):
+        upstream.enqueue(Reply(content=f"answer {i}", usage={"prompt_tokens": 100, "completion_tokens": 10}))
+        await chat(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
+    before = await api.get("/usage")
+    bloated = Reply(content=words(2000, "bloat"), usage={"prompt_tokens": 400, "completion_tokens": 300})
+    upstream.summarizer = lambda received: bloated
+    assert (await api.post("/sessions/s1/compact"))["outcome"] == "discarded"  # not smaller: thrown away
+    upstream.summarizer = lambda received: Reply(content="The user asked three questions.",
+                                                 usage={"prompt_tokens": 300, "completion_tokens": 7})
+    assert (await api.post("/sessions/s1/compact"))["outcome"] == "applied"
+
+    [first, second] = rows(config, "SELECT model, context_tokens, prompt_tokens, completion_tokens, full_tokens"
+                                   " FROM turns WHERE kind = 'summary' ORDER BY id")
+    assert first[0] == "small" and first[2:] == (400, 300, 0) and second[2:] == (300, 7, 0)
+    summariser_sent = first[1] + second[1]
+    assert first[1] > 0 and first[1] == second[1]  # the same request, counted as the summariser sends it
+    after = await api.get("/usage")
+    assert after == {**before, "summary_calls": 2, "prompt_tokens": before["prompt_tokens"] + 700,
+                     "completion_tokens": before["completion_tokens"] + 307,
+                     "context_tokens": before["context_tokens"] + summariser_sent,
+                     "tokens_saved": before["tokens_saved"] - summariser_sent}
+    listed = (await api.get("/sessions"))["data"][0]["usage"]
+    assert listed["turns"] == 3 and listed["prompt_tokens"] == 300 + 700
+    assert listed["tokens_saved"] == after["tokens_saved"]
 
 
 # --- retention ----------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import pytest
 
 from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import NewMessage, SessionState, SQLiteStore, Store, Summary, Totals, TurnRecord, Usage
+from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
+                            Usage)
 from memproxy.store.sqlite import QUERIES, migrations
 from stores import StoreUnderTest, store_under_test
 
@@ -193,6 +194,23 @@ async def test_usage_and_system_prompt_are_kept(open_store: Opener, backend: Sto
     assert after is not None and after.system == system  # a turn without a system prompt keeps the last
     usage = await backend.query("SELECT prompt_tokens, completion_tokens, model FROM turns ORDER BY id")
     assert usage == [(7, 3, "small"), (7, 3, "small")]
+
+
+async def test_summariser_calls_count_in_usage_but_not_as_turns(open_store: Opener) -> None:
+    store, reader = await open_store(), await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a")]))
+    session = await store.get_session("t", "s")
+    assert session is not None
+    await store.record_summary_call(session, SummaryCall("small", 200, Usage(180, 20), 12.5, cost=0.5))
+    usage = await reader.usage("t")
+    assert (usage.turns, usage.summary_calls) == (1, 1)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cost) == (7 + 180, 3 + 20, 0.5)
+    assert (usage.context_tokens, usage.full_tokens) == (123 + 200, 0)  # turn() records no full_tokens
+    [info], _ = await reader.list_sessions("t", 10)
+    assert (info.turns, info.prompt_tokens, info.cost) == (1, 187, 0.5)
+    await store.delete_session(session)
+    await store.record_summary_call(session, SummaryCall("small", 200, Usage(), 1.0))  # gone: nothing
+    assert (await reader.usage("t")).summary_calls == 0
 
 
 def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:

@@ -86,6 +86,25 @@ class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
+    @classmethod
+    def reported(cls, usage: Any) -> Usage:
+        """From a provider's `usage` object, keeping only counts that are integers."""
+        counts = usage if isinstance(usage, dict) else {}
+        prompt, completion = counts.get("prompt_tokens"), counts.get("completion_tokens")
+        return cls(prompt if isinstance(prompt, int) else None,
+                   completion if isinstance(completion, int) else None)
+
+
+@dataclass(frozen=True)
+class SummaryCall:
+    """One answered call to the summariser model, whatever came of its summary: what it cost."""
+
+    model: str
+    context_tokens: int  # of the request, as memproxy counts it
+    usage: Usage
+    latency_ms: float
+    cost: float | None = None
+
 
 @dataclass(frozen=True)
 class TurnRecord:
@@ -153,12 +172,13 @@ class MessageRecord:
 @dataclass(frozen=True)
 class UsageTotals:
     sessions: int
-    turns: int
+    turns: int  # chat turns; summariser calls are counted apart, their tokens and cost included
     prompt_tokens: int
     completion_tokens: int
     cost: float | None
-    context_tokens: int  # what memproxy sent
+    context_tokens: int  # what memproxy sent, summariser calls included
     full_tokens: int  # what resending everything would have sent
+    summary_calls: int = 0
 
     @property
     def tokens_saved(self) -> int:
@@ -195,6 +215,12 @@ class Store(Protocol):
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
         """The newest summary covering at most `upto` messages that are still the active history."""
+        ...
+
+    async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
+        """Account a summariser call to its session (a `turns` row of kind `summary`, which sends
+        nothing a full history would have: it counts against the tokens memory saved); nothing if
+        the session is gone."""
         ...
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:

@@ -25,6 +25,7 @@ from .base import (
     SessionState,
     StoredMessage,
     Summary,
+    SummaryCall,
     Totals,
     TurnRecord,
     UsageTotals,
@@ -67,6 +68,8 @@ QUERIES = {
 # The columns an export carries, as they are named in the tables and in the export records.
 _SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
                     " history_mode, title, metadata")
+# Turns of chat, not summariser calls (`turns` rows of kind `summary`), in a LEFT JOIN on turns `t`.
+_CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind <> 'summary' THEN 1 ELSE 0 END), 0)"
 _TURN_COLUMNS = ("created_at, model, kind, context_tokens, prompt_tokens, completion_tokens, latency_ms,"
                  " cost, full_tokens")
 _MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, chain_hash, created_at,"
@@ -233,6 +236,15 @@ class SQLStore:
                 (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
                  turn.history_mode, turn.title, pk))
 
+    async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
+        async with self._db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+                " completion_tokens, latency_ms, cost, full_tokens)"
+                " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
+                (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
+                 call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
         async with self._db.transaction() as tx:
             await self._lock_session(tx, session.tenant, session.session_id)
@@ -292,7 +304,7 @@ class SQLStore:
         rows = await self._db.fetch(
             f"WITH page AS (SELECT {columns} FROM sessions WHERE {where}"
             " ORDER BY updated_at DESC, pk DESC LIMIT ?)"
-            " SELECT page.*, count(t.id), coalesce(sum(t.prompt_tokens), 0),"
+            f" SELECT page.*, {_CHAT_TURNS}, coalesce(sum(t.prompt_tokens), 0),"
             " coalesce(sum(t.completion_tokens), 0), sum(t.cost),"
             " coalesce(sum(coalesce(t.full_tokens, t.context_tokens) - t.context_tokens), 0),"
             " (SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = page.pk)"
@@ -344,16 +356,17 @@ class SQLStore:
 
     async def usage(self, tenant: str | None) -> UsageTotals:
         row = await self._one(
-            "SELECT count(DISTINCT s.pk), count(t.id), coalesce(sum(t.prompt_tokens), 0),"
+            f"SELECT count(DISTINCT s.pk), {_CHAT_TURNS}, coalesce(sum(t.prompt_tokens), 0),"
             " coalesce(sum(t.completion_tokens), 0), sum(t.cost), coalesce(sum(t.context_tokens), 0),"
-            " coalesce(sum(coalesce(t.full_tokens, t.context_tokens)), 0)"
+            " coalesce(sum(coalesce(t.full_tokens, t.context_tokens)), 0),"
+            " coalesce(sum(CASE WHEN t.kind = 'summary' THEN 1 ELSE 0 END), 0)"
             " FROM sessions s LEFT JOIN turns t ON t.session_pk = s.pk"
             " WHERE (CAST(? AS TEXT) IS NULL OR s.tenant = ?)",
             (tenant, tenant))
         assert row is not None
         return UsageTotals(sessions=int(row[0]), turns=int(row[1]), prompt_tokens=int(row[2]),
                            completion_tokens=int(row[3]), cost=None if row[4] is None else float(row[4]),
-                           context_tokens=int(row[5]), full_tokens=int(row[6]))
+                           context_tokens=int(row[5]), full_tokens=int(row[6]), summary_calls=int(row[7]))
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
         head = await self._one(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))
