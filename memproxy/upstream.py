@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from . import __version__
 from .config import ModelConfig
 from .errors import UpstreamError
 from .messages import Message
@@ -67,9 +68,10 @@ class OpenAIUpstream:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No pool limit: memproxy never holds more upstream calls than it has requests in flight.
+            # `trust_env`: HTTP(S)_PROXY and NO_PROXY apply, as they do to litellm's clients.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-                json_serialize=_dumps, skip_auto_headers=("User-Agent",),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), trust_env=True,
+                headers={"User-Agent": f"memproxy/{__version__}"},
             )
         return self._session
 

@@ -3,112 +3,26 @@
 
 from __future__ import annotations
 
-import os
-import queue
-import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
+import processes
 from conftest import PROXY_KEY
 from fake_upstream import FakeUpstream
-
-START_TIMEOUT = 60.0
-
-
-def memproxy_command() -> list[str]:
-    script = Path(sys.executable).parent / "memproxy"
-    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from memproxy.cli "
-                                                  "import main; sys.exit(main())"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPROXY_TEST_")}
-    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
-    env.update(extra)
-    return env
-
+from processes import Served, clean_env, memproxy_command, serve_one, sqlite_storage
 
 def write_config(path: Path, upstream_url: str, db: Path, extra: str = "") -> Path:
-    path.write_text(f"""\
-server:
-  host: 127.0.0.1
-  port: 0
-storage:
-  url: "sqlite:///{db}"
-models:
-  - name: small
-    model: openai/small
-    api_base: {upstream_url}
-    api_key: ${{MEMPROXY_TEST_UPSTREAM_KEY}}
-    context_window: 2000
-    max_output_tokens: 256
-memory:
-  summarizer_model: small
-auth:
-  keys:
-    - {{key: "{PROXY_KEY}", tenant: a}}
-{extra}""", encoding="utf-8")
-    return path
+    """The upstream key comes from the environment, as a deployment would take it."""
+    return processes.write_config(path, upstream_url, sqlite_storage(db),
+                                  api_key="${MEMPROXY_TEST_UPSTREAM_KEY}", extra=extra)
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[str]
-    url: str
-    stderr: Path
-
-    def client(self, session: str = "s1") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=PROXY_KEY, max_retries=0,
-                             default_headers={"X-Session-Id": session})
-
-    def stop(self) -> int:
-        """SIGTERM, as a service manager stops it; the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        return code
-
-
-def start_server(config: Path, stderr: Path, *args: str) -> Server:
-    """`memproxy serve`, returned once it has printed the address it listens on."""
-    with stderr.open("w") as err:
-        process = subprocess.Popen(
-            [*memproxy_command(), "serve", "-c", str(config), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=err, text=True,
-            env=clean_env(MEMPROXY_TEST_UPSTREAM_KEY="upstream-secret"),
-        )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        assert process.stdout is not None
-        lines.put(process.stdout.readline())  # readline blocks: read it off the test's thread
-
-    while True:
-        threading.Thread(target=read, daemon=True).start()
-        try:
-            line = lines.get(timeout=START_TIMEOUT)
-        except queue.Empty:
-            process.kill()
-            process.wait()
-            raise AssertionError(f"memproxy did not start: {stderr.read_text()}") from None
-        if not line:
-            process.wait()
-            raise AssertionError(f"memproxy exited with {process.returncode}: {stderr.read_text()}")
-        if "listening on " in line:
-            return Server(process, line.split("listening on ", 1)[1].strip(), stderr)
+def start_server(config: Path, log: Path) -> Served:
+    return serve_one(config, log, env=clean_env(MEMPROXY_TEST_UPSTREAM_KEY="upstream-secret"))
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -117,23 +31,23 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def server(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp("cli-server")
     config = write_config(folder / "memproxy.yaml", upstream_server.url, folder / "memproxy.db")
     running = start_server(config, folder / "stderr.log")
     yield running
-    assert running.stop() == 0, running.stderr.read_text()
+    assert running.stop() == 0, running.log.read_text()
 
 
 # --- the synchronous SDK against a real process ----------------------------------------------------
 
 
-def test_serve_prints_a_loopback_address(server: Server) -> None:
+def test_serve_prints_a_loopback_address(server: Served) -> None:
     assert server.url.startswith("http://127.0.0.1:")
     assert int(server.url.rsplit(":", 1)[1]) > 0  # --port 0 picked a free port and says which
 
 
-def test_sync_client_non_stream_remembers(server: Server, upstream: FakeUpstream) -> None:
+def test_sync_client_non_stream_remembers(server: Served, upstream: FakeUpstream) -> None:
     with server.client(session="sync-plain") as client:
         first = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
         assert first.choices[0].message.content == "reply 1"
@@ -150,7 +64,7 @@ def test_sync_client_non_stream_remembers(server: Server, upstream: FakeUpstream
     assert upstream.last().headers["Authorization"] == "Bearer upstream-secret"  # from ${ENV_VAR}
 
 
-def test_sync_client_stream(server: Server, upstream: FakeUpstream) -> None:
+def test_sync_client_stream(server: Served, upstream: FakeUpstream) -> None:
     with server.client(session="sync-stream") as client:
         stream = client.chat.completions.create(model="small", stream=True,
                                                 messages=[{"role": "user", "content": "count"}])
@@ -166,7 +80,7 @@ def test_sync_client_stream(server: Server, upstream: FakeUpstream) -> None:
     ]
 
 
-def test_sync_client_errors(server: Server, upstream: FakeUpstream) -> None:
+def test_sync_client_errors(server: Served, upstream: FakeUpstream) -> None:
     with server.client() as client:
         with pytest.raises(openai.NotFoundError) as caught:
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -190,7 +104,7 @@ def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> No
                 model="small", messages=[{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "my name is Ada"}])
     finally:
-        assert first.stop() == 0, first.stderr.read_text()
+        assert first.stop() == 0, first.log.read_text()
     assert (tmp_path / "data" / "memproxy.db").exists()
 
     second = start_server(config, tmp_path / "second.log")
@@ -200,7 +114,7 @@ def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> No
             client.chat.completions.create(model="small",
                                            messages=[{"role": "user", "content": "what is my name?"}])
     finally:
-        assert second.stop() == 0, second.stderr.read_text()
+        assert second.stop() == 0, second.log.read_text()
     assert upstream.last().messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "my name is Ada"},

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
-import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,13 +25,12 @@ from typing import Any
 import openai
 import pytest
 
-from conftest import PROXY_KEY
 from db import rows, run_async
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import StorageConfig
 from memproxy.store.sqlite import migrations
 from stores import POSTGRES_URL, StoreUnderTest, require_postgres, store_under_test
-from test_cli import START_TIMEOUT, clean_env, memproxy_command
+from processes import Served, serve, write_config
 
 Message = dict[str, Any]
 
@@ -51,89 +48,8 @@ memory:
 """
 
 
-def write_config(path: Path, upstream_url: str, schema: str) -> Path:
-    path.write_text(f"""\
-server:
-  host: 127.0.0.1
-  port: 0
-storage:
-  url: "{POSTGRES_URL}"
-  schema: {schema}
-  pool_max_size: 4
-models:
-  - name: small
-    model: openai/small
-    api_base: {upstream_url}
-    api_key: upstream-secret
-    context_window: 2000
-    max_output_tokens: 256
-{MEMORY}auth:
-  keys:
-    - {{key: "{PROXY_KEY}", tenant: a}}
-""", encoding="utf-8")
-    return path
-
-
-@dataclass
-class Replica:
-    process: subprocess.Popen[str]
-    url: str
-    log: Path
-
-    def client(self, session: str) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=PROXY_KEY, max_retries=0,
-                                  default_headers={"X-Session-Id": session})
-
-    def stop(self) -> int:
-        """SIGTERM (a no-op on one already killed); the exit code."""
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            code = self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        return code
-
-
-def start_replicas(config: Path, logs: list[Path]) -> list[Replica]:
-    """One `memproxy serve` per log file, all launched before any is waited for (so they start, and
-    migrate, at the same time); returned once each has printed its address."""
-    processes = []
-    for log in logs:
-        with log.open("w") as err:
-            processes.append(subprocess.Popen(
-                [*memproxy_command(), "serve", "-c", str(config), "--port", "0"],
-                stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()))
-    lines: queue.Queue[tuple[int, str]] = queue.Queue()
-
-    def read(i: int, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        while line := process.stdout.readline():  # readline blocks: read off the test's thread
-            if "listening on " in line:
-                lines.put((i, line.split("listening on ", 1)[1].strip()))
-                return
-        lines.put((i, ""))
-
-    for i, process in enumerate(processes):
-        threading.Thread(target=read, args=(i, process), daemon=True).start()
-    urls: dict[int, str] = {}
-    try:
-        while len(urls) < len(processes):
-            i, url = lines.get(timeout=START_TIMEOUT)
-            if not url:
-                raise AssertionError(f"replica {i} exited: {logs[i].read_text()}")
-            urls[i] = url
-    except BaseException:
-        for process in processes:
-            process.kill()
-            process.wait()
-            assert process.stdout is not None
-            process.stdout.close()
-        raise
-    return [Replica(process, urls[i], logs[i]) for i, process in enumerate(processes)]
+def postgres_storage(schema: str) -> str:
+    return f'  url: "{POSTGRES_URL}"\n  schema: {schema}\n  pool_max_size: 4\n'
 
 
 def new_schema(tmp_path: Path) -> StorageConfig:
@@ -148,9 +64,9 @@ def drop_schema(storage: StorageConfig) -> None:
 
 @dataclass
 class Cluster:
-    a: Replica
-    b: Replica
-    victim: Replica  # the one killed mid-stream
+    a: Served
+    b: Served
+    victim: Served  # the one killed mid-stream
     storage: StorageConfig
 
 
@@ -161,10 +77,11 @@ def cluster(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFact
     assert storage.schema is not None
     assert rows(StorageConfig(url=POSTGRES_URL), "SELECT count(*) FROM pg_namespace WHERE nspname = ?",
                 storage.schema) == [(0,)]  # fresh: the replicas create the schema and migrate it together
-    config = write_config(folder / "memproxy.yaml", upstream_server.url, storage.schema)
-    replicas: list[Replica] = []
+    config = write_config(folder / "memproxy.yaml", upstream_server.url, postgres_storage(storage.schema),
+                          memory=MEMORY)
+    replicas: list[Served] = []
     try:
-        replicas = start_replicas(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
+        replicas = serve(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
         yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage)
     finally:
         codes = {r.log.name: r.stop() for r in replicas}
@@ -246,7 +163,7 @@ async def test_turns_alternating_between_replicas_see_one_history(
     turn before; each message is stored once. `full`: the client resends its history; `new`: only
     the new turn."""
     session = session_id(f"alternate-{style}")
-    clients = [cluster.a.client(session), cluster.b.client(session)]
+    clients = [cluster.a.async_client(session), cluster.b.async_client(session)]
     history: list[Message] = []
     try:
         for i in range(4):
@@ -272,7 +189,7 @@ async def overlapping_turns(
     on the same stored history; then let both answers go. Their replies."""
     gates = (threading.Event(), threading.Event())
     upstream.enqueue(Reply(content="answer via A", gate=gates[0]), Reply(content="answer via B", gate=gates[1]))
-    clients = (cluster.a.client(session), cluster.b.client(session))
+    clients = (cluster.a.async_client(session), cluster.b.async_client(session))
     tasks: list[asyncio.Task[str]] = []
     try:
         tasks.append(asyncio.create_task(chat(clients[0], requests[0])))
@@ -293,7 +210,7 @@ async def overlapping_turns(
 
 
 async def first_turn(cluster: Cluster, upstream: FakeUpstream, session: str) -> list[Message]:
-    client = cluster.a.client(session)
+    client = cluster.a.async_client(session)
     try:
         reply = await chat(client, [user("q1")])
     finally:
@@ -323,7 +240,7 @@ async def test_concurrent_new_turns_on_two_replicas_are_both_kept_once(
     assert rows(cluster.storage, "SELECT count(*) FROM sessions WHERE session_id = ?", session) == [(1,)]
 
     # The next turn, on either replica, goes out with both.
-    client = cluster.b.client(session)
+    client = cluster.b.async_client(session)
     try:
         await chat(client, [user("after both")])
     finally:
@@ -350,7 +267,7 @@ async def test_concurrent_full_history_turns_are_both_kept_and_the_next_one_rewr
 
     # A's client continues from what it saw: history, its own turn, a new question.
     view_a = [*history, *turn_a, user("next via A")]
-    client = cluster.a.client(session)
+    client = cluster.a.async_client(session)
     try:
         raw = await client.chat.completions.with_raw_response.create(model="small", messages=view_a)  # type: ignore[arg-type]
         reply = raw.parse().choices[0].message.content or ""
@@ -381,7 +298,7 @@ async def test_one_summarisation_per_session_across_replicas(cluster: Cluster, u
         return Reply(content="The user asked about alpha and beta; both were answered.", gate=release)
 
     upstream.summarizer = summarizer
-    a, b = cluster.a.client(session), cluster.b.client(session)
+    a, b = cluster.a.async_client(session), cluster.b.async_client(session)
     long_words = " ".join(f"alpha{i} beta{i}" for i in range(90))
     try:
         await chat(a, [user(f"first: {long_words}")])  # under the threshold: no fold
@@ -416,7 +333,7 @@ async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continu
     cluster: Cluster, upstream: FakeUpstream
 ) -> None:
     session = session_id("killed")
-    victim = cluster.victim.client(session)
+    victim = cluster.victim.async_client(session)
     held = threading.Event()
     try:
         first = await chat(victim, [user("q1")])
@@ -441,7 +358,7 @@ async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continu
     assert stored(cluster.storage, session) == expected  # nothing of the cut turn
     assert turn_count(cluster.storage, session) == 1
     # The other replica serves the retry: q2 once, no trace of the partial answer.
-    client = cluster.a.client(session)
+    client = cluster.a.async_client(session)
     try:
         reply = await chat(client, [user("q2")])
     finally:

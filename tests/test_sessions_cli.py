@@ -26,7 +26,7 @@ import pytest
 
 from conftest import OTHER_KEY, PROXY_KEY
 from fake_upstream import FakeUpstream, Reply
-from test_cli import Server, memproxy_command, clean_env, start_server
+from processes import Served, clean_env, memproxy_command, serve_one, sqlite_storage, write_config
 
 Message = dict[str, Any]
 ADMIN_KEY = "cli-admin-key-123"
@@ -46,14 +46,14 @@ def assistant(text: str) -> Message:
 
 @dataclass
 class Setup:
-    server: Server
+    server: Served
     config: Path
     db: Path
     printed: list[str]  # the server's standard output so far
 
     def server_output(self) -> str:
         """Everything the server logged (standard error) and printed (standard output) so far."""
-        return self.server.stderr.read_text(encoding="utf-8") + "".join(self.printed)
+        return self.server.log.read_text(encoding="utf-8") + "".join(self.printed)
 
     def chat(self, session: str, messages: list[Message], key: str = PROXY_KEY, model: str = "small",
              **headers: str) -> str:
@@ -94,43 +94,22 @@ class Setup:
             return int(db.execute(sql, params).fetchone()[0])
 
 
-def write_config(path: Path, upstream_url: str, db: Path) -> Path:
-    path.write_text(f"""\
-server:
-  host: 127.0.0.1
-  port: 0
-storage:
-  url: "sqlite:///{db}"
-models:
-  - name: small
-    model: openai/small
-    api_base: {upstream_url}
-    api_key: upstream-secret
-    context_window: 2000
-    max_output_tokens: 256
-  - name: big
-    model: openai/gpt-4o-mini
-    api_base: {upstream_url}
-    api_key: upstream-secret
-    context_window: 100000
-    max_output_tokens: 1000
-memory:
-  summarizer_model: small
+AUTH = f"""\
 auth:
   keys:
     - {{key: "{PROXY_KEY}", tenant: a}}
     - {{key: "{OTHER_KEY}", tenant: b}}
   admin_keys: ["{ADMIN_KEY}"]
-""", encoding="utf-8")
-    return path
+"""
 
 
 @pytest.fixture(scope="module")
 def setup(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     folder = tmp_path_factory.mktemp("sessions-cli")
     db = folder / "memproxy.db"
-    config = write_config(folder / "memproxy.yaml", upstream_server.url, db)
-    server = start_server(config, folder / "server.log", "--log-level", "DEBUG")
+    config = write_config(folder / "memproxy.yaml", upstream_server.url, sqlite_storage(db), big_model=True,
+                          auth=AUTH)
+    server = serve_one(config, folder / "server.log", "--log-level", "DEBUG")
     # At DEBUG litellm prints to standard output: drain it, or the server blocks on a full pipe.
     stdout = server.process.stdout
     assert stdout is not None
@@ -144,7 +123,7 @@ def setup(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactor
         code = server.process.wait(timeout=30)
         drain.join(10)
         server.stop()
-    assert code == 0, server.stderr.read_text()
+    assert code == 0, server.log.read_text()
 
 
 @pytest.fixture

@@ -165,6 +165,7 @@ async def test_base_url_and_key_default_to_the_openai_environment(
             body = await response.json()
     headers, sent = raw.received[-1]
     assert headers["Authorization"] == "Bearer key-from-env"
+    assert headers["User-Agent"].startswith("memproxy/")
     assert sent == {"model": "small", "messages": [USER]}
     assert body == answer  # the provider's answer, fields memproxy does not know included
 
