@@ -81,8 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               "127.0.0.1, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # aiosqlite's DEBUG records quote every SQL parameter: message content, session metadata.
-    logging.getLogger("aiosqlite").setLevel(logging.INFO)
     try:
         asyncio.run(_serve(config))
     except ConfigError as exc:  # found at start, e.g. a model whose context window is unknown

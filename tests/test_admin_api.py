@@ -653,8 +653,8 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # memproxy and aiohttp at every level; the rest at `serve`'s default level (at DEBUG, aiosqlite
-    # quotes SQL parameters: `serve` keeps it quiet, checked in test_sessions_cli.py).
+    # memproxy and aiohttp at every level; the rest at `serve`'s default level (test_sessions_cli.py
+    # runs a server at DEBUG and checks the same).
     caplog.set_level(logging.INFO)
     for name in ("memproxy", "aiohttp"):
         caplog.set_level(logging.DEBUG, logger=name)

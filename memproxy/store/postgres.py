@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
-from .sql import Row, SQLStore
+from .sql import Row, Script, SQLStore, run_script_async
 from .sqlite import migrations, statements
+
+
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=1024)
@@ -55,6 +58,10 @@ class PostgresBackend:
         async with self._pool.acquire() as conn:
             async with conn.transaction():
                 yield _Transaction(conn)
+
+    async def write(self, script: Script[T]) -> T:
+        async with self.transaction() as tx:
+            return await run_script_async(script, tx)
 
     async def close(self) -> None:
         await self._pool.close()

@@ -1,7 +1,9 @@
 """The Store, written once in the SQL that SQLite and PostgreSQL share.
 
-A `Backend` supplies three things: reads that see only committed data, write transactions, and the
-dialect's row lock. Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING`
+A `Backend` supplies four things: reads that see only committed data, write transactions, write
+scripts, and the dialect's row lock. A script is a write as a generator of statements, each `yield`
+answered with that statement's rows: the same code runs statement by statement on PostgreSQL and
+whole in one trip to SQLite's writer thread (`record_turn`, the write every turn makes). Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING`
 for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
 
 Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
@@ -14,9 +16,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..errors import Conflict
 from .base import (
@@ -32,6 +34,9 @@ from .base import (
 )
 
 Row = Sequence[Any]
+T = TypeVar("T")
+Step = tuple[str, Sequence[Any]]
+Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
 _HASH_CHUNK = 500
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
@@ -95,7 +100,33 @@ class Backend(Protocol):
 
     def transaction(self) -> AbstractAsyncContextManager[Transaction]: ...
 
+    async def write(self, script: Script[T]) -> T:
+        """Run a script in one write transaction, rolled back if it raises."""
+        ...
+
     async def close(self) -> None: ...
+
+
+def run_script(script: Script[T], fetch: Callable[[str, Sequence[Any]], list[Row]]) -> T:
+    """Drive a script with a synchronous `fetch`."""
+    try:
+        step = next(script)
+        while True:
+            step = script.send(fetch(*step))
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def run_script_async(script: Script[T], tx: Transaction) -> T:
+    """Drive a script statement by statement in a transaction."""
+    try:
+        step = next(script)
+        while True:
+            step = script.send(await tx.fetch(*step))
+    except StopIteration as done:
+        result: T = done.value
+        return result
 
 
 class SQLStore:
@@ -185,56 +216,58 @@ class SQLStore:
         return rows[0] if rows else None
 
     async def record_turn(self, turn: TurnRecord) -> None:
-        now = time.time()
-        async with self._db.transaction() as tx:
-            row = await self._lock_session(tx, turn.tenant, turn.session_id)
-            if row is not None and turn.replaces_expired:
-                await tx.execute("DELETE FROM sessions WHERE pk = ?", (row[0],))
-                row = None
-            if row is None:
-                if turn.expected_length != 0:
-                    raise Conflict("the session was deleted while this turn was in flight")
-                created = await tx.fetch(
-                    "INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
-                    " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
-                    (turn.tenant, turn.session_id, now, now))
-                if not created:  # another replica created it meanwhile
-                    raise Conflict("the session changed while this turn was in flight; retry it")
-                pk = int(created[0][0])
-            else:
-                pk = int(row[0])
-                if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
-                    raise Conflict("the session changed while this turn was in flight; retry it")
-            if turn.base < turn.expected_length:
-                await tx.execute(QUERIES["supersede"], (pk, turn.base))
-            parents = await tx.fetch(QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
-            parent_id = parents[0][0] if parents else None
-            [(turn_id,)] = await tx.fetch(
-                "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
-                " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " RETURNING id",
-                (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
-                 turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens))
-            seq, head_hash = turn.base, turn.base_hash
-            cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
-            for message in turn.messages:
-                compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
-                [(parent_id,)] = await tx.fetch(
-                    "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
-                    " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
-                    " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                    (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
-                     message.tokens, cum, int(message.unit_start), message.chain_hash, now,
-                     None if message.compact_body is None else _dumps(message.compact_body),
-                     compact_tokens, compact_cum))
-                seq, head_hash = seq + 1, message.chain_hash
-                cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
-            await tx.execute(
-                "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
-                " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-                " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
-                (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
-                 turn.history_mode, turn.title, pk))
+        await self._db.write(self._record_turn(turn, time.time()))
+
+    def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
+        rows = yield ("SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
+                      + self._db.row_lock, (turn.tenant, turn.session_id))
+        row = rows[0] if rows else None
+        if row is not None and turn.replaces_expired:
+            yield "DELETE FROM sessions WHERE pk = ?", (row[0],)
+            row = None
+        if row is None:
+            if turn.expected_length != 0:
+                raise Conflict("the session was deleted while this turn was in flight")
+            created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
+                             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+                             (turn.tenant, turn.session_id, now, now))
+            if not created:  # another replica created it meanwhile
+                raise Conflict("the session changed while this turn was in flight; retry it")
+            pk = int(created[0][0])
+        else:
+            pk = int(row[0])
+            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+                raise Conflict("the session changed while this turn was in flight; retry it")
+        if turn.base < turn.expected_length:
+            yield QUERIES["supersede"], (pk, turn.base)
+        parents = (yield QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
+        parent_id = parents[0][0] if parents else None
+        [(turn_id,)] = yield (
+            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+            " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " RETURNING id",
+            (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
+             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens))
+        seq, head_hash = turn.base, turn.base_hash
+        cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
+        for message in turn.messages:
+            compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+            [(parent_id,)] = yield (
+                "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
+                " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
+                " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
+                 message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                 None if message.compact_body is None else _dumps(message.compact_body),
+                 compact_tokens, compact_cum))
+            seq, head_hash = seq + 1, message.chain_hash
+            cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
+        yield (
+            "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
+            " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
+            " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
+            (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
+             turn.history_mode, turn.title, pk))
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
         async with self._db.transaction() as tx:
