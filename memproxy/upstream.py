@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import urllib.parse
+import urllib.request
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -59,6 +61,7 @@ class OpenAIUpstream:
 
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._proxies: dict[str, str | None] = {}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -68,9 +71,10 @@ class OpenAIUpstream:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No pool limit: memproxy never holds more upstream calls than it has requests in flight.
-            # `trust_env`: HTTP(S)_PROXY and NO_PROXY apply, as they do to litellm's clients.
+            # Not `trust_env`: it reads the environment and ~/.netrc on every request (0.6-0.8 ms of
+            # CPU each here); `_proxy` reads the proxy settings once per base URL instead.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), trust_env=True,
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                 headers={"User-Agent": f"memproxy/{__version__}"},
             )
         return self._session
@@ -130,7 +134,16 @@ class OpenAIUpstream:
             headers["Authorization"] = f"Bearer {key}"
         body = {**params, "model": model_id(model), "messages": messages}
         return self._http().post(f"{base.rstrip('/')}/chat/completions", data=_dumps(body).encode(),
-                                 headers=headers, timeout=timeout)
+                                 headers=headers, timeout=timeout, proxy=self._proxy(base))
+
+    def _proxy(self, base: str) -> str | None:
+        """The proxy HTTP(S)_PROXY names for this URL unless NO_PROXY exempts it, as litellm's
+        clients would use; read once per base URL."""
+        if base not in self._proxies:
+            url = urllib.parse.urlsplit(base)
+            bypass = urllib.request.proxy_bypass(url.hostname or "")
+            self._proxies[base] = None if bypass else urllib.request.getproxies_environment().get(url.scheme)
+        return self._proxies[base]
 
 
 def model_id(model: ModelConfig) -> str:

@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from conftest import PROXY_KEY, Proxy, replace_model
+from test_errors import closed_port
 from db import rows
 from memproxy.config import Config, ModelConfig
 from memproxy.provider import transport
@@ -168,6 +169,35 @@ async def test_base_url_and_key_default_to_the_openai_environment(
     assert headers["User-Agent"].startswith("memproxy/")
     assert sent == {"model": "small", "messages": [USER]}
     assert body == answer  # the provider's answer, fields memproxy does not know included
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["through-proxy", "no-proxy"])
+async def test_proxy_environment_is_honoured(
+    start_proxy: Callable[[Config], Any], config: Config, provider: tuple[RawProvider, str],
+    monkeypatch: pytest.MonkeyPatch, bypass: bool,
+) -> None:
+    """HTTP_PROXY routes the call through a proxy (here the raw server plays it, in front of a
+    provider address that does not answer); NO_PROXY exempts the provider's host."""
+    raw, url = provider
+    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", url.removesuffix("/v1"))
+    if bypass:
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    proxy: Proxy = await start_proxy(replace_model(config, api_base=f"http://127.0.0.1:{closed_port()}/v1"))
+    answer = {"id": "x", "object": "chat.completion", "created": 1, "model": "small",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "via proxy"},
+                           "finish_reason": "stop"}]}
+    raw.script.append(Raw([json.dumps(answer).encode()], content_type="application/json"))
+    client = proxy.client()
+    if bypass:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="small", messages=[USER])
+        assert caught.value.status_code == 502 and raw.received == []
+        return
+    response = await client.chat.completions.create(model="small", messages=[USER])
+    assert response.choices[0].message.content == "via proxy"
+    assert [sent["messages"] for _, sent in raw.received] == [[USER]]
 
 
 @pytest.mark.parametrize(
