@@ -261,7 +261,8 @@ async def context(
                    "input_tokens": budget.input_tokens},
         "tokens": ctx.tokens,
         "expired": turn.expired,
-        "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize",
+        "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize"
+        and summarizer.may_fold(tenant, session.session_id),
         "parts": parts,
         "messages": [wire_form(m) for m in sent],
     }

@@ -62,7 +62,7 @@ class Context:
     tokens: int  # counted tokens of the whole request
     included: int  # stored messages sent
     omitted: int  # stored messages not sent (summarised or left out)
-    unsummarised_omitted: int  # of those, the ones no summary covers
+    unsummarised_omitted: int  # of those, the ones no summary sent stands for
     first_sent: int  # position of the first stored message sent
     mandatory_start: int  # stored messages from here on must be sent
     base_totals: Totals  # tokens of the stored history kept before the new messages
@@ -76,11 +76,13 @@ def summary_message(text: str) -> Message:
     return {"role": "system", "content": SUMMARY_PREFIX + text}
 
 
-def marker_message(left_out: int) -> Message:
+def marker_message(left_out: int, summarised: bool = False) -> Message:
+    """`summarised`: some of them are in a summary that did not fit either."""
+    why = "" if summarised else " and have not been summarised yet"
     return {
         "role": "system",
         "content": f"[{left_out} earlier messages of this conversation are not shown here: they did "
-                   "not fit in the context window and have not been summarised yet.]",
+                   f"not fit in the context window{why}.]",
     }
 
 
@@ -116,6 +118,7 @@ async def build_context(
     _check_fits(available, must_tokens, fixed, budget, model_name)
 
     summary = await store.current_summary(session, must_start)
+    covered = summary.covers if summary else 0  # whether or not the summary fits
     extra: list[Message] = []
     if summary is not None:
         tokens = summary_tokens(counter, summary.text)
@@ -134,7 +137,7 @@ async def build_context(
         if must_tokens + marker_tokens <= available:
             available -= marker_tokens
             start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
-            extra.append(marker_message(start - floor))
+            extra.append(marker_message(start - floor, summarised=covered > 0))
             marker = True
     stored = await store.active_range(session, start, base)
     history, tokens_sent, trimmed, deduplicated = _history(stored, newest, fixed.new, counter, memory)

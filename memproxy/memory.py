@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,13 @@ from .compact import content_text, trimmed_tool_output
 from .config import MemoryConfig, ModelConfig
 from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
-from .reconcile import Reconciled, reconcile
 from .errors import Conflict
+from .reconcile import Reconciled, reconcile
 from .store import NewMessage, SessionState, Store, Totals, TurnRecord, Usage
 from .summarize import Summarizer
 from .tokens import REPLY_PRIMING, TokenCounter
+
+_SYNC_FOLDS = 3  # at most this many folds before one request
 
 
 @dataclass(frozen=True)
@@ -94,18 +97,35 @@ async def prepare_turn(
 
     context = await build()
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
-        # Fold at least what was left out, and everything older than the verbatim tail, so the room
-        # the new summary takes does not push more unsummarised turns out.
-        tail = await summarizer.tail_start(session, budget.window)
-        upto = min(max(context.first_sent, tail), context.mandatory_start)
-        try:
-            await asyncio.wait_for(summarizer.fold(tenant, session_id, model, upto=upto),
-                                   memory.sync_summary_timeout_seconds)
-        except asyncio.TimeoutError:
-            pass  # the fold goes on in the background; this request gets a marker meanwhile
-        context = await build()
+        context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
                         full_tokens=fixed.tokens + context.base_totals.full, expired=expired)
+
+
+async def _fold_left_out(
+    summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
+    memory: MemoryConfig, context: Context, build: Callable[[], Awaitable[Context]],
+) -> Context:
+    """The overflow policy `summarize`: fold what was left out, and everything older than the
+    verbatim tail, then plan again. The room the new summary takes can push more turns out, so
+    this repeats while folds apply, all within `sync_summary_timeout_seconds`; past that the fold
+    goes on in the background and this request gets a marker meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + memory.sync_summary_timeout_seconds
+    tail = await summarizer.tail_start(session, budget.window)
+    for _ in range(_SYNC_FOLDS):
+        if not context.unsummarised_omitted or not summarizer.may_fold(session.tenant, session.session_id):
+            break
+        upto = min(max(context.first_sent, tail), context.mandatory_start)
+        fold = summarizer.fold(session.tenant, session.session_id, model, upto=upto)
+        try:
+            outcome = (await asyncio.wait_for(fold, max(deadline - loop.time(), 0))).outcome
+        except asyncio.TimeoutError:
+            outcome = "timeout"
+        context = await build()
+        if outcome != "applied":
+            break
+    return context
 
 
 def turn_record(

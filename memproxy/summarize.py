@@ -51,6 +51,7 @@ questions, and do not address the user. Write plain third-person notes of at mos
 Reply with the updated summary only."""
 
 _TRANSCRIPT_TOOL_CHARS = 2000
+_MIN_TRANSCRIPT_ROOM = 256
 _MAX_BACKOFF_SECONDS = 3600.0
 
 
@@ -148,19 +149,21 @@ class Summarizer:
         self._tasks = tasks
         self._running: dict[tuple[str, str], asyncio.Task[FoldResult]] = {}
         self._backoff: dict[tuple[str, str], tuple[float, int]] = {}
-        self._holder = uuid.uuid4().hex  # names this process's summary leases
 
     def summarizer_model(self, chat_model: ModelConfig) -> ModelConfig:
         name = self._memory.summarizer_model
         return (self._config.model(name) if name else None) or chat_model
 
+    def may_fold(self, tenant: str, session_id: str) -> bool:
+        """Whether a fold may start on its own: summaries are on and the session is not backing off
+        after a failed or discarded summary (a manual compaction asks regardless)."""
+        until, _ = self._backoff.get((tenant, session_id), (0.0, 0))
+        return self._memory.summaries and time.monotonic() >= until
+
     def after_turn(self, tenant: str, session_id: str, chat_model: ModelConfig) -> None:
         """Start a background fold if the session has outgrown its chunk threshold."""
         key = (tenant, session_id)
-        if not self._memory.summaries or key in self._running:
-            return
-        until, _ = self._backoff.get(key, (0.0, 0))
-        if time.monotonic() < until:
+        if key in self._running or not self.may_fold(tenant, session_id):
             return
         self._start(key, chat_model, None, check_threshold=True)
 
@@ -175,8 +178,9 @@ class Summarizer:
         """Fold now (waiting for a fold already running on the session first). `upto`: fold the
         messages before this position; None: everything but the verbatim tail."""
         key = (tenant, session_id)
-        running = self._running.get(key)
-        if running is not None:
+        # Several callers may be waiting for the same fold: each waits until none runs, so they
+        # start theirs one after another, never two at once on one session.
+        while (running := self._running.get(key)) is not None:
             await asyncio.wait([running])
         # Shielded: a request that stops waiting (its timeout) leaves the fold to finish for later turns.
         return await asyncio.shield(self._start(key, chat_model, upto, check_threshold=False))
@@ -247,21 +251,23 @@ class Summarizer:
             upto = await self.tail_start(session, chat_window)
         if upto <= covers:
             return FoldResult("nothing", current)
-        # One summariser per session across every process sharing the store.
-        if not await store.take_summary_lease(session, self._holder, model.timeout_seconds * 2 + 60):
+        # One summariser per session across every process sharing the store. The lease is this
+        # fold's own, so only this fold can renew or release it.
+        lease = _Lease(store, session, uuid.uuid4().hex, model.timeout_seconds * 2 + 60)
+        if not await lease.renew():
             return FoldResult("nothing", current, detail="another process is summarising this session")
         try:
             fresh = await store.current_summary(session, session.length)
             if (fresh.version if fresh else 0) != (current.version if current else 0):
                 # Another process folded and let go of the lease between our reading and our claim.
                 return FoldResult("nothing", fresh, detail="another process has just summarised")
-            return await self._fold_range(session, current, upto, chat_model, model)
+            return await self._fold_range(session, current, upto, chat_model, model, lease)
         finally:
-            await store.release_summary_lease(session, self._holder)
+            await store.release_summary_lease(session, lease.holder)
 
     async def _fold_range(
         self, session: SessionState, current: Summary | None, upto: int, chat_model: ModelConfig,
-        model: ModelConfig,
+        model: ModelConfig, lease: _Lease,
     ) -> FoldResult:
         store = self._store
         covers = current.covers if current else 0
@@ -270,14 +276,19 @@ class Summarizer:
         messages = await store.active_range(session, covers, upto)
         versions = await store.summary_history(session)
         version = versions[-1].version if versions else 0
-        cap = self._memory.summary_cap(chat_window)
+        cap = self.summary_cap(chat_window, model)
         counter = self._provider.counter(model)
         room = self._transcript_room(model, counter, cap, current)
+        if room < _MIN_TRANSCRIPT_ROOM:
+            return FoldResult("failed", current, detail=f"the window of summariser model '{model.name}'"
+                              " leaves no room for a transcript")
         rendered = [render_message(m.body) for m in messages]
         sizes = [counter.text(text) + 2 for text in rendered]
         previous = current
         folded: list[StoredMessage] = []
-        for chunk, transcript in chunks(messages, rendered, sizes, room, counter):
+        for index, (chunk, transcript) in enumerate(chunks(messages, rendered, sizes, room, counter)):
+            if index and not await lease.renew():  # each chunk's call may take a whole timeout
+                break
             replaced = _size(chat_counter, previous) + sum(m.compact_tokens for m in chunk)
             text, error = await self._summarise(session, model, previous.text if previous else None,
                                                 transcript, cap)
@@ -295,6 +306,8 @@ class Summarizer:
             await store.save_summary(session, version, summary)
             version, previous = version + 1, summary
             folded.extend(chunk)
+        if not folded:
+            return FoldResult("nothing", current, detail="the lease ran out")
         before = _size(chat_counter, current) + sum(m.compact_tokens for m in folded)
         return FoldResult("applied", previous, len(folded), before, _size(chat_counter, previous))
 
@@ -311,6 +324,12 @@ class Summarizer:
                 return position
         return users[0]
 
+    def summary_cap(self, chat_window: int, model: ModelConfig) -> int:
+        """The most a summary may take: `summary_max_tokens` (or its default for the chat model's
+        window), and at most a quarter of the summariser's own window, which must hold the
+        previous summary, the transcript and the answer."""
+        return min(self._memory.summary_cap(chat_window), self._provider.window(model) // 4)
+
     def _transcript_room(
         self, model: ModelConfig, counter: TokenCounter, cap: int, previous: Summary | None
     ) -> int:
@@ -318,7 +337,7 @@ class Summarizer:
         fixed = sum(counter.message(m) for m in summarizer_messages(None, "", cap))
         # After the first chunk the previous summary is the one just written: up to `cap` tokens.
         previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
-        return max(window - cap - self._memory.safety_margin(window) - fixed - previous_tokens, 256)
+        return window - cap - self._memory.safety_margin(window) - fixed - previous_tokens
 
     async def _summarise(
         self, session: SessionState, model: ModelConfig, previous: str | None, transcript: str, cap: int
@@ -345,6 +364,19 @@ class Summarizer:
         if choice.get("finish_reason") == "length" or not isinstance(text, str) or not text.strip():
             return None, None
         return text.strip(), None
+
+
+@dataclass(frozen=True)
+class _Lease:
+    """One fold's claim on a session, across every process sharing the store."""
+
+    store: Store
+    session: SessionState
+    holder: str
+    seconds: float
+
+    async def renew(self) -> bool:
+        return await self.store.take_summary_lease(self.session, self.holder, self.seconds)
 
 
 def _size(counter: TokenCounter, summary: Summary | None) -> int:
