@@ -34,6 +34,7 @@ import db
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import Config, ModelConfig, StorageConfig
+from memproxy.context import marker_message
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG, SUMMARIZER
 from test_budget import assert_tool_units_whole, tool_call, without_none, words
@@ -634,6 +635,62 @@ async def test_manual_compaction_waits_for_a_fold_in_flight_instead_of_racing_it
     assert [s.version for s in summary_rows(config)] == [1]
 
 
+async def test_callers_waiting_for_a_fold_start_theirs_one_after_another(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="memproxy.summaries")
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
+    config, summarizer = proxy.app[CONFIG], proxy.app[SUMMARIZER]
+    small = config.model("small")
+    assert small is not None
+    gate = threading.Event()
+    upstream.summarizer = gated(gate)
+    chat = Conversation(proxy, upstream)
+    try:
+        while not upstream.summary_requests():
+            await chat.say(f"question {len(chat.history)}: FACT-{len(chat.history)} {words(90)}")
+            if stored_tokens(config) > config.memory.chunk_threshold(WINDOW):
+                await until(lambda: bool(upstream.summary_requests()), "the fold started")
+        for turn in range(4):  # the tail moves on while the fold is held: there is more to fold
+            await chat.say(f"more {turn}: FACT-{50 + turn} {words(20, turn)}")
+        # Two callers (an overflowing request, a manual compaction) wait for the fold in flight;
+        # each reaches its wait without any I/O, so one pass of the loop queues both.
+        waiting = [asyncio.create_task(summarizer.fold("a", "s1", small)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in waiting)
+        assert len(upstream.summary_requests()) == 1
+    finally:
+        gate.set()
+    results = await asyncio.gather(*waiting)
+    await chat.idle()
+    # The first waiter folded what the tail left behind; the second found nothing left to do.
+    assert sorted(r.outcome for r in results) == ["applied", "nothing"]
+    assert len(upstream.summary_requests()) == 2
+    outcomes = [re.findall(r"outcome=(\w+)", line)[0] for line in summary_logs(caplog)]
+    assert outcomes == ["applied", "applied"]
+    assert [s.version for s in summary_rows(config)] == [1, 2]
+
+
+async def test_the_summariser_request_fits_the_summariser_window_whatever_the_chat_window(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    # Chat on "big" (100,000 tokens), summarise with "small" (2,000): the summary cap the big window
+    # allows (4,096) would not even fit the small model's window.
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=300)
+    config = proxy.app[CONFIG]
+    assert config.memory.summary_cap(100_000) > WINDOW
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream, model="big", budget=100_000 - 1000 - 20)
+    for turn in range(8):
+        await chat.say(f"question {turn}: FACT-{turn} {words(40, turn)}")
+        await chat.idle()
+    requests = upstream.summary_requests()
+    assert len(requests) >= 2 and len(summary_rows(config)) == len(requests)
+    for request in requests:
+        assert request.body["max_tokens"] <= WINDOW // 4
+        assert request_tokens(COUNTER, request.messages, []) + request.body["max_tokens"] <= WINDOW
+
+
 # --- stale results (item 3) -----------------------------------------------------------------------
 
 
@@ -824,6 +881,41 @@ async def test_the_summarize_policy_gives_up_waiting_after_its_timeout(
     assert sent.summary == summary.text and sent.marker is None
 
 
+@pytest.mark.parametrize("case", ["upstream error", "not smaller"])
+async def test_the_summarize_policy_backs_off_after_a_rejected_fold_instead_of_retrying_every_turn(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, case: str
+) -> None:
+    # Only the overflow folds (the threshold is out of reach); each overflowing turn would ask again.
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000,
+                        failure_backoff_seconds=3600)
+    upstream.summarizer = REJECTED[case][0]
+    chat = Conversation(proxy, upstream)
+    overflowing = []
+    for turn in range(20):
+        sent = await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
+        await chat.idle()
+        if sent.unsummarized_omitted:
+            overflowing.append(sent)
+    assert len(overflowing) >= 5
+    assert len(upstream.summary_requests()) == 1  # the first overflow asked; the backoff held the rest
+    assert summary_rows(proxy.app[CONFIG]) == []
+    # Turns were never lost without a trace: every request that left some out said how many.
+    assert all(sent.marker == sent.unsummarized_omitted for sent in overflowing)
+
+
+async def test_with_summaries_off_the_summarize_policy_falls_back_to_the_marker(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    proxy = await start(start_proxy, storage, upstream, summaries=False, overflow="summarize")
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream)
+    for turn in range(20):
+        sent = await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
+        await chat.idle()
+    assert upstream.summary_requests() == [] and summary_rows(proxy.app[CONFIG]) == []
+    assert sent.unsummarized_omitted > 0 and sent.marker == sent.unsummarized_omitted
+
+
 @pytest.mark.parametrize("overflow", ["summarize", "marker", "drop"])
 async def test_a_summary_that_no_longer_fits_is_left_out_rather_than_refusing(
     start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, overflow: str
@@ -837,12 +929,19 @@ async def test_a_summary_that_no_longer_fits_is_left_out_rather_than_refusing(
         await chat.idle()
         turn += 1
     [summary] = summary_rows(proxy.app[CONFIG])
+    room = COUNTER.message(marker_message(100)) + 1  # for a marker beside the new message
     size = 1500
-    while request_tokens(COUNTER, [SYSTEM, user(words(size))], []) > BUDGET:
+    while request_tokens(COUNTER, [SYSTEM, user(words(size))], []) > BUDGET - room:
         size -= 1
     assert BUDGET - request_tokens(COUNTER, [SYSTEM, user(words(size))], []) < summary.tokens
     sent = await chat.say(words(size))  # fits alone, not with the summary
-    assert sent.summary is None and sent.history == []
+    assert sent.summary is None
+    markers = [str(m["content"]) for m in sent.messages if MARKER.search(str(m.get("content")))]
+    if overflow == "drop":
+        assert markers == [] and sent.marker is None
+    else:  # what was left out is counted, and not called unsummarised: the summary stands for it
+        assert sent.marker == int(sent.headers["x-memproxy-stored-omitted"]) >= summary.covers
+        assert len(markers) == 1 and "summarised" not in markers[0]
     sent = await chat.say("short again")
     assert sent.summary is not None
 
