@@ -24,7 +24,7 @@ from .bodies import json_object
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
-from .memory import PreparedTurn, prepare_turn, record_rebasing, turn_record
+from .memory import PreparedTurn, prepare_turn, turn_record
 from .messages import Message, validate_messages, wire_form
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
@@ -232,7 +232,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     provider = app[PROVIDER]
     record = turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
                          exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
-    await app[TASKS].run(record_rebasing(app[STORE], record))
+    await app[TASKS].run(app[STORE].record_turn(record))
     exchange.recorded = True
 
 

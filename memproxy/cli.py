@@ -11,8 +11,9 @@ import asyncio
 import logging
 import signal
 import sys
+from collections import Counter
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -20,7 +21,7 @@ from . import __version__, sessions_cli
 from .app import create_app
 from .config import Config, ConfigError, StorageConfig, load_config
 from .errors import ProxyError
-from .store import open_store
+from .store import Store, open_store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy.add_argument("--to", dest="target", required=True, help="e.g. postgresql://user@host:5432/db")
     copy.add_argument("--from-schema", help="PostgreSQL schema of the source")
     copy.add_argument("--to-schema", help="PostgreSQL schema of the target")
+    copy.add_argument("--resume", action="store_true",
+                      help="the target holds part of an interrupted copy: check those sessions, copy the rest")
 
     sessions_cli.add_parser(commands)
 
@@ -63,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "migrate-store":
         source = StorageConfig(url=args.source, schema=args.from_schema)
         target = StorageConfig(url=args.target, schema=args.to_schema)
-        return asyncio.run(_migrate_store(source, target))
+        return asyncio.run(_migrate_store(source, target, args.resume))
     if args.command == "check-config":
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {config.storage.url})")
@@ -98,30 +101,56 @@ async def _migrate(config: Config) -> int:
     return 0
 
 
-async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig) -> int:
-    """Copy every session (messages with their branches, summaries, metadata, usage) and check that
-    the target gained exactly what the source holds."""
+async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig, resume: bool) -> int:
+    """Copy every session (messages with their branches, summaries, metadata, usage), then check
+    each one: its export from the target must equal its export from the source.
+
+    Each session is copied in one transaction, so an interrupted copy leaves whole sessions only. A
+    target that already holds some of the sessions stops the copy before anything is written, unless
+    `--resume` says it is the rest of an interrupted copy: those sessions are checked, not copied."""
     source, target = await open_store(source_config), await open_store(target_config)
     try:
-        before, expected = await target.counts(), await source.counts()
-        for tenant, session_id in await source.tenants_sessions():
-            session = await source.get_session(tenant, session_id)
-            assert session is not None
-            try:
-                await target.import_session(tenant, session_id, await source.export_session(session))
-            except ProxyError as exc:
-                print(f"memproxy: {tenant}/{session_id}: {exc.message}", file=sys.stderr)
-                return 1
-        after = await target.counts()
+        sessions = await source.tenants_sessions()
+        present = set(await target.tenants_sessions()) & set(sessions)
+        if present and not resume:
+            tenant, session_id = sorted(present)[0]
+            print(f"memproxy: the target already holds {len(present)} of the {len(sessions)} sessions "
+                  f"(e.g. {tenant}/{session_id}); nothing was copied. If an earlier copy was "
+                  "interrupted, --resume copies the rest", file=sys.stderr)
+            return 1
+        in_source: Counter[str] = Counter()
+        in_target: Counter[str] = Counter()
+        different = []
+        for tenant, session_id in sessions:
+            records = await _export(source, tenant, session_id)
+            if (tenant, session_id) not in present:
+                try:
+                    await target.import_session(tenant, session_id, records)
+                except ProxyError as exc:
+                    print(f"memproxy: {tenant}/{session_id}: {exc.message}; sessions copied before it are"
+                          " kept, --resume copies the rest", file=sys.stderr)
+                    return 1
+            copy = await _export(target, tenant, session_id)
+            in_source.update(r["type"] for r in records)
+            in_target.update(r["type"] for r in copy)
+            if copy != records:
+                different.append(f"{tenant}/{session_id}")
     finally:
         await source.close()
         await target.close()
-    ok = True
-    for table, count in expected.items():
-        copied = after[table] - before[table]
-        ok = ok and copied == count
-        print(f"{table:<10} source {count:>8}  copied {copied:>8}  {'ok' if copied == count else 'MISMATCH'}")
-    return 0 if ok else 1
+    for kind, table in [("session", "sessions"), ("turn", "turns"), ("message", "messages"),
+                        ("summary", "summaries")]:
+        n, copied = in_source[kind], in_target[kind]
+        print(f"{table:<10} source {n:>8}  copied {copied:>8}  {'ok' if copied == n else 'MISMATCH'}")
+    for name in different:
+        print(f"memproxy: {name}: the copy differs from the source", file=sys.stderr)
+    return 1 if different else 0
+
+
+async def _export(store: Store, tenant: str, session_id: str) -> list[dict[str, Any]]:
+    session = await store.get_session(tenant, session_id)
+    assert session is not None
+    return await store.export_session(session)
 
 
 async def _serve(config: Config) -> None:

@@ -11,7 +11,6 @@ for the store to write in one transaction.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ from .compact import content_text, trimmed_tool_output
 from .config import MemoryConfig, ModelConfig
 from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
-from .errors import Conflict
 from .reconcile import Reconciled, reconcile
-from .store import NewMessage, SessionState, Store, Totals, TurnRecord, Usage
+from .store import NewMessage, SessionState, Store, TurnRecord, Usage
 from .summarize import Summarizer
 from .tokens import REPLY_PRIMING, TokenCounter
 
@@ -162,46 +160,6 @@ def turn_record(
         cost=cost,
         title=_title(turn),
         replaces_expired=turn.expired,
-    )
-
-
-async def record_rebasing(store: Store, turn: TurnRecord, attempts: int = 3) -> None:
-    """Write a turn; if another process recorded a turn on the session meanwhile and this one only
-    continues the history it was planned on, append it after theirs instead of failing."""
-    for attempt in range(attempts):
-        try:
-            await store.record_turn(turn)
-            return
-        except Conflict:
-            rebased = await _rebase(store, turn) if attempt < attempts - 1 else None
-            if rebased is None:
-                raise
-            turn = rebased
-
-
-async def _rebase(store: Store, turn: TurnRecord) -> TurnRecord | None:
-    """The same turn continuing the session's current head, if its own base is still history."""
-    if turn.base != turn.expected_length:
-        return None  # an edit or regenerate: its fork point may be gone; the client must retry
-    session = await store.get_session(turn.tenant, turn.session_id)
-    if session is None or session.length < turn.base:
-        return None
-    if turn.base and await store.matched_prefix(session, [turn.base_hash]) != turn.base:
-        return None
-    chain = session.head_hash
-    messages = []
-    for message in turn.messages:
-        chain = chain_hash(chain, message.body)
-        messages.append(dataclasses.replace(message, chain_hash=chain))
-    return dataclasses.replace(
-        turn,
-        expected_length=session.length,
-        expected_head_hash=session.head_hash,
-        base=session.length,
-        base_hash=session.head_hash,
-        base_totals=Totals(session.head_cum, session.head_compact_cum),
-        messages=messages,
-        replaces_expired=False,
     )
 
 

@@ -252,8 +252,9 @@ class Summarizer:
         if upto <= covers:
             return FoldResult("nothing", current)
         # One summariser per session across every process sharing the store. The lease is this
-        # fold's own, so only this fold can renew or release it.
-        lease = _Lease(store, session, uuid.uuid4().hex, model.timeout_seconds * 2 + 60)
+        # fold's own, so only this fold can renew or release it; it is renewed before each call,
+        # so it need only outlast one, and a process that dies holding it blocks no longer.
+        lease = _Lease(store, session, uuid.uuid4().hex, model.timeout_seconds + 60)
         if not await lease.renew():
             return FoldResult("nothing", current, detail="another process is summarising this session")
         try:

@@ -96,10 +96,11 @@ def table_query(config: Config | StorageConfig, queries: list[tuple[str, tuple[A
 
 
 @contextmanager
-def write_lock_held(config: Config | StorageConfig) -> Iterator[None]:
+def write_lock_held(config: Config | StorageConfig, table: str = "sessions") -> Iterator[None]:
     """Hold, from another connection, the lock a proxy's write needs, as another process could:
-    SQLite's write lock (`BEGIN IMMEDIATE`), or on PostgreSQL an EXCLUSIVE lock on `sessions`, which
-    lets reads through and holds back every write (they all lock a session's row first)."""
+    SQLite's write lock (`BEGIN IMMEDIATE`), or on PostgreSQL an EXCLUSIVE lock on `table`, which
+    lets reads through and holds back writes to it: on `sessions` every write (they all lock a
+    session's row first); on `messages` a turn's write halfway, after its `turns` row."""
     storage = storage_of(config)
     if not storage.is_postgres:
         with closing(sqlite3.connect(sqlite_path(storage.url), isolation_level=None)) as db:
@@ -112,16 +113,16 @@ def write_lock_held(config: Config | StorageConfig) -> Iterator[None]:
     with _LoopThread() as loop:
         conn: asyncpg.Connection = loop.run(connect(storage))
         try:
-            loop.run(conn.execute("BEGIN; LOCK TABLE sessions IN EXCLUSIVE MODE"))
+            loop.run(conn.execute(f"BEGIN; LOCK TABLE {table} IN EXCLUSIVE MODE"))
             yield
         finally:
             loop.run(conn.close())  # ends the transaction: the lock goes with it
 
 
-def writes_waiting(config: Config | StorageConfig) -> int:
-    """PostgreSQL: how many connections wait for a lock on this schema's `sessions` table."""
-    [(count,)] = rows(config, "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'sessions'::regclass")
-    return int(count)
+def writes_waiting(config: Config | StorageConfig, table: str = "sessions") -> list[int]:
+    """PostgreSQL: the server processes waiting for a lock on this schema's `table`."""
+    found = rows(config, f"SELECT pid FROM pg_locks WHERE NOT granted AND relation = '{table}'::regclass")
+    return [int(pid) for (pid,) in found]
 
 
 class _LoopThread:

@@ -61,8 +61,11 @@ class StoreUnderTest:
         if self.kind == "sqlite":
             assert self.path is not None
             with closing(sqlite3.connect(self.path)) as db:
-                return [tuple(r) for r in db.execute(sql, params)]
-        conn = await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": self.storage.schema or ""})
+                found = [tuple(r) for r in db.execute(sql, params)]
+                db.commit()  # a statement that writes is committed, as on PostgreSQL
+                return found
+        schema = self.storage.schema
+        conn = await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": f'"{schema}"' if schema else ""})
         try:
             numbered = sql
             for i in range(sql.count("?")):

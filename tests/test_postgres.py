@@ -50,6 +50,26 @@ async def conversation(store: Store, tenant: str, session_id: str, turns: int) -
         await store.record_turn(turn(session, messages, tenant=tenant, session_id=session_id))
 
 
+async def test_a_schema_named_with_capitals_is_the_one_used(tmp_path: Path) -> None:
+    """`storage.schema` allows capitals; the schema is created quoted, so it must be searched quoted."""
+    under_test = await store_under_test("postgres", tmp_path)
+    under_test = dataclasses.replace(under_test, storage=dataclasses.replace(
+        under_test.storage, schema="Mixed_" + (under_test.storage.schema or "")))
+    try:
+        store = await under_test.open()
+        try:
+            await store.record_turn(turn(None, [user("hi"), assistant("hello")]))
+        finally:
+            await store.close()
+        tables = await under_test.query(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = ? AND tablename = 'messages'",
+            under_test.storage.schema)
+        assert tables == [(1,)]
+        assert await under_test.query("SELECT count(*) FROM messages") == [(2,)]
+    finally:
+        await under_test.drop()
+
+
 # --- the queries that serve a turn use indexes -----------------------------------------------------
 
 # For each query in `QUERIES`: parameters (session 1 of the populated schema, `hashes` its first
@@ -66,6 +86,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "active_range": ((1, 30, 50), "messages_active_seq"),
         "current_summary": ((1, 60), "summaries_session_pk_version_key"),
         "message_id": ((1, 40), "messages_active_seq"),
+        "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": ((1, 50), "messages_active_seq"),
     }
 
@@ -220,11 +241,42 @@ async def test_migrate_store_copies_sqlite_to_postgres_and_back(postgres: StoreU
     assert copied_counts(home.stdout) == {table: (n, n, "ok") for table, n in expected.items()}
     assert await exports(f"sqlite:///{back}") == original
 
-    # Copying into a store that already holds a session refuses instead of duplicating it.
+    # Copying into a store that already holds the sessions refuses instead of duplicating them.
     again = run_cli("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", schema)
     assert again.returncode == 1
-    assert "already exists" in again.stderr
+    assert "already holds 4 of the 4 sessions" in again.stderr
     assert await postgres.query("SELECT count(*) FROM sessions") == [(4,)]
+
+
+async def test_an_interrupted_migrate_store_writes_nothing_more_until_resumed(
+    postgres: StoreUnderTest, tmp_path: Path
+) -> None:
+    source = tmp_path / "source.db"
+    await populate(source)
+    original = await exports(f"sqlite:///{source}")
+    schema = postgres.storage.schema
+    # What an interrupted copy leaves: some sessions whole (each is one transaction), the rest absent.
+    target = await postgres.open()
+    try:
+        for key in [("t", "edited"), ("u", "tools")]:
+            await target.import_session(*key, original[key])
+    finally:
+        await target.close()
+    command = ("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", str(schema))
+    refused = run_cli(*command)
+    assert refused.returncode == 1 and "already holds 2 of the 4 sessions" in refused.stderr
+    assert "--resume" in refused.stderr
+    assert await postgres.query("SELECT count(*) FROM sessions") == [(2,)]  # nothing was written
+
+    resumed = run_cli(*command, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert copied_counts(resumed.stdout)["sessions"] == (4, 4, "ok")
+    assert await exports(POSTGRES_URL, schema) == original
+
+    # A session under the same id that is not the source's is reported, not overwritten.
+    await postgres.query("UPDATE sessions SET title = 'changed' WHERE session_id = 'long'")
+    checked = run_cli(*command, "--resume")
+    assert checked.returncode == 1 and "u/long: the copy differs from the source" in checked.stderr
 
 
 # --- packaging -----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ replicas are started at once for the module on one fresh schema (so they migrate
 serve the conversations, and a third is the one killed with SIGKILL mid-stream. What is checked is what reached the provider and what the
 database holds, read from a connection of the test's own (`tests/db.py`).
 
-How concurrent turns on one session are kept whole (memproxy/store/sql.py, memproxy/memory.py): a turn
+How concurrent turns on one session are kept whole (memproxy/store/sql.py, `record_turn`): a turn
 is written in one transaction that first locks the session's row (`FOR UPDATE`) and checks the
 session is still where the turn was planned; a turn that only continues the history is then
 appended after the other replica's turn, an edit or regenerate that lost the race gets 409.
@@ -25,7 +25,7 @@ from typing import Any
 import openai
 import pytest
 
-from db import rows, run_async
+from db import rows, run_async, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import StorageConfig
 from memproxy.store.sqlite import migrations
@@ -68,6 +68,7 @@ class Cluster:
     b: Served
     victim: Served  # the one killed mid-stream
     storage: StorageConfig
+    config: Path  # their config file, for a replica of a test's own
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def cluster(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFact
     replicas: list[Served] = []
     try:
         replicas = serve(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
-        yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage)
+        yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage, config=config)
     finally:
         codes = {r.log.name: r.stop() for r in replicas}
         drop_schema(storage)
@@ -366,6 +367,45 @@ async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continu
     assert upstream.last().messages == [*expected, user("q2")]
     assert chain(cluster.storage, session) == [*expected, user("q2"), assistant(reply)]
     assert stored(cluster.storage, session) == chain(cluster.storage, session)
+
+
+async def test_replica_killed_halfway_through_writing_a_turn_leaves_none_of_it(
+    cluster: Cluster, upstream: FakeUpstream, tmp_path: Path
+) -> None:
+    """SIGKILL while the turn's transaction is open: its `turns` row is written and its messages wait
+    for a lock another connection holds. The database must roll all of it back."""
+    session = session_id("half-written")
+    [doomed] = serve(cluster.config, [tmp_path / "doomed.log"])
+    client = doomed.async_client(session)
+    try:
+        first = await chat(client, [user("q1")])
+        with write_lock_held(cluster.storage, table="messages"):
+            second = asyncio.create_task(chat(client, [user("q2")]))
+            await until(lambda: bool(writes_waiting(cluster.storage, "messages")), "the turn's write is halfway")
+            [writer] = writes_waiting(cluster.storage, "messages")
+            # Halfway indeed: the same transaction has already inserted its row into `turns`.
+            assert rows(cluster.storage, "SELECT count(*) FROM pg_locks WHERE pid = ? AND granted"
+                                         " AND relation = 'turns'::regclass AND mode = 'RowExclusiveLock'",
+                        writer) == [(1,)]
+            doomed.process.kill()
+            doomed.process.wait()
+            with pytest.raises(openai.APIConnectionError):
+                await second
+    finally:
+        await client.close()
+        doomed.stop()
+    assert doomed.process.returncode == -9
+    # The other replica's turn waits for the dead transaction's row lock, then sees none of it.
+    other = cluster.a.async_client(session)
+    try:
+        reply = await chat(other, [user("q2")])
+    finally:
+        await other.close()
+    expected = [user("q1"), assistant(first), user("q2"), assistant(reply)]
+    assert upstream.last().messages == expected[:3]
+    assert chain(cluster.storage, session) == expected
+    assert stored(cluster.storage, session) == expected
+    assert turn_count(cluster.storage, session) == 2
 
 
 # --- migrations when replicas start together ----------------------------------------------------

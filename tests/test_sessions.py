@@ -653,7 +653,7 @@ async def test_requests_on_different_sessions_run_concurrently(
 def turn_write_waiting(proxy: Proxy, config: Config) -> bool:
     """The proxy has the answer and its write of the turn waits for the lock `write_lock_held` holds."""
     if config.storage.is_postgres:
-        return writes_waiting(config) > 0
+        return bool(writes_waiting(config))
     write_lock: asyncio.Lock = getattr(getattr(proxy.app[STORE], "_db"), "_write_lock")  # SQLite's
     return write_lock.locked()
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
                             Usage)
-from memproxy.store.sqlite import QUERIES, migrations
+from memproxy.store.sqlite import QUERIES, migrations, statements
 from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]
@@ -159,29 +159,76 @@ async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, backend
     assert rows == [(0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
 
 
-async def test_stale_turn_is_refused_and_changes_nothing(open_store: Opener, backend: StoreUnderTest) -> None:
+async def test_a_stale_continuation_goes_after_the_turn_that_beat_it(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
     store = await open_store()
     await store.record_turn(turn(None, [user("1"), assistant("a")]))
     stale = await store.get_session("t", "s")
     await store.record_turn(turn(stale, [user("2"), assistant("b")]))
-    with pytest.raises(Conflict):
-        await store.record_turn(turn(stale, [user("2 again"), assistant("c")]))
-    assert await backend.query("SELECT count(*) FROM messages") == [(4,)]
+    await store.record_turn(turn(stale, [user("2 too"), assistant("c")]))  # planned before "2" was stored
+    after = await (await open_store()).get_session("t", "s")
+    assert after is not None and after.length == 6 and after.head_cum == 60
+    bodies = [m.body for m in await store.active_range(after, 0, 6)]
+    assert [b["content"] for b in bodies] == ["1", "a", "2", "b", "2 too", "c"]
+    # Its chained hashes and running totals were recomputed on the new head.
+    stored = await store.active_range(after, 0, 6)
+    assert [m.chain_hash for m in stored] == chain_hashes(ROOT_HASH, bodies)
+    assert [m.cum_before for m in stored] == [0, 10, 20, 30, 40, 50]
+    assert after.head_hash == stored[-1].chain_hash
+
+
+async def test_a_stale_edit_is_refused_and_changes_nothing(open_store: Opener, backend: StoreUnderTest) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a"), user("2"), assistant("b")]))
+    stale = await store.get_session("t", "s")
+    assert stale is not None
+    await store.record_turn(turn(stale, [user("3"), assistant("c")]))
+    fork = chain_hashes(ROOT_HASH, [user("1"), assistant("a")])[-1]
+    with pytest.raises(Conflict):  # its fork point still exists, but what it superseded moved on
+        await store.record_turn(turn(stale, [user("2 edited"), assistant("x")], base=2, base_hash=fork))
+    assert await backend.query("SELECT count(*) FROM messages") == [(6,)]
     assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
 
 
-async def test_concurrent_writers_on_one_session_one_wins(open_store: Opener, backend: StoreUnderTest) -> None:
-    first, second = await open_store(), await open_store()
-    await first.record_turn(turn(None, [user("1"), assistant("a")]))
-    session = await first.get_session("t", "s")
-    results = await asyncio.gather(
-        first.record_turn(turn(session, [user("x"), assistant("x")])),
-        second.record_turn(turn(session, [user("y"), assistant("y")])),
-        return_exceptions=True,
-    )
-    assert sorted(type(r).__name__ for r in results) == ["Conflict", "NoneType"]
-    seqs = [r[0] for r in await backend.query("SELECT seq FROM messages WHERE active = 1 ORDER BY seq")]
-    assert seqs == [0, 1, 2, 3]
+async def test_a_continuation_of_a_history_since_edited_is_refused(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a")]))
+    stale = await store.get_session("t", "s")
+    await store.record_turn(turn(stale, [user("1 edited"), assistant("b")], base=0, base_hash=ROOT_HASH))
+    with pytest.raises(Conflict):  # "a" is no longer the history it continues
+        await store.record_turn(turn(stale, [user("2"), assistant("c")]))
+    assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
+
+
+async def test_concurrent_writers_on_one_session_are_all_kept_once(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    writers = [await open_store() for _ in range(8)]  # as many replicas, each its own pool or file
+    await writers[0].record_turn(turn(None, [user("1"), assistant("a")]))
+    session = await writers[0].get_session("t", "s")
+    await asyncio.gather(*(writer.record_turn(turn(session, [user(f"q{k}"), assistant(f"a{k}")]))
+                           for k, writer in enumerate(writers)))
+    after = await writers[0].get_session("t", "s")
+    assert after is not None and after.length == 2 + 2 * len(writers)
+    stored = await writers[0].active_range(after, 0, after.length)
+    bodies = [m.body for m in stored]
+    assert sorted(b["content"] for b in bodies[2:]) == sorted(
+        [f"q{k}" for k in range(8)] + [f"a{k}" for k in range(8)])
+    assert all(bodies[i]["content"][1:] == bodies[i + 1]["content"][1:] for i in range(2, after.length, 2))
+    assert [m.chain_hash for m in stored] == chain_hashes(ROOT_HASH, bodies)
+    assert [m.seq for m in stored] == list(range(after.length))
+    assert await backend.query("SELECT count(*) FROM messages") == [(after.length,)]
+
+
+async def test_writers_creating_one_session_at_once_are_all_kept(open_store: Opener) -> None:
+    writers = [await open_store() for _ in range(4)]
+    await asyncio.gather(*(writer.record_turn(turn(None, [user(f"q{k}"), assistant(f"a{k}")]))
+                           for k, writer in enumerate(writers)))
+    after = await writers[0].get_session("t", "s")
+    assert after is not None and after.length == 8
 
 
 async def test_usage_and_system_prompt_are_kept(open_store: Opener, backend: StoreUnderTest) -> None:
@@ -285,29 +332,41 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     assert [s.text for s in await other.summary_history(edited)] == ["first", "second"]
 
 
-def test_the_oldest_schema_migrates_with_its_data(tmp_path: Path) -> None:
-    path = tmp_path / "old.db"
-    first = migrations()[0]
-    with closing(sqlite3.connect(path)) as db:
-        db.executescript(first[1])
-        db.execute("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
-        db.execute("INSERT INTO schema_migrations VALUES (?, 0)", (first[0],))
-        db.execute("INSERT INTO sessions (pk, tenant, session_id, created_at, updated_at, length, head_hash,"
-                   " head_cum) VALUES (1, 't', 's', 0, 0, 1, 'h', 12)")
-        db.execute("INSERT INTO turns VALUES (1, 1, 0, 'small', 'new', 12, NULL, NULL, 1.0)")
-        db.execute("INSERT INTO messages (id, session_pk, turn_id, seq, role, body, tokens, cum_before,"
-                   " unit_start, chain_hash, created_at) VALUES (1, 1, 1, 0, 'user', '{}', 12, 0, 1, 'h', 0)")
-        db.commit()
+async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest) -> None:
+    """A database left at the first migration, holding a conversation, takes every later migration
+    when a store opens it, and goes on serving and recording that conversation."""
+    first_id, first_sql = migrations(backend.kind)[0]
+    if backend.kind == "postgres":
+        await backend.query(f'CREATE SCHEMA "{backend.storage.schema}"')
+    for statement in statements(first_sql):
+        await backend.query(statement)
+    await backend.query("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    await backend.query("INSERT INTO schema_migrations VALUES (?, 0)", first_id)
+    question = user("q")
+    [head] = chain_hashes(ROOT_HASH, [question])
+    await backend.query("INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash,"
+                        " head_cum) VALUES ('t', 's', 0, 0, 1, ?, 12)", head)
+    [(pk,)] = await backend.query("SELECT pk FROM sessions")
+    await backend.query("INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, latency_ms)"
+                        " VALUES (?, 0, 'small', 'new', 12, 1.0)", pk)
+    [(turn_id,)] = await backend.query("SELECT id FROM turns")
+    await backend.query("INSERT INTO messages (session_pk, turn_id, seq, role, body, tokens, cum_before,"
+                        " unit_start, chain_hash, created_at) VALUES (?, ?, 0, 'user', ?, 12, 0, 1, ?, 0)",
+                        pk, turn_id, json.dumps(question), head)
 
-    async def check() -> None:
-        store = await SQLiteStore.open(f"sqlite:///{path}")
-        try:
-            session = await store.get_session("t", "s")
-            assert session is not None and session.head_compact_cum == 12
-            [message] = await store.active_range(session, 0, 1)
-            assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
-            assert await store.current_summary(session, 1) is None
-        finally:
-            await store.close()
-
-    asyncio.run(check())
+    store = await backend.open()
+    try:
+        ids = [row[0] for row in await backend.query("SELECT id FROM schema_migrations ORDER BY id")]
+        assert ids == [migration_id for migration_id, _ in migrations(backend.kind)]
+        session = await store.get_session("t", "s")
+        assert session is not None and session.head_compact_cum == 12
+        [message] = await store.active_range(session, 0, 1)
+        assert message.body == question
+        assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
+        assert await store.current_summary(session, 1) is None
+        await store.record_turn(turn(session, [assistant("a")]))  # new rows take fresh ids
+        after = await store.get_session("t", "s")
+        assert after is not None and after.length == 2
+        assert [m.body for m in await store.active_range(after, 0, 2)] == [question, assistant("a")]
+    finally:
+        await store.close()

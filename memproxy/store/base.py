@@ -4,8 +4,9 @@ Each session owns an active chain of messages numbered by `seq` (0, 1, ...). An 
 marks the tail of the chain superseded (kept, never sent again) and continues from the fork point;
 stored messages themselves are never rewritten. Every message carries its token count, the tokens of
 the active chain before it (`cum_before`) and its chained hash, so serving a turn is a few indexed
-lookups whatever the length of the history. `record_turn` writes a whole turn in one transaction and
-refuses (`Conflict`) if the session moved since the turn was planned.
+lookups whatever the length of the history. `record_turn` writes a whole turn in one transaction; if
+the session moved since the turn was planned, a turn that only continued the history goes after the
+new head, and any other is refused (`Conflict`).
 
 Every backend passes the one contract suite in `tests/test_store_contract.py`.
 """
@@ -275,8 +276,6 @@ class Store(Protocol):
         """Delete sessions idle since before `older_than`; returns how many."""
         ...
 
-    async def counts(self) -> dict[str, int]: ...
-
     async def tenants_sessions(self) -> list[tuple[str, str]]: ...
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
@@ -286,6 +285,10 @@ class Store(Protocol):
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
-    async def record_turn(self, turn: TurnRecord) -> None: ...
+    async def record_turn(self, turn: TurnRecord) -> None:
+        """Write the turn in one transaction. If the session moved since the turn was planned, a
+        continuation (`base == expected_length`, its base still on the active chain) is appended
+        after the new head; anything else raises `Conflict` and writes nothing."""
+        ...
 
     async def close(self) -> None: ...

@@ -3,7 +3,7 @@
 The SQL is the one SQLite runs (`memproxy.store.sql`); `?` placeholders become `$1, $2, ...` once per
 statement text. Writes that must not interleave lock the session's row (`SELECT ... FOR UPDATE`), so
 two replicas recording turns on one session are serialised by the database, and a turn planned
-against a history that moved meanwhile is refused (and rebased or reported by the caller).
+against a history that moved meanwhile goes after it (a continuation) or is refused (an edit).
 Migrations run at start (and by `memproxy migrate`) under a transaction-scoped advisory lock, so
 replicas starting together apply each one exactly once.
 """
@@ -74,7 +74,7 @@ class PostgresStore(SQLStore):
     ) -> PostgresStore:
         if schema:
             await _create_schema(url, schema)
-        settings = {"search_path": schema} if schema else None
+        settings = {"search_path": f'"{schema}"'} if schema else None  # quoted: as created, case kept
         pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
         assert pool is not None
         await _migrate(pool)

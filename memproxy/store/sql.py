@@ -8,12 +8,13 @@ for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one
 
 Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
 SQLite the whole write transaction is exclusive): recording a turn, saving a summary. A turn planned
-against a history that has since moved is refused with `Conflict`; the caller decides whether it can
-be rebased (`memproxy.memory.rebase`).
+against a history that has since moved is appended after the new head if it only continued that
+history, and refused with `Conflict` otherwise (an edit or regenerate whose fork point may be gone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -21,6 +22,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Conflict
+from ..messages import chain_hash
 from .base import (
     MessageRecord,
     SessionInfo,
@@ -67,6 +69,7 @@ QUERIES = {
     " AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
 }
 
@@ -219,25 +222,23 @@ class SQLStore:
         await self._db.write(self._record_turn(turn, time.time()))
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        rows = yield ("SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
-                      + self._db.row_lock, (turn.tenant, turn.session_id))
-        row = rows[0] if rows else None
-        if row is not None and turn.replaces_expired:
-            yield "DELETE FROM sessions WHERE pk = ?", (row[0],)
-            row = None
-        if row is None:
+        lock = ("SELECT pk, length, head_hash, head_cum, head_compact_cum FROM sessions"
+                " WHERE tenant = ? AND session_id = ?" + self._db.row_lock, (turn.tenant, turn.session_id))
+        rows = yield lock
+        if rows and turn.replaces_expired:
+            yield "DELETE FROM sessions WHERE pk = ?", (rows[0][0],)
+            rows = []
+        if not rows:
             if turn.expected_length != 0:
                 raise Conflict("the session was deleted while this turn was in flight")
             created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
                              " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
                              (turn.tenant, turn.session_id, now, now))
-            if not created:  # another replica created it meanwhile
-                raise Conflict("the session changed while this turn was in flight; retry it")
-            pk = int(created[0][0])
-        else:
-            pk = int(row[0])
-            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
-                raise Conflict("the session changed while this turn was in flight; retry it")
+            # Empty, as this turn expects; or another replica created it meanwhile: continue theirs.
+            rows = [(created[0][0], 0, "", 0, 0)] if created else (yield lock)
+        pk = int(rows[0][0])
+        if (rows[0][1], rows[0][2]) != (turn.expected_length, turn.expected_head_hash):
+            turn = yield from self._rebased(turn, pk, rows[0])
         if turn.base < turn.expected_length:
             yield QUERIES["supersede"], (pk, turn.base)
         parents = (yield QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
@@ -268,6 +269,26 @@ class SQLStore:
             " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
             (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
              turn.history_mode, turn.title, pk))
+
+    def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
+        """A turn planned on a history that another writer has since extended. If it only continued
+        that history (and what it continued is still there), it goes after the other writer's turn,
+        its chained hashes and running totals recomputed on the new head: overlapping turns on one
+        session are all kept, however many replicas race. An edit or regenerate is refused instead:
+        the point it forked from may be gone."""
+        _, length, head_hash, head_cum, head_compact_cum = head
+        if turn.base != turn.expected_length or length < turn.base:
+            raise Conflict("the session changed while this turn was in flight; retry it")
+        if turn.base:
+            found = yield QUERIES["chain_hash_at"], (pk, turn.base - 1)
+            if not found or found[0][0] != turn.base_hash:
+                raise Conflict("the session changed while this turn was in flight; retry it")
+        chain, messages = head_hash, []
+        for message in turn.messages:
+            chain = chain_hash(chain, message.body)
+            messages.append(dataclasses.replace(message, chain_hash=chain))
+        return dataclasses.replace(turn, base=length, base_hash=head_hash,
+                                   base_totals=Totals(head_cum, head_compact_cum), messages=messages)
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
         async with self._db.transaction() as tx:
@@ -483,14 +504,6 @@ class SQLStore:
             await tx.execute(f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids)
             await tx.execute(f"DELETE FROM messages WHERE id IN ({marks})", ids)
             return len(ids)
-
-    async def counts(self) -> dict[str, int]:
-        """Rows per table: what a copy between stores must reproduce."""
-        counts = {}
-        for table in ("sessions", "turns", "messages", "summaries"):
-            [(count,)] = await self._db.fetch(f"SELECT count(*) FROM {table}")
-            counts[table] = int(count)
-        return counts
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id), for copying a whole store."""
