@@ -99,8 +99,9 @@ async def _migrate(config: Config) -> int:
 
 
 async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig) -> int:
-    """Copy every session (messages with their branches, summaries, metadata, usage) and check that
-    the target gained exactly what the source holds."""
+    """Copy every session (messages with their branches, summaries, metadata, usage) and each
+    tenant's usage of deleted sessions, and check that the (empty) target gained exactly what the
+    source holds."""
     source, target = await open_store(source_config), await open_store(target_config)
     try:
         before, expected = await target.counts(), await source.counts()
@@ -112,6 +113,8 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
             except ProxyError as exc:
                 print(f"memproxy: {tenant}/{session_id}: {exc.message}", file=sys.stderr)
                 return 1
+        for tenant, usage in (await source.tenant_rollups()).items():  # what deleted sessions spent
+            await target.add_to_rollup(tenant, usage)
         after = await target.counts()
     finally:
         await source.close()
