@@ -23,7 +23,7 @@ from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
 from .errors import Conflict
 from .reconcile import Reconciled, reconcile
-from .store import NewMessage, SessionState, Store, Totals, TurnRecord, Usage
+from .store import NewMessage, SentContext, SessionState, Store, Totals, TurnRecord, Usage
 from .summarize import Summarizer
 from .tokens import REPLY_PRIMING, TokenCounter
 
@@ -42,6 +42,28 @@ class PreparedTurn:
     context: Context
     full_tokens: int  # what resending the whole history would cost
     expired: bool  # the stored session idled past its TTL and is started afresh
+
+
+def expired_before(idle_ttl: float | None) -> float | None:
+    """With `retention.idle_ttl_seconds`, the last activity before which a session has expired."""
+    return None if idle_ttl is None else time.time() - idle_ttl
+
+
+def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
+    """Whether a stored session idled past its TTL: it then behaves as new in every respect."""
+    cutoff = expired_before(idle_ttl)
+    return session is not None and cutoff is not None and session.updated_at < cutoff
+
+
+def prompt_schemas(params: dict[str, Any]) -> list[Any]:
+    """What the provider renders into the prompt besides the messages: tool and (legacy) function
+    schemas, and a JSON schema the output must follow. They count against the budget, the same way
+    for a chat request and for the admin preview of one."""
+    schemas = [*(params.get("tools") or []), *(params.get("functions") or [])]
+    response_format = params.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("json_schema"):
+        schemas.append(response_format["json_schema"])
+    return schemas
 
 
 def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
@@ -74,7 +96,7 @@ async def prepare_turn(
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
     session = await store.get_session(tenant, session_id)
-    expired = session is not None and idle_ttl is not None and time.time() - session.updated_at > idle_ttl
+    expired = has_expired(session, idle_ttl)
     if expired:
         session = None
     system, conversation = split_system(messages)
@@ -162,6 +184,20 @@ def turn_record(
         cost=cost,
         title=_title(turn),
         replaces_expired=turn.expired,
+        sent=sent_context(turn.context),
+    )
+
+
+def sent_context(context: Context) -> SentContext:
+    return SentContext(
+        summary_version=context.summary.version if context.summary else 0,
+        first_sent=context.first_sent,
+        included=context.included,
+        omitted=context.omitted,
+        unsummarised_omitted=context.unsummarised_omitted,
+        marker=context.marker,
+        trimmed=context.trimmed,
+        deduplicated=context.deduplicated,
     )
 
 
