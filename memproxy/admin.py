@@ -10,6 +10,7 @@ that import back to the same records.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from .config import Config, ModelConfig
@@ -27,14 +28,22 @@ def _cursor(value: tuple[float, int] | None) -> str | None:
     return None if value is None else f"{value[0]!r}_{value[1]}"
 
 
+_INT64 = 2**63
+
+
 def _parse_cursor(value: str | None) -> tuple[float, int] | None:
+    """A cursor `_cursor` wrote: a finite time and a key the databases can hold (an integer that
+    overflows PostgreSQL's BIGINT or SQLite's INTEGER would be a database error, not a 400)."""
     if value is None:
         return None
     try:
         updated, pk = value.split("_")
-        return float(updated), int(pk)
-    except ValueError as exc:
-        raise BadRequest("'after' is not a cursor this API returned", param="after") from exc
+        cursor = float(updated), int(pk)
+    except ValueError:
+        cursor = None
+    if cursor is None or not math.isfinite(cursor[0]) or not -_INT64 <= cursor[1] < _INT64:
+        raise BadRequest("'after' is not a cursor this API returned", param="after")
+    return cursor
 
 
 def info_json(info: SessionInfo) -> dict[str, Any]:

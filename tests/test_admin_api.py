@@ -268,6 +268,9 @@ async def test_list_pages_cover_every_session_exactly_once(
 @pytest.mark.parametrize("query, param", [
     ("limit=0", "limit"), ("limit=-1", "limit"), ("limit=1001", "limit"), ("limit=ten", "limit"),
     ("limit=", "limit"), ("after=yesterday", "after"), ("after=1.5_x", "after"), ("after=1_2_3", "after"),
+    # Well-formed but beyond what a database holds: refused, not a database error.
+    ("after=1.0_99999999999999999999", "after"), ("after=1.0_-9223372036854775809", "after"),
+    ("after=1e400_1", "after"), ("after=nan_1", "after"), ("after=inf_1", "after"), ("after=-inf_1", "after"),
 ])
 async def test_list_rejects_a_bad_limit_or_cursor(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
