@@ -16,9 +16,11 @@ from typing import Any
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest
+from .exports import has_gap, summaries_in_use
 from .memory import prepare_turn
 from .messages import wire_form
 from .provider import Provider
+from .session_ids import is_session_id
 from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, UsageTotals
 from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
@@ -200,11 +202,23 @@ def exported_id(records: list[dict[str, Any]]) -> str:
     return str(next(r for r in records if r["type"] == "session").get("session_id") or "")
 
 
-async def fork(store: Store, session: SessionState, tenant: str, new_id: str, at: int) -> None:
-    """A new session holding the first `at` active messages (and the summaries covering no more)."""
+async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at: Any = None) -> int:
+    """A new session holding the first `at` active messages (default all) and the summaries
+    covering no more; returns `at`. A fork never cuts a unit: the session it makes must be one a
+    turn could have left, or it would send a tool call without its results."""
+    if not isinstance(new_id, str) or not is_session_id(new_id):
+        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+                         param="new_id")
+    at = session.length if at is None else at
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
+        raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
     records = await store.export_session(session)
-    kept = sorted((r for r in records if r["type"] == "message" and r["active"] and r["seq"] < at),
-                  key=lambda r: r["seq"])
+    active = {r["seq"]: r for r in records if r["type"] == "message" and r["active"]}
+    if at < session.length and not (at in active and active[at]["unit_start"]):
+        raise BadRequest(f"'at' must be the position of a message that starts a unit, or {session.length}: "
+                         f"position {at} lies between a tool call and its results, or is no longer stored",
+                         param="at")
+    kept = [active[seq] for seq in sorted(active) if seq < at]
     head = dict(next(r for r in records if r["type"] == "session"))
     last = kept[-1] if kept else None
     head.update(
@@ -217,10 +231,12 @@ async def fork(store: Store, session: SessionState, tenant: str, new_id: str, at
             "context_tokens": 0, "prompt_tokens": None, "completion_tokens": None, "latency_ms": 0.0,
             "cost": None, "full_tokens": 0}
     messages = [{**m, "id": i + 1, "turn": 1, "parent": i or None} for i, m in enumerate(kept)]
-    hashes = {m["seq"]: m["chain_hash"] for m in kept}
-    summaries = [s for s in records if s["type"] == "summary"
-                 and s["covers"] <= at and hashes.get(s["covers"] - 1) == s["covers_hash"]]
+    summaries = summaries_in_use(records, active, at)
+    if has_gap(active, summaries, at):
+        raise BadRequest(f"messages before position {at} were deleted (retention.max_messages_per_session) and "
+                         "no summary the fork can keep stands for them", param="at")
     await store.import_session(tenant, new_id, [head, turn, *messages, *summaries])
+    return at
 
 
 async def context(

@@ -105,13 +105,7 @@ async def fork(request: web.Request) -> web.Response:
     tenant, session = await _session(request)
     body = await json_object(request, optional=True)
     new_id = body.get("new_id")
-    if not isinstance(new_id, str) or not is_session_id(new_id):
-        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
-                         param="new_id")
-    at = body.get("at", session.length)
-    if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
-        raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
-    await admin.fork(request.app[STORE], session, tenant, new_id, at)
+    at = await admin.fork(request.app[STORE], session, tenant, new_id, body.get("at"))
     return web.json_response({"id": new_id, "object": "session", "forked_from": session.session_id,
                               "messages": at}, status=201)
 

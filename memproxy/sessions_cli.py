@@ -208,10 +208,7 @@ async def _clear(args: argparse.Namespace, config: Config, store: Store) -> int:
 
 async def _fork(args: argparse.Namespace, config: Config, store: Store) -> int:
     session = await _session(args, store, args.id)
-    at = session.length if args.at is None else args.at
-    if not 0 <= at <= session.length or not is_session_id(args.new_id):
-        raise ProxyError(f"--at must be from 0 to {session.length} and the new id a session id")
-    await admin.fork(store, session, _tenant(args), args.new_id, at)
+    at = await admin.fork(store, session, _tenant(args), args.new_id, args.at)
     _done(args, {"id": args.new_id, "forked_from": args.id, "messages": at},
           f"forked {args.id} at {at} into {args.new_id}")
     return 0

@@ -571,6 +571,32 @@ async def test_fork_at_a_message_continues_independently(
     assert (await api.get("/sessions/x", status=404))["error"]["code"] == "session_not_found"
 
 
+async def test_fork_never_cuts_between_a_tool_call_and_its_results(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api, config = api_for(http, proxy), config_of(proxy)
+    calls = [tool_call("call_1", "search"), tool_call("call_2", "lookup")]
+    upstream.enqueue(Reply(tool_calls=calls), Reply(content="found it"))
+    await chat(proxy, "s1", [user("search twice")])
+    await chat(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": "result one"},
+                             {"role": "tool", "tool_call_id": "call_2", "content": "result two"}])
+    roles = [m["message"]["role"] for m in (await api.get("/sessions/s1"))["messages"]]
+    assert roles == ["user", "assistant", "tool", "tool", "assistant"]
+
+    for inside in (2, 3):  # after the call, before (all of) its results
+        body = await api.post("/sessions/s1/fork", json={"new_id": f"cut-{inside}", "at": inside}, status=400)
+        assert_error(body, type="invalid_request_error", param="at")
+        assert session_pk(config, f"cut-{inside}") is None
+    for at, kept in [(0, []), (1, ["user"]), (4, roles[:4]), (5, roles)]:
+        await api.post("/sessions/s1/fork", json={"new_id": f"fork-{at}", "at": at}, status=201)
+        fork = await api.get(f"/sessions/fork-{at}")
+        assert [m["message"]["role"] for m in fork["messages"]] == kept
+    # A fork that ends with a call and its results sends them whole.
+    await chat(proxy, "fork-4", [user("and then?")])
+    assert [m["role"] for m in upstream.last().messages] == ["user", "assistant", "tool", "tool", "user"]
+
+
 # --- export and import --------------------------------------------------------------------------
 
 

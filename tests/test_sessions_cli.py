@@ -333,8 +333,18 @@ def test_fork(cli: Setup, upstream: FakeUpstream) -> None:
     assert cli.json("fork", "fork-1", "fork-1c") == {"id": "fork-1c", "forked_from": "fork-1", "messages": 6}
     assert cli.sessions("--tenant", "a", "fork", "fork-1", "fork-1b", ok=False).stderr == (
         "memproxy: a session 'fork-1b' already exists\n")
-    assert "--at must be from 0 to 6" in cli.sessions("--tenant", "a", "fork", "fork-1", "x2", "--at", "7",
-                                                      ok=False).stderr
+    assert cli.sessions("--tenant", "a", "fork", "fork-1", "x2", "--at", "7", ok=False).stderr == (
+        "memproxy: 'at' must be an integer from 0 to 6\n")
+
+    # Never between a tool call and its results: the fork would send a call without them.
+    upstream.enqueue(Reply(tool_calls=[{"id": "call_1", "type": "function",
+                                        "function": {"name": "search", "arguments": "{}"}}]))
+    cli.chat("fork-2", [user("search")])
+    cli.chat("fork-2", [{"role": "tool", "tool_call_id": "call_1", "content": "found"}])
+    assert "'at' must be the position of a message that starts a unit" in cli.sessions(
+        "--tenant", "a", "fork", "fork-2", "fork-2b", "--at", "2", ok=False).stderr
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'fork-2b'") == 0
+    assert cli.json("fork", "fork-2", "fork-2b", "--at", "3")["messages"] == 3
 
 
 # --- prune: everything about a tenant, or what is old ---------------------------------------------
