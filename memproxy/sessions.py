@@ -3,7 +3,8 @@
 A tenant key sees its own sessions only; another tenant's session is a 404, exactly like one that
 does not exist, so its existence is never confirmed. An admin key (`auth.admin_keys`) sees every
 tenant and names one with `?tenant=` where a session is addressed. Metadata values are the agents'
-own state: they are stored and returned, never logged.
+own state: they are stored and returned, never logged. No endpoint takes content in its URL (URLs
+are what access logs and proxies write down): new messages travel in request bodies.
 
 The work is done by `memproxy.admin`, which the CLI shares; this module only speaks HTTP.
 """
@@ -130,14 +131,14 @@ async def import_session(request: web.Request) -> web.Response:
 async def context(request: web.Request) -> web.Response:
     """What the next request would send upstream, part by part, with token counts."""
     tenant, session = await _session(request)
+    if "message" in request.query or "messages" in request.query:
+        # Content in a query string lands in access logs and proxies' logs: it goes in a body.
+        raise BadRequest("new messages go in the body of a POST, never in the URL", param="message")
     body = await json_object(request, optional=True) if request.method == "POST" else {}
     model = _model(request, body.get("model") or request.query.get("model"))
-    messages = body.get("messages")
-    if messages is None and request.query.get("message"):
-        messages = [{"role": "user", "content": request.query["message"]}]
     app = request.app
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, messages or [], body)
+                                  tenant, session, body.get("messages") or [], body)
     return web.json_response(preview)
 
 

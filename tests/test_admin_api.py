@@ -123,6 +123,12 @@ async def chat(proxy: Proxy, session: str, messages: list[Message], key: str = P
     return raw.headers
 
 
+async def preview_of(api: Api, session: str, text: str, **body: Any) -> Any:
+    """What the next request of `session` would send with the new user message `text` (in a POST
+    body: content never goes in a URL)."""
+    return await api.post(f"/sessions/{session}/context", json={"messages": [user(text)], **body})
+
+
 def assert_error(body: Any, *, type: str, code: str | None = None, param: str | None = None) -> None:
     assert set(body) == {"error"}
     error = body["error"]
@@ -389,9 +395,9 @@ async def test_context_is_exactly_what_the_next_request_sends(
     await converse(proxy, upstream, scenario)
     stored = (await api.get("/sessions/s1"))["message_count"]
 
-    preview = await api.get("/sessions/s1/context?model=small&message=what%20next%3F")
-    posted = await api.post("/sessions/s1/context", json={"model": "small", "messages": [user("what next?")]})
-    assert posted == preview
+    preview = await preview_of(api, "s1", "what next?", model="small")
+    without = await api.post("/sessions/s1/context", json={"model": "small"})
+    assert await api.get("/sessions/s1/context?model=small") == without
     assert preview["object"] == "session.context" and preview["model"] == "small"
     assert preview["expired"] is False and preview["would_summarize"] is False
     budget = preview["budget"]
@@ -440,14 +446,34 @@ async def test_context_says_when_the_next_request_will_summarise_first(
     upstream.summarizer = short_summary
     for i in range(6):  # on the large model everything fits
         await chat(proxy, "s1", [user(f"turn {i}: " + words(300, f"w{i}"))], model="big")
-    preview = await api.get("/sessions/s1/context?model=small&message=next")
+    preview = await preview_of(api, "s1", "next", model="small")
     assert preview["would_summarize"] is True and "marker" in {p["part"] for p in preview["parts"]}
     assert upstream.summary_requests() == []  # previewing folds nothing
     await chat(proxy, "s1", [user("next")])
     sent = upstream.last().messages
     assert upstream.summary_requests()  # folded first, then sent
     assert sent[0]["content"].startswith(SUMMARY_PREFIX) and sent != preview["messages"]
-    assert (await api.get("/sessions/s1/context?model=small&message=next"))["would_summarize"] is False
+    assert (await preview_of(api, "s1", "next", model="small"))["would_summarize"] is False
+
+
+async def test_no_content_in_a_url_and_none_in_the_access_log(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A URL is logged by access logs and proxies: the preview of a new message takes it in a body."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp.access")
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await chat(proxy, "s1", [user("hello")])
+    for query in ("message=hi", "messages=hi", "model=small&message="):
+        body = await api.get(f"/sessions/s1/context?{query}", status=400)
+        assert_error(body, type="invalid_request_error", param="message")
+    secret = "my passport number is X1234567"
+    preview = await preview_of(api, "s1", secret)
+    assert preview["messages"][-1] == user(secret)
+    access = [r for r in caplog.records if r.name == "aiohttp.access"]
+    assert any("/sessions/s1/context" in r.getMessage() for r in access), "no access log: proves nothing"
+    assert not any(secret.split()[-1] in r.getMessage() for r in caplog.records)
 
 
 async def test_context_of_a_session_without_a_new_message_and_for_another_model(
@@ -522,7 +548,7 @@ async def test_clear_keeps_the_record_and_sends_nothing_from_before(
     assert detail["messages"] == [] and detail["message_count"] == 0 and detail["system"] is None
     assert [m["message"] for b in detail["superseded"] for m in b["messages"]] == [
         user("my name is Ada"), assistant("reply 1"), user("I live in Paris"), assistant("reply 2")]
-    assert (await api.get("/sessions/s1/context?message=who%20am%20I%3F"))["messages"] == [user("who am I?")]
+    assert (await preview_of(api, "s1", "who am I?"))["messages"] == [user("who am I?")]
 
     await chat(proxy, "s1", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
@@ -645,7 +671,7 @@ async def test_export_imports_back_exactly(
     assert {**copy, "id": "orig"} == original
 
     # The copy goes on as the original would.
-    preview = await api.get("/sessions/orig/context?message=next")
+    preview = await preview_of(api, "orig", "next")
     await chat(proxy, "copy", [user("next")], **{"X-Memproxy-History": "new"})
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     await proxy.app[SUMMARIZER].wait_idle()
@@ -739,7 +765,7 @@ SESSION_ENDPOINTS: list[tuple[str, str, Any]] = [
     ("POST", "/sessions/{id}/clear", None),
     ("POST", "/sessions/{id}/fork", {"new_id": "stolen"}),
     ("GET", "/sessions/{id}/export", None),
-    ("GET", "/sessions/{id}/context?message=hi", None),
+    ("GET", "/sessions/{id}/context?model=small", None),
     ("POST", "/sessions/{id}/context", {"messages": [user("hi")]}),
     ("POST", "/sessions/{id}/compact", {}),
     ("GET", "/sessions/{id}/metadata", None),
@@ -992,7 +1018,7 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     assert old_pk is not None
     await age(config, "idle", 61)
 
-    preview = await api.get("/sessions/idle/context?message=who%20am%20I%3F")
+    preview = await preview_of(api, "idle", "who am I?")
     assert preview["expired"] is True and preview["messages"] == [user("who am I?")]
     await chat(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
@@ -1100,7 +1126,7 @@ async def test_message_cap_deletes_only_what_can_never_be_sent_again(
     await api.post("/sessions/import?session_id=s1-copy", data=exported.encode(), status=201)
     assert await api.get("/sessions/s1-copy/export") == exported.replace('"session_id":"s1"', '"session_id":"s1-copy"')
     await api.post("/sessions/s1/fork", json={"new_id": "s1-fork"}, status=201)
-    preview = await api.get("/sessions/s1/context?message=q5")
-    assert (await api.get("/sessions/s1-fork/context?message=q5"))["messages"] == preview["messages"]
+    preview = await preview_of(api, "s1", "q5")
+    assert (await preview_of(api, "s1-fork", "q5"))["messages"] == preview["messages"]
     await capped.app[SUMMARIZER].wait_idle()
     await uncapped.app[SUMMARIZER].wait_idle()

@@ -237,8 +237,8 @@ def test_context_shows_what_the_model_is_sent_in_one_command(cli: Setup, upstrea
 
     # "What does the model see in session ctx-1?" One command, for a script ...
     preview = cli.json("context", "ctx-1", "--model", "small", "--message", "where do I live?")
-    assert preview == cli.http("GET", "/sessions/ctx-1/context",
-                               params={"model": "small", "message": "where do I live?"}).json()
+    assert preview == cli.http("POST", "/sessions/ctx-1/context",
+                               json={"model": "small", "messages": [user("where do I live?")]}).json()
     cli.chat("ctx-1", [user("where do I live?")])
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     assert preview["messages"] == [SYSTEM, user("my name is Ada"), assistant("reply 1"), user("I live in Paris"),
