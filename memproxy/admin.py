@@ -9,7 +9,6 @@ that import back to the same records.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -143,63 +142,6 @@ def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:
         "tokens_after": result.tokens_after,
         "summary": summary_json(result.summary) if result.summary else None,
     }
-
-
-def to_jsonl(records: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
-
-
-def from_jsonl(text: str) -> list[dict[str, Any]]:
-    try:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as exc:
-        raise BadRequest(f"not JSON lines: {exc}") from exc
-    kinds = [r.get("type") if isinstance(r, dict) else None for r in records]
-    if kinds.count("session") != 1 or any(k not in _REQUIRED for k in kinds):
-        raise BadRequest("an export holds one session record and turn, message and summary records")
-    _check_export(records)
-    return records
-
-
-_NUMBER = (int, float)
-# The fields an import needs, by record type, and their JSON types; checked before anything is
-# written, so a damaged export is a 400 naming the problem, not a database error.
-_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "session": {"created_at": _NUMBER, "updated_at": _NUMBER, "length": int, "head_hash": str,
-                "head_cum": int, "head_compact_cum": int},
-    "turn": {"id": int, "created_at": _NUMBER, "model": str, "kind": str, "context_tokens": int,
-             "latency_ms": _NUMBER},
-    "message": {"id": int, "turn": int, "seq": int, "active": int, "role": str, "body": dict, "tokens": int,
-                "cum_before": int, "unit_start": int, "chain_hash": str, "created_at": _NUMBER,
-                "compact_tokens": int, "compact_cum_before": int},
-    "summary": {"version": int, "text": str, "covers": int, "covers_hash": str, "tokens": int,
-                "replaced_tokens": int, "model": str, "created_at": _NUMBER},
-}
-
-
-def _check_export(records: list[dict[str, Any]]) -> None:
-    turns: set[Any] = set()
-    messages: set[Any] = set()
-    for line, record in enumerate(records, 1):
-        for name, kind in _REQUIRED[record["type"]].items():
-            if not isinstance(record.get(name), kind):
-                raise BadRequest(f"line {line}: a {record['type']} record needs '{name}'")
-        if record["type"] == "turn":
-            turns.add(record["id"])
-        elif record["type"] == "message":
-            if record["turn"] not in turns or record.get("parent") not in (None, *messages):
-                raise BadRequest(f"line {line}: a message refers to a turn or message not before it")
-            messages.add(record["id"])
-    [head] = [r for r in records if r["type"] == "session"]
-    active = [r for r in records if r["type"] == "message" and r["active"]]
-    seqs = {r["seq"] for r in active}  # with gaps where `max_messages_per_session` deleted some
-    if len(seqs) != len(active) or not seqs <= set(range(head["length"])) or \
-            len({r["chain_hash"] for r in active}) != len(active):
-        raise BadRequest("the active messages of an export must be numbered below its length, once each")
-
-
-def exported_id(records: list[dict[str, Any]]) -> str:
-    return str(next(r for r in records if r["type"] == "session").get("session_id") or "")
 
 
 async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at: Any = None) -> int:

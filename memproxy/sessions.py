@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import admin
+from . import admin, exports
 from .bodies import json_object
 from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
@@ -114,14 +114,14 @@ async def fork(request: web.Request) -> web.Response:
 async def export(request: web.Request) -> web.Response:
     _, session = await _session(request)
     records = await request.app[STORE].export_session(session)
-    return web.Response(text=admin.to_jsonl(records), content_type="application/x-ndjson")
+    return web.Response(text=exports.to_jsonl(records), content_type="application/x-ndjson")
 
 
 async def import_session(request: web.Request) -> web.Response:
     tenant = _tenant(request)
     assert tenant is not None
-    records = admin.from_jsonl(await request.text())
-    session_id = request.query.get("session_id") or admin.exported_id(records)
+    records = exports.from_jsonl(await request.text())
+    session_id = request.query.get("session_id") or exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
     await request.app[STORE].import_session(tenant, session_id, records)

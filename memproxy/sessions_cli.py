@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from . import admin
+from . import admin, exports
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
@@ -170,7 +170,7 @@ async def _context(args: argparse.Namespace, config: Config, store: Store) -> in
 
 
 async def _export(args: argparse.Namespace, config: Config, store: Store) -> int:
-    text = admin.to_jsonl(await store.export_session(await _session(args, store, args.id)))
+    text = exports.to_jsonl(await store.export_session(await _session(args, store, args.id)))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -185,8 +185,8 @@ async def _import(args: argparse.Namespace, config: Config, store: Store) -> int
     else:
         with open(args.file, encoding="utf-8") as handle:
             text = handle.read()
-    records = admin.from_jsonl(text)
-    session_id = args.id or admin.exported_id(records)
+    records = exports.from_jsonl(text)
+    session_id = args.id or exports.exported_id(records)
     if not is_session_id(session_id):
         raise ProxyError(f"not a session id: {session_id!r}")
     await store.import_session(_tenant(args), session_id, records)
