@@ -16,11 +16,11 @@ from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest
 from .exports import has_gap, summaries_in_use
-from .memory import prepare_turn
+from .memory import PreparedTurn, prepare_turn
 from .messages import wire_form
 from .provider import Provider
 from .session_ids import is_session_id
-from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, UsageTotals
+from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
 from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
 
@@ -112,6 +112,25 @@ async def show(store: Store, session: SessionState) -> dict[str, Any]:
         "summary": summary_json(summary) if summary else None,
         "summary_history": [summary_json(s) for s in await store.summary_history(session)],
         "metadata": await store.get_metadata(session),
+        "turns": [turn_json(i + 1, t) for i, t in enumerate(await store.turns(session))],
+    }
+
+
+def turn_json(number: int, turn: TurnInfo) -> dict[str, Any]:
+    """A stored turn: what it cost, which messages it stored, and for a chat turn what its request
+    was made of (`sent`), so "what did the model see in turn N, and why" has an answer later."""
+    sent = turn.sent
+    return {
+        "turn": number, "kind": turn.kind, "model": turn.model, "created_at": turn.created_at,
+        "context_tokens": turn.context_tokens, "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens, "cost": turn.cost,
+        "stored_from_position": turn.stored_from, "stored_messages": turn.stored_messages,
+        "sent": None if sent is None else {
+            "summary_version": sent.summary_version, "from_position": sent.first_sent,
+            "stored_included": sent.included, "stored_omitted": sent.omitted,
+            "unsummarised_omitted": sent.unsummarised_omitted, "marker": sent.marker,
+            "tool_outputs_trimmed": sent.trimmed, "deduplicated": sent.deduplicated,
+        },
     }
 
 
@@ -181,6 +200,14 @@ async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at
     return at
 
 
+async def _tokens_before(store: Store, turn: PreparedTurn) -> int:
+    """What the stored messages left out of a request hold, as stored (before trimming): the
+    tokens the summary, the marker or nothing stand in for."""
+    if turn.session is None or not turn.context.omitted:
+        return 0
+    return (await store.totals_at(turn.session, turn.context.first_sent)).full
+
+
 async def context(
     store: Store, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
     tenant: str, session: SessionState, new: list[Any], params: dict[str, Any],
@@ -216,7 +243,7 @@ async def context(
         {"part": "kept", "messages": len(kept), "from_position": ctx.first_sent, "tokens": tokens(kept),
          "tool_outputs_trimmed": ctx.trimmed, "deduplicated": ctx.deduplicated},
         {"part": "left_out", "messages": ctx.omitted, "summarised": covered,
-         "unsummarised": ctx.unsummarised_omitted},
+         "unsummarised": ctx.unsummarised_omitted, "tokens_stored": await _tokens_before(store, turn)},
         {"part": "new", "messages": n_new, "tokens": tokens(sent[len(sent) - n_new :] if n_new else [])},
         {"part": "tools_and_priming", "tokens": counter.tools(schemas) + REPLY_PRIMING},
     ]

@@ -39,7 +39,7 @@ def add_parser(commands: Any) -> None:
     listing = verbs.add_parser("list", help="sessions, newest activity first")
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--after", help="the cursor a previous page printed")
-    verbs.add_parser("show", help="a session's messages, branches, summary and metadata").add_argument("id")
+    verbs.add_parser("show", help="a session's messages, branches, summary, metadata and turns").add_argument("id")
     context = verbs.add_parser("context", help="what the next request would send, part by part")
     context.add_argument("id")
     context.add_argument("--model", help="the model the request names (default: the summariser's)")
@@ -134,7 +134,22 @@ async def _show(args: argparse.Namespace, config: Config, store: Store) -> int:
         print(f"  superseded branch from position {branch['forked_at']}: {len(branch['messages'])} messages")
     if detail["metadata"]:
         print(f"  metadata keys: {', '.join(sorted(detail['metadata']))}")
+    for turn in detail["turns"]:
+        print(f"  turn {turn['turn']:>3} {turn['kind']:<10} {turn['model']}: {_sent_text(turn)}")
     return 0
+
+
+def _sent_text(turn: dict[str, Any]) -> str:
+    """What a turn's request was made of, in a line."""
+    sent = turn["sent"]
+    if sent is None:
+        return f"{turn['context_tokens']} tokens"
+    parts = [f"summary v{sent['summary_version']}"] if sent["summary_version"] else []
+    parts += ["marker"] if sent["marker"] else []
+    parts.append(f"{sent['stored_included']} stored from position {sent['from_position']}")
+    return (f"{turn['context_tokens']} tokens: {' + '.join(parts)}; left out {sent['stored_omitted']} "
+            f"({sent['unsummarised_omitted']} unsummarised); {sent['tool_outputs_trimmed']} trimmed, "
+            f"{sent['deduplicated']} deduplicated")
 
 
 def _text(message: dict[str, Any]) -> str:

@@ -356,6 +356,65 @@ async def test_compact_and_show_give_the_summary_and_its_history(
     assert_error(body, type="invalid_request_error", code="model_not_found", param="model")
 
 
+def marker_sent(message: Message) -> bool:
+    return message["role"] == "system" and "earlier messages of this conversation are not shown" in message["content"]
+
+
+async def test_show_tells_for_each_turn_what_its_request_was_made_of(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Not only the next request: for every past turn, `show` says which summary went, from which
+    stored position, how much was left out and whether a marker said so, as the upstream saw it."""
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="marker",
+                        chunk_threshold_tokens=100_000, tail_turns=1)
+    api = api_for(http, proxy)
+    upstream.summarizer = short_summary
+    headers = [await chat(proxy, "s1", [SYSTEM, user("q1 " + words(60, "a"))]),
+               await chat(proxy, "s1", [user("q2 " + words(60, "b"))])]
+    assert (await api.post("/sessions/s1/compact"))["summary"]["version"] == 1
+    headers.append(await chat(proxy, "s1", [user("q3, short")]))  # sends the summary
+    for i in range(4, 7):  # each ~600 tokens: by the last, unsummarised turns no longer fit
+        headers.append(await chat(proxy, "s1", [user(f"q{i}: " + words(600, f"w{i}"))]))
+    sent = [r.messages for r in upstream.chat_requests()]
+    assert len(sent) == 6
+
+    detail = await api.get("/sessions/s1")
+    chats = [t for t in detail["turns"] if t["kind"] != "summary"]
+    assert [t["kind"] for t in detail["turns"]] == ["new", "append", "summary", "append", "append", "append",
+                                                    "append"]
+    assert detail["turns"][2]["sent"] is None and detail["turns"][2]["stored_messages"] == 0
+    stored = [m["message"] for m in detail["messages"]]
+    summaries = {s["version"]: s["covers_messages"] for s in detail["summary_history"]}
+    for n, (turn, messages, header) in enumerate(zip(chats, sent, headers)):
+        extras = [m for m in messages[1:] if m["role"] == "system"]  # after the system prompt
+        summary = [m for m in extras if m["content"].startswith(SUMMARY_PREFIX)]
+        history = messages[1 + len(extras) : -1]
+        base = turn["stored_from_position"]  # where this turn's own messages went
+        assert turn["stored_messages"] == 2 and stored[base] == messages[-1]
+        first = next(i for i in range(base + 1) if stored[i : i + len(history)] == history) if history else base
+        expected = {
+            "summary_version": 1 if summary else 0,
+            "from_position": first,
+            "stored_included": len(history),
+            "stored_omitted": base - len(history),
+            "unsummarised_omitted": first - (summaries[1] if summary else 0),
+            "marker": any(marker_sent(m) for m in extras),
+            "tool_outputs_trimmed": 0,
+            "deduplicated": 0,
+        }
+        assert turn["sent"] == expected, f"turn {n + 1}"
+        assert turn["context_tokens"] == int(header["X-Memproxy-Context-Tokens"])
+        assert expected["stored_omitted"] == int(header["X-Memproxy-Stored-Omitted"])
+    assert [t["sent"]["summary_version"] for t in chats] == [0, 0, 1, 1, 1, 1]
+    assert [t["sent"]["marker"] for t in chats] == [False] * 4 + [True, True]
+    assert chats[-1]["sent"]["unsummarised_omitted"] > 0
+
+    # The export carries it, and an import gives it back.
+    exported = await api.get("/sessions/s1/export")
+    await api.post("/sessions/import?session_id=s1-copy", data=exported.encode(), status=201)
+    assert (await api.get("/sessions/s1-copy"))["turns"] == detail["turns"]
+
+
 # --- the context the next request sends ---------------------------------------------------------
 
 
@@ -424,6 +483,11 @@ async def test_context_is_exactly_what_the_next_request_sends(
         assert parts["left_out"]["unsummarised"] == 0
         assert preview["messages"][1]["content"].startswith(SUMMARY_PREFIX)
     assert parts["kept"]["tool_outputs_trimmed"] == (1 if scenario == "tool-output-trimmed" else 0)
+    # What was left out is counted too, as stored: what the summary or marker stand in for.
+    stored_tokens = [m["tokens"] for m in (await api.get("/sessions/s1"))["messages"]]
+    assert parts["left_out"]["tokens_stored"] == sum(stored_tokens[: parts["kept"]["from_position"]])
+    assert (parts["left_out"]["tokens_stored"] > 0) == (parts["left_out"]["messages"] > 0)
+
 
     # Now the client sends that message: upstream gets exactly the preview, byte for byte.
     headers = await chat(proxy, "s1", [user("what next?")])

@@ -212,6 +212,11 @@ def test_show_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None
         ["0", "user", "q1"], ["1", "assistant", "reply 1"], ["2", "user", "q2, edited"], ["3", "assistant", "reply 3"]]
     assert text[6] == "  superseded branch from position 2: 2 messages"
     assert text[7] == "  metadata keys: city, step"  # keys only: the values are the agent's
+    # Then each turn, with what its request was made of.
+    assert [line.split()[:3] for line in text[8:]] == [["turn", "1", "new"], ["turn", "2", "continue"],
+                                                       ["turn", "3", "edit"]]
+    assert text[10].endswith(": 2 stored from position 0; left out 0 (0 unsummarised); 0 trimmed, 0 deduplicated")
+    assert shown["turns"][2]["sent"]["stored_included"] == 2 and shown["turns"][2]["stored_from_position"] == 2
     assert "Oslo" not in "\n".join(text)
 
 
