@@ -16,7 +16,7 @@ from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest
 from .exports import has_gap, summaries_in_use
-from .memory import PreparedTurn, prepare_turn
+from .memory import PreparedTurn, prepare_turn, prompt_schemas
 from .messages import wire_form
 from .provider import Provider
 from .session_ids import is_session_id
@@ -219,7 +219,7 @@ async def context(
         raise BadRequest(f"the output reserve must be an integer from 1 to {window - 1}", param="max_tokens")
     budget = Budget(window, reserve, config.memory.safety_margin(window))
     counter = provider.counter(model)
-    schemas = [*(params.get("tools") or []), *(params.get("functions") or [])]
+    schemas = prompt_schemas(params)
     turn = await prepare_turn(store, summarizer, model, counter, budget, config.memory, tenant,
                               session.session_id, list(new), schemas, "new",
                               idle_ttl=config.retention.idle_ttl_seconds, preview=True)

@@ -130,6 +130,11 @@ async def preview_of(api: Api, session: str, text: str, **body: Any) -> Any:
     return await api.post(f"/sessions/{session}/context", json={"messages": [user(text)], **body})
 
 
+def part(preview: Any, name: str) -> Any:
+    """One labelled part of a context preview."""
+    return next(p for p in preview["parts"] if p["part"] == name)
+
+
 def assert_error(body: Any, *, type: str, code: str | None = None, param: str | None = None) -> None:
     assert set(body) == {"error"}
     error = body["error"]
@@ -539,6 +544,29 @@ async def test_no_content_in_a_url_and_none_in_the_access_log(
     access = [r for r in caplog.records if r.name == "aiohttp.access"]
     assert any("/sessions/s1/context" in r.getMessage() for r in access), "no access log: proves nothing"
     assert not any(secret.split()[-1] in r.getMessage() for r in caplog.records)
+
+
+async def test_context_counts_a_response_format_schema_as_the_chat_does(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await chat(proxy, "s1", [user("hello")])
+    schema = {"name": "answer", "schema": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city the user lives in, as they wrote it"},
+        "country": {"type": "string"}}}}
+    response_format = {"type": "json_schema", "json_schema": schema}
+    plain = await preview_of(api, "s1", "where do I live?")
+    shaped = await preview_of(api, "s1", "where do I live?", response_format=response_format)
+    schema_tokens = part(shaped, "tools_and_priming")["tokens"] - part(plain, "tools_and_priming")["tokens"]
+    assert schema_tokens > 10 and shaped["tokens"] == plain["tokens"] + schema_tokens
+
+    client = proxy.client(session="s1")
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=[user("where do I live?")], response_format=response_format)
+    raw.parse()
+    assert int(raw.headers["X-Memproxy-Context-Tokens"]) == shaped["tokens"]
+    assert upstream.last().messages == shaped["messages"]
 
 
 async def test_context_of_a_session_without_a_new_message_and_for_another_model(
