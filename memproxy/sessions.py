@@ -19,6 +19,7 @@ from . import admin, exports
 from .bodies import json_object
 from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
+from .memory import expired_before, has_expired
 from .session_ids import is_session_id
 from .store import SessionState
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
@@ -60,8 +61,16 @@ async def _session(request: web.Request) -> tuple[str, SessionState]:
     session_id = request.match_info["session_id"]
     session = await request.app[STORE].get_session(tenant, session_id) if is_session_id(session_id) else None
     if session is None:
-        raise NotFound(f"No session '{session_id}'.", code="session_not_found")
+        raise _no_session(session_id)
     return tenant, session
+
+
+def _no_session(session_id: str) -> NotFound:
+    return NotFound(f"No session '{session_id}'.", code="session_not_found")
+
+
+def _expired_before(request: web.Request) -> float | None:
+    return expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
 
 
 def _model(request: web.Request, name: Any) -> ModelConfig:
@@ -98,7 +107,8 @@ async def delete(request: web.Request) -> web.Response:
 
 async def clear(request: web.Request) -> web.Response:
     _, session = await _session(request)
-    await request.app[STORE].clear_session(session)
+    if not await request.app[STORE].clear_session(session, _expired_before(request)):
+        raise _no_session(session.session_id)
     return web.json_response({"id": session.session_id, "object": "session.cleared", "cleared": True})
 
 
@@ -153,6 +163,8 @@ async def compact(request: web.Request) -> web.Response:
 
 async def get_metadata(request: web.Request) -> web.Response:
     _, session = await _session(request)
+    if has_expired(session, request.app[CONFIG].retention.idle_ttl_seconds):
+        return web.json_response({})  # what it held is gone for every other purpose too
     return web.json_response(await request.app[STORE].get_metadata(session))
 
 
@@ -164,22 +176,19 @@ async def put_metadata(request: web.Request) -> web.Response:
     if not is_session_id(session_id):
         raise BadRequest("not a session id", param="session_id")
     metadata = await json_object(request, optional=True)
-    await request.app[STORE].set_metadata(tenant, session_id, metadata)
+    await request.app[STORE].set_metadata(tenant, session_id, metadata, _expired_before(request))
     return web.json_response(metadata)
 
 
 async def patch_metadata(request: web.Request) -> web.Response:
     """Merge the given top-level keys into the metadata; a key set to null is removed."""
     _, session = await _session(request)
-    store = request.app[STORE]
-    metadata = await store.get_metadata(session)
-    for key, value in (await json_object(request, optional=True)).items():
-        if value is None:
-            metadata.pop(key, None)
-        else:
-            metadata[key] = value
-    await store.set_metadata(session.tenant, session.session_id, metadata)
-    return web.json_response(metadata)
+    changes = await json_object(request, optional=True)
+    merged = await request.app[STORE].merge_metadata(session.tenant, session.session_id, changes,
+                                                     _expired_before(request))
+    if merged is None:
+        raise _no_session(session.session_id)
+    return web.json_response(merged)
 
 
 async def usage(request: web.Request) -> web.Response:

@@ -21,6 +21,7 @@ from . import admin, exports
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
+from .memory import expired_before
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
@@ -216,7 +217,9 @@ async def _rm(args: argparse.Namespace, config: Config, store: Store) -> int:
 
 
 async def _clear(args: argparse.Namespace, config: Config, store: Store) -> int:
-    await store.clear_session(await _session(args, store, args.id))
+    session = await _session(args, store, args.id)
+    if not await store.clear_session(session, expired_before(config.retention.idle_ttl_seconds)):
+        raise ProxyError(f"no session '{args.id}' in tenant '{_tenant(args)}'")
     _done(args, {"id": args.id, "cleared": True}, f"cleared {args.id}")
     return 0
 

@@ -973,6 +973,27 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
             assert secret not in text, f"{record.name} logged a metadata value"
 
 
+async def test_concurrent_metadata_patches_of_distinct_keys_all_land(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Each PATCH merges under the session's row lock: none is lost to another read before it."""
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await api.call("PUT", "/sessions/agent/metadata", json={"kept": True})
+    results = await asyncio.gather(*[api.call("PATCH", "/sessions/agent/metadata", json={f"key{i}": i})
+                                     for i in range(20)])
+    expected = {"kept": True, **{f"key{i}": i for i in range(20)}}
+    assert await api.get("/sessions/agent/metadata") == expected
+    # Each answer is the metadata its own merge wrote: it holds its key and every earlier one.
+    assert all(f"key{i}" in result and result["kept"] for i, result in enumerate(results))
+    assert sorted(len(result) for result in results) == list(range(2, 22))
+    # Removing keys concurrently loses no removal either.
+    await asyncio.gather(*[api.call("PATCH", "/sessions/agent/metadata", json={f"key{i}": None})
+                           for i in range(0, 20, 2)])
+    assert await api.get("/sessions/agent/metadata") == {
+        "kept": True, **{f"key{i}": i for i in range(1, 20, 2)}}
+
+
 # --- tenants ------------------------------------------------------------------------------------
 
 # Every endpoint that addresses one session, with a body it accepts.
@@ -1248,6 +1269,44 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     # The session that was not idle is untouched.
     await chat(proxy, "busy", [user("and now?")])
     assert upstream.last().messages == [user("still here"), assistant("reply 3"), user("and now?")]
+
+
+EXPIRED_WRITES: dict[str, tuple[str, str, Any, Any]] = {
+    # method, path, body, the metadata after it
+    "PATCH metadata": ("PATCH", "/sessions/idle/metadata", {"step": 3}, {"step": 3}),
+    "PUT metadata": ("PUT", "/sessions/idle/metadata", {"fresh": True}, {"fresh": True}),
+    "clear": ("POST", "/sessions/idle/clear", None, {}),
+}
+
+
+@pytest.mark.parametrize("write", list(EXPIRED_WRITES))
+async def test_a_write_to_an_expired_session_starts_it_afresh_first(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    write: str,
+) -> None:
+    """A metadata write or a clear renews a session's activity; on an expired one it must not bring
+    the past back to life: the session is started afresh first, exactly as a chat turn would."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    api, config = api_for(http, proxy), config_of(proxy)
+    upstream.enqueue(*[Reply(content=f"reply {i}", usage={"prompt_tokens": 10, "completion_tokens": 1})
+                       for i in range(1, 4)])
+    await chat(proxy, "idle", [SYSTEM, user("my name is Ada")])
+    await chat(proxy, "idle", [user("I live in Paris")])
+    await api.call("PATCH", "/sessions/idle/metadata", json={"step": 2, "secret": "the old state"})
+    await age(config, "idle", 61)
+    assert await api.get("/sessions/idle/metadata") == {}  # expired: nothing of it is current
+
+    method, path, body, metadata = EXPIRED_WRITES[write]
+    await api.call(method, path, **({} if body is None else {"json": body}))
+    new_pk = session_pk(config, "idle")  # the old session is gone (SQLite may reuse its key)
+    assert new_pk is not None and rows_of(config, new_pk) == {"sessions": 1, "turns": 0, "messages": 0,
+                                                              "summaries": 0}
+    assert rows(config, "SELECT count(*) FROM messages") == [(0,)]
+    detail = await api.get("/sessions/idle")
+    assert detail["metadata"] == metadata and detail["messages"] == [] and detail["superseded"] == []
+    assert detail["system"] is None and detail["title"] is None and detail["usage"]["turns"] == 0
+    await chat(proxy, "idle", [user("who am I?")])
+    assert upstream.last().messages == [user("who am I?")]
 
 
 async def test_the_sweep_removes_expired_sessions(
