@@ -28,6 +28,7 @@ from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/sessions", list_sessions)
+    r.add_delete("/v1/sessions", delete_all)
     r.add_post("/v1/sessions/import", import_session)
     r.add_get("/v1/sessions/{session_id}", show)
     r.add_delete("/v1/sessions/{session_id}", delete)
@@ -103,6 +104,17 @@ async def delete(request: web.Request) -> web.Response:
     _, session = await _session(request)
     await request.app[STORE].delete_session(session)
     return web.json_response({"id": session.session_id, "object": "session.deleted", "deleted": True})
+
+
+async def delete_all(request: web.Request) -> web.Response:
+    """Every session of one tenant, whatever their clocks say (`?all=true`, so that a DELETE on
+    the list by mistake deletes nothing); an admin key names the tenant."""
+    if request.query.get("all") != "true":
+        raise BadRequest("deleting every session of the tenant needs ?all=true", param="all")
+    tenant = _tenant(request)
+    assert tenant is not None
+    deleted = await request.app[STORE].delete_tenant(tenant)
+    return web.json_response({"object": "session.deleted", "tenant": tenant, "deleted": deleted})
 
 
 async def clear(request: web.Request) -> web.Response:

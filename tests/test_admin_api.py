@@ -915,6 +915,8 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
         return [(m["position"], m["message"]) for m in detail["messages"]]
 
     assert bodies(await api.get("/sessions/copy")) == bodies(await api.get("/sessions/orig"))
+    # Now "delete everything older than now" reaches it.
+    assert (await api.call("DELETE", "/sessions?all=true"))["deleted"] == 2
     await proxy.app[SUMMARIZER].wait_idle()
 
 
@@ -1307,6 +1309,46 @@ async def test_a_write_to_an_expired_session_starts_it_afresh_first(
     assert detail["system"] is None and detail["title"] is None and detail["usage"]["turns"] == 0
     await chat(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
+
+
+async def test_delete_every_session_of_a_tenant_whatever_the_clock(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api, config = api_for(http, proxy), config_of(proxy)
+    admin, other = api.as_(ADMIN_KEY), api.as_(OTHER_KEY)
+    for session in ("one", "two", "future"):
+        await chat(proxy, session, [user(f"{session} in a")])
+    await api.call("PUT", "/sessions/only-metadata/metadata", json={"k": 1})
+    for session in ("one", "b-only"):
+        await chat(proxy, session, [user(f"{session} in b")], key=OTHER_KEY)
+    # Written by a replica whose clock is a day ahead: `prune --older-than 0s` would skip it.
+    await asyncio.to_thread(write_db, config, "UPDATE sessions SET updated_at = updated_at + 86400"
+                                              " WHERE session_id = 'future'")
+    b_before = await snapshot(api, "one", "b")
+
+    for query in ("", "?all=false", "?all=1"):  # deleting everything is never implied
+        assert_error(await api.call("DELETE", f"/sessions{query}", status=400), type="invalid_request_error",
+                     param="all")
+    assert_error(await admin.call("DELETE", "/sessions?all=true", status=400), type="invalid_request_error",
+                 param="tenant")
+    assert len((await api.get("/sessions"))["data"]) == 4
+
+    body = await api.call("DELETE", "/sessions?all=true&tenant=b")  # a tenant key names only its own
+    assert body == {"object": "session.deleted", "tenant": "a", "deleted": 4}
+    assert (await api.get("/sessions"))["data"] == []
+    assert rows(config, "SELECT count(*) FROM sessions WHERE tenant = 'a'") == [(0,)]
+    assert rows(config, "SELECT count(*) FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                        " WHERE s.tenant = 'a'") == [(0,)]
+    assert await snapshot(api, "one", "b") == b_before  # tenant b is untouched
+    assert [s["id"] for s in (await other.get("/sessions"))["data"]] == ["b-only", "one"]
+    assert (await api.call("DELETE", "/sessions?all=true"))["deleted"] == 0
+
+    assert await admin.call("DELETE", "/sessions?all=true&tenant=b") == {
+        "object": "session.deleted", "tenant": "b", "deleted": 2}
+    assert rows(config, "SELECT count(*) FROM sessions") == [(0,)]
+    await chat(proxy, "one", [user("back again")])
+    assert upstream.last().messages == [user("back again")]
 
 
 async def test_the_sweep_removes_expired_sessions(
