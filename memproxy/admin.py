@@ -3,8 +3,8 @@
 Listing pages newest activity first with an opaque cursor; `show` gives the active conversation in
 order with superseded branches apart, the summary and its history, metadata and usage; `context`
 plans the next request exactly as the chat endpoint would (same code, no summary folded) and labels
-its parts; a fork is an export of the kept prefix imported under a new id; exports are JSON lines
-that import back to the same records.
+its parts; a fork is an export of the kept prefix imported under a new id (`memproxy.exports` reads
+and checks exports); usage adds what deleted sessions had spent to what current ones have.
 """
 
 from __future__ import annotations
@@ -134,10 +134,15 @@ def turn_json(number: int, turn: TurnInfo) -> dict[str, Any]:
     }
 
 
-def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
+def usage_json(tenant: str | None, current: UsageTotals, deleted: UsageTotals) -> dict[str, Any]:
+    """Totals over every session the tenant ever had: `sessions` counts the current ones, and
+    `deleted_sessions` is the part of the totals that sessions since deleted had spent."""
+    return {"object": "usage", "tenant": tenant, **_totals_json(current.plus(deleted)),
+            "sessions": current.sessions, "deleted_sessions": _totals_json(deleted)}
+
+
+def _totals_json(usage: UsageTotals) -> dict[str, Any]:
     return {
-        "object": "usage",
-        "tenant": tenant,
         "sessions": usage.sessions,
         "turns": usage.turns,
         "summary_calls": usage.summary_calls,
@@ -148,6 +153,10 @@ def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
         "full_history_tokens": usage.full_tokens,
         "tokens_saved": usage.tokens_saved,
     }
+
+
+async def usage(store: Store, tenant: str | None) -> dict[str, Any]:
+    return usage_json(tenant, await store.usage(tenant), await store.deleted_usage(tenant))
 
 
 def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:

@@ -204,5 +204,4 @@ async def patch_metadata(request: web.Request) -> web.Response:
 
 
 async def usage(request: web.Request) -> web.Response:
-    tenant = _tenant(request, listing=True)
-    return web.json_response(admin.usage_json(tenant, await request.app[STORE].usage(tenant)))
+    return web.json_response(await admin.usage(request.app[STORE], _tenant(request, listing=True)))

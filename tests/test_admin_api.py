@@ -493,7 +493,6 @@ async def test_context_is_exactly_what_the_next_request_sends(
     assert parts["left_out"]["tokens_stored"] == sum(stored_tokens[: parts["kept"]["from_position"]])
     assert (parts["left_out"]["tokens_stored"] > 0) == (parts["left_out"]["messages"] > 0)
 
-
     # Now the client sends that message: upstream gets exactly the preview, byte for byte.
     headers = await chat(proxy, "s1", [user("what next?")])
     assert headers["X-Memproxy-Reconcile"] == "append"
@@ -1148,6 +1147,10 @@ async def test_admin_key_without_a_tenant_on_a_session_endpoint_is_400(
     assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["alpha"]
 
 
+NOTHING_DELETED = {"sessions": 0, "turns": 0, "summary_calls": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                   "cost": None, "context_tokens": 0, "full_history_tokens": 0, "tokens_saved": 0}
+
+
 # --- usage --------------------------------------------------------------------------------------
 
 
@@ -1194,6 +1197,7 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
         "context_tokens": sum(context for _, context, _, _ in turns),
         "full_history_tokens": sum(full for _, _, full, _ in turns),
         "tokens_saved": saved["long"],
+        "deleted_sessions": NOTHING_DELETED,
     }
     assert (await api.as_(OTHER_KEY).get("/usage"))["turns"] == 0
 
@@ -1267,6 +1271,8 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     detail = await api.get("/sessions/idle")
     assert detail["metadata"] == {} and detail["system"] is None and detail["title"] == "who am I?"
     assert detail["usage"]["turns"] == 1
+    usage = await api.get("/usage")  # what the replaced session spent still counts
+    assert (usage["sessions"], usage["turns"], usage["deleted_sessions"]["turns"]) == (2, 4, 2)
 
     # The session that was not idle is untouched.
     await chat(proxy, "busy", [user("and now?")])
@@ -1309,6 +1315,9 @@ async def test_a_write_to_an_expired_session_starts_it_afresh_first(
     assert detail["system"] is None and detail["title"] is None and detail["usage"]["turns"] == 0
     await chat(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
+    # What the old session spent still counts for the tenant.
+    usage = await api.get("/usage")
+    assert (usage["turns"], usage["prompt_tokens"], usage["deleted_sessions"]["turns"]) == (3, 30, 2)
 
 
 async def test_delete_every_session_of_a_tenant_whatever_the_clock(
@@ -1349,6 +1358,55 @@ async def test_delete_every_session_of_a_tenant_whatever_the_clock(
     assert rows(config, "SELECT count(*) FROM sessions") == [(0,)]
     await chat(proxy, "one", [user("back again")])
     assert upstream.last().messages == [user("back again")]
+
+
+async def test_usage_of_deleted_sessions_stays_with_their_tenant(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Deleting sessions (one, every one, pruned, swept, expired) deletes their content, not what they
+    cost: each deletion adds their usage to their tenant's rollup in the same transaction."""
+    retention = RetentionConfig(idle_ttl_seconds=3600, sweep_interval_seconds=0.05)
+    proxy = await start(start_proxy, make_storage, upstream, retention=retention)
+    api, config = api_for(http, proxy), config_of(proxy)
+    other = api.as_(OTHER_KEY)
+    spent = {"prompt_tokens": 100, "completion_tokens": 10}
+    upstream.enqueue(*[Reply(content=f"answer {i}", usage=spent) for i in range(8)])
+    for session in ("deleted", "swept", "expired", "kept"):
+        await chat(proxy, session, [user(f"{session}: first")])
+    await chat(proxy, "deleted", [user("deleted: second")], model="big")  # priced
+    await chat(proxy, "b1", [user("tenant b")], key=OTHER_KEY)
+    before, before_b = await api.get("/usage"), await other.get("/usage")
+    assert before["turns"] == 5 and before["cost"] > 0 and before["deleted_sessions"] == NOTHING_DELETED
+
+    await api.call("DELETE", "/sessions/deleted")
+    await age(config, "swept", 7200)
+    await until(lambda: session_pk(config, "swept") is None, "the sweep removed the idle session")
+    await age(config, "expired", 7200)  # swept, or replaced by its next turn: deleted either way
+    await chat(proxy, "expired", [user("expired: again")])
+
+    after = await api.get("/usage")
+    deleted = after["deleted_sessions"]
+    assert (deleted["sessions"], deleted["turns"], deleted["prompt_tokens"]) == (3, 4, 400)
+    assert deleted["cost"] == pytest.approx(before["cost"])  # the priced turn was in a deleted session
+    assert {**after, "deleted_sessions": None} == {
+        **before, "sessions": 2, "turns": 6, "prompt_tokens": 600, "completion_tokens": 60,
+        "context_tokens": after["context_tokens"], "full_history_tokens": after["full_history_tokens"],
+        "tokens_saved": after["tokens_saved"], "cost": pytest.approx(before["cost"]), "deleted_sessions": None}
+    assert after["context_tokens"] > before["context_tokens"]
+    assert await other.get("/usage") == before_b  # nothing of a's went to b
+
+    # Every session of the tenant at once: all of it in the rollup, none of it in b's.
+    await api.call("DELETE", "/sessions?all=true")
+    final = await api.get("/usage")
+    assert final["sessions"] == 0 and final["deleted_sessions"]["sessions"] == 5
+    assert {k: v for k, v in final.items() if k not in ("sessions", "deleted_sessions")} == \
+        {k: v for k, v in after.items() if k not in ("sessions", "deleted_sessions")}
+    assert {k: v for k, v in final["deleted_sessions"].items() if k != "sessions"} == \
+        {k: v for k, v in final.items() if k not in ("object", "tenant", "sessions", "deleted_sessions")}
+    rollup = rows(config, "SELECT * FROM tenant_usage")
+    assert [r[0] for r in rollup] == ["a"]  # a tenant and its sums: no session id, no content
+    assert (await api.as_(ADMIN_KEY).get("/usage"))["prompt_tokens"] == 700
+    assert await other.get("/usage") == before_b
 
 
 async def test_the_sweep_removes_expired_sessions(
