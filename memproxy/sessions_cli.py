@@ -34,31 +34,49 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 def add_parser(commands: Any) -> None:
     sessions = commands.add_parser("sessions", help="list, inspect, export, delete sessions")
     sessions.add_argument("-c", "--config", help="YAML config file (for storage.url and models)")
-    sessions.add_argument("--tenant", help="the tenant (default: 'default'; list: every tenant)")
-    sessions.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(sessions, after_verb=False)
+    # The same options after the verb (`sessions list --tenant a`): there they are only set when
+    # given, so they never undo what was given before the verb.
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, after_verb=True)
     verbs = sessions.add_subparsers(dest="verb", required=True)
-    listing = verbs.add_parser("list", help="sessions, newest activity first")
+
+    def verb(name: str, text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = verbs.add_parser(name, help=text, parents=[common])
+        return parser
+
+    listing = verb("list", "sessions, newest activity first (every tenant without --tenant)")
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--after", help="the cursor a previous page printed")
-    verbs.add_parser("show", help="a session's messages, branches, summary, metadata and turns").add_argument("id")
-    context = verbs.add_parser("context", help="what the next request would send, part by part")
+    verb("show", "a session's messages, branches, summary, metadata and turns").add_argument("id")
+    context = verb("context", "what the next request would send, part by part")
     context.add_argument("id")
     context.add_argument("--model", help="the model the request names (default: the summariser's)")
     context.add_argument("--message", help="the new user message of that request")
-    export = verbs.add_parser("export", help="a session as JSON lines")
+    export = verb("export", "a session as JSON lines")
     export.add_argument("id")
     export.add_argument("-o", "--output", help="file to write (default: standard output)")
-    imported = verbs.add_parser("import", help="a session from an export")
+    imported = verb("import", "a session from an export")
     imported.add_argument("file", help="an export, or - for standard input")
     imported.add_argument("--id", help="the new session id (default: the exported one)")
-    verbs.add_parser("rm", help="delete a session and everything about it, for good").add_argument("id")
-    verbs.add_parser("clear", help="start a session afresh, keeping its record").add_argument("id")
-    fork = verbs.add_parser("fork", help="copy a session's first messages into a new session")
+    rm = verb("rm", "delete a session and everything about it, for good")
+    rm.add_argument("id", nargs="?")
+    rm.add_argument("--all", action="store_true", help="every session of the tenant, whatever its clock says")
+    verb("clear", "start a session afresh, keeping its record").add_argument("id")
+    fork = verb("fork", "copy a session's first messages into a new session")
     fork.add_argument("id")
     fork.add_argument("new_id")
     fork.add_argument("--at", type=int, help="messages to keep (default: all)")
-    prune = verbs.add_parser("prune", help="delete sessions idle for longer than a duration")
-    prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s (0s: every session)")
+    prune = verb("prune", "delete the tenant's sessions idle for longer than a duration")
+    prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s")
+    prune.add_argument("--all-tenants", action="store_true", help="every tenant's, not only --tenant's")
+
+
+def _add_common(parser: argparse.ArgumentParser, after_verb: bool) -> None:
+    parser.add_argument("--tenant", default=argparse.SUPPRESS if after_verb else None,
+                        help="the tenant (default: 'default'; list: every tenant)")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if after_verb else False,
+                        help="machine-readable output")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -211,6 +229,12 @@ async def _import(args: argparse.Namespace, config: Config, store: Store) -> int
 
 
 async def _rm(args: argparse.Namespace, config: Config, store: Store) -> int:
+    if args.all == bool(args.id):
+        raise ProxyError("rm takes a session id, or --all for every session of the tenant")
+    if args.all:
+        deleted = await store.delete_tenant(_tenant(args))
+        _done(args, {"tenant": _tenant(args), "deleted": deleted}, f"deleted {deleted} sessions")
+        return 0
     await store.delete_session(await _session(args, store, args.id))
     _done(args, {"id": args.id, "deleted": True}, f"deleted {args.id}")
     return 0
@@ -237,9 +261,18 @@ async def _prune(args: argparse.Namespace, config: Config, store: Store) -> int:
     if match is None:
         raise ProxyError("--older-than takes a duration such as 30d, 12h, 15m or 0s")
     seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    removed = await store.prune(time.time() - seconds, args.tenant)
+    removed = await store.prune(time.time() - seconds, _tenants(args))
     _done(args, {"deleted": removed}, f"deleted {removed} sessions")
     return 0
+
+
+def _tenants(args: argparse.Namespace) -> str | None:
+    """The tenant a verb acts on; None (every tenant) only with --all-tenants, never by default."""
+    if not args.all_tenants:
+        return _tenant(args)
+    if args.tenant:
+        raise ProxyError("--all-tenants and --tenant name different things: give one")
+    return None
 
 
 def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:

@@ -182,6 +182,9 @@ def test_list_as_a_table_and_as_json_with_pages(cli: Setup, upstream: FakeUpstre
     assert rows["list-1"][header.index("SPENT"):].split()[0] == "1200"
     assert rows["list-1"].endswith("Plan a trip to Kyoto with many stops wit")  # titles cut to 40
     assert cli.json("list", "--limit", "3", tenant="b")["data"][0]["id"] == "list-b"
+    # --tenant and --json after the verb too.
+    after_verb = json.loads(cli.sessions("list", "--limit", "3", "--tenant", "b", "--json").stdout)
+    assert after_verb == cli.json("list", "--limit", "3", tenant="b")
     assert cli.sessions("list", "--limit", "0", ok=False).stderr == (
         "memproxy: 'limit' must be an integer from 1 to 1000\n")
     assert cli.sessions("list", "--after", "yesterday", ok=False).stderr == (
@@ -352,35 +355,65 @@ def test_fork(cli: Setup, upstream: FakeUpstream) -> None:
     assert cli.json("fork", "fork-2", "fork-2b", "--at", "3")["messages"] == 3
 
 
-# --- prune: everything about a tenant, or what is old ---------------------------------------------
+# --- prune and rm --all: what is old, or everything about a tenant ------------------------------
 
 
-def test_prune_older_than_and_everything_about_a_tenant(cli: Setup, upstream: FakeUpstream) -> None:
+def age_sessions(cli: Setup, seconds: float, *session_ids: str) -> None:
+    """Move sessions' last activity by `seconds` (into the past when positive), while the server runs."""
+    with cli.db_connection(write=True) as db:
+        db.execute(f"UPDATE sessions SET updated_at = updated_at - ? WHERE session_id IN "
+                   f"({','.join('?' * len(session_ids))})", (seconds, *session_ids))
+
+
+def test_prune_acts_on_one_tenant_unless_told_every_one(cli: Setup, upstream: FakeUpstream) -> None:
     for session in ("prune-old", "prune-new"):
         cli.chat(session, [user(f"{session} in a")])
-    for session in ("prune-b1", "prune-b2"):
-        cli.chat(session, [user(f"{session} in b")], key=OTHER_KEY)
-    with cli.db_connection(write=True) as db:  # idle for two days, while the server runs
-        db.execute("UPDATE sessions SET updated_at = updated_at - 172800 WHERE session_id = 'prune-old'")
+    cli.chat("prune-b-old", [user("old in b")], key=OTHER_KEY)
+    exported = cli.sessions("--tenant", "a", "export", "prune-new").stdout
+    cli.sessions("import", "-", "--id", "prune-default", stdin=exported)  # into the tenant `default`
+    age_sessions(cli, 172800, "prune-old", "prune-b-old", "prune-default")  # idle for two days
     tenant_a = cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'")
 
     assert cli.sessions("--tenant", "a", "prune", "--older-than", "1d").stdout == "deleted 1 sessions\n"
     assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'prune-old'") == 0
     assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a - 1
-
-    # "Delete everything about tenant b": one command.
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") >= 2
-    result = json.loads(cli.sessions("--tenant", "b", "--json", "prune", "--older-than", "0s").stdout)
-    assert result["deleted"] >= 2
     for table in ("turns", "messages", "summaries"):
         assert cli.count(f"SELECT count(*) FROM {table} WHERE session_pk NOT IN (SELECT pk FROM sessions)") == 0
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") == 0
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a - 1
-    assert cli.http("GET", "/sessions", key=OTHER_KEY).json()["data"] == []
-    cli.chat("prune-b1", [user("back")], key=OTHER_KEY)
-    assert upstream.last().messages == [user("back")]  # nothing about it is left
 
+    # Without --tenant: the tenant `default`, as for every verb but `list`; not every tenant.
+    assert cli.sessions("prune", "--older-than", "1d").stdout == "deleted 1 sessions\n"
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id IN ('prune-default', 'prune-b-old')") == 1
+    age_sessions(cli, 172800, "prune-new")
+    assert json.loads(cli.sessions("prune", "--older-than", "1d", "--all-tenants", "--json").stdout) == {
+        "deleted": 2}
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id LIKE 'prune-%'") == 0
+    assert "--all-tenants and --tenant" in cli.sessions("--tenant", "a", "prune", "--older-than", "1d",
+                                                        "--all-tenants", ok=False).stderr
     assert "--older-than takes a duration" in cli.sessions("prune", "--older-than", "soon", ok=False).stderr
+
+
+def test_rm_all_deletes_everything_about_a_tenant_whatever_its_clock(cli: Setup, upstream: FakeUpstream) -> None:
+    for session in ("rm-all-1", "rm-all-future"):
+        cli.chat(session, [user(f"{session} in b")], key=OTHER_KEY)
+    cli.chat("rm-all-a", [user("in a")])
+    age_sessions(cli, -86400, "rm-all-future")  # written by a replica whose clock is a day ahead
+    tenant_a = cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'")
+    assert cli.json("prune", "--older-than", "0s", tenant="b")["deleted"] >= 1
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'rm-all-future'") == 1  # skipped
+
+    # "Delete everything about tenant b": one command, whatever the clocks say.
+    assert cli.sessions("rm", "--all", "--tenant", "b").stdout == "deleted 1 sessions\n"
+    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") == 0
+    for table in ("turns", "messages", "summaries"):
+        assert cli.count(f"SELECT count(*) FROM {table} WHERE session_pk NOT IN (SELECT pk FROM sessions)") == 0
+    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a  # a is untouched
+    assert cli.http("GET", "/sessions", key=OTHER_KEY).json()["data"] == []
+    assert cli.json("rm", "--all", tenant="b") == {"tenant": "b", "deleted": 0}
+    cli.chat("rm-all-1", [user("back")], key=OTHER_KEY)
+    assert upstream.last().messages == [user("back")]  # nothing about it is left
+    assert "rm takes a session id, or --all" in cli.sessions("--tenant", "b", "rm", ok=False).stderr
+    assert "rm takes a session id, or --all" in cli.sessions("--tenant", "b", "rm", "rm-all-1", "--all",
+                                                            ok=False).stderr
 
 
 # --- metadata stays out of the logs ---------------------------------------------------------------
