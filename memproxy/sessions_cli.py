@@ -21,7 +21,7 @@ from . import admin, exports
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
-from .memory import expired_before
+from .memory import expired_before, has_expired
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
@@ -70,6 +70,13 @@ def add_parser(commands: Any) -> None:
     prune = verb("prune", "delete the tenant's sessions idle for longer than a duration")
     prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s")
     prune.add_argument("--all-tenants", action="store_true", help="every tenant's, not only --tenant's")
+    metadata = verb("metadata", "a session's metadata; --set replaces it, --merge merges top-level keys")
+    metadata.add_argument("id")
+    change = metadata.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="JSON", help="replace it with this object (creates the session)")
+    change.add_argument("--merge", metavar="JSON", help="merge this object's keys (null removes a key)")
+    usage = verb("usage", "what the tenant's sessions spent, deleted ones included")
+    usage.add_argument("--all-tenants", action="store_true", help="every tenant's together")
 
 
 def _add_common(parser: argparse.ArgumentParser, after_verb: bool) -> None:
@@ -266,6 +273,54 @@ async def _prune(args: argparse.Namespace, config: Config, store: Store) -> int:
     return 0
 
 
+async def _metadata(args: argparse.Namespace, config: Config, store: Store) -> int:
+    """Shown as JSON either way: the values are the agent's own, printed only when asked for."""
+    cutoff = expired_before(config.retention.idle_ttl_seconds)
+    tenant = _tenant(args)
+    if not is_session_id(args.id):
+        raise ProxyError(f"not a session id: {args.id!r}")
+    if args.set is not None:
+        metadata: Any = _json_object(args.set, "--set")
+        await store.set_metadata(tenant, args.id, metadata, cutoff)
+    elif args.merge is not None:
+        metadata = await store.merge_metadata(tenant, args.id, _json_object(args.merge, "--merge"), cutoff)
+        if metadata is None:
+            raise ProxyError(f"no session '{args.id}' in tenant '{tenant}'")
+    else:
+        session = await _session(args, store, args.id)
+        expired = has_expired(session, config.retention.idle_ttl_seconds)
+        metadata = {} if expired else await store.get_metadata(session)
+    _print_json(metadata)
+    return 0
+
+
+def _json_object(text: str, option: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ProxyError(f"{option} takes a JSON object")
+    return value
+
+
+async def _usage(args: argparse.Namespace, config: Config, store: Store) -> int:
+    usage = await admin.usage(store, _tenants(args))
+    if args.json:
+        _print_json(usage)
+        return 0
+    deleted = usage["deleted_sessions"]
+    rows = [[name, str(usage[key]), str(deleted[key])] for name, key in _USAGE_ROWS]
+    _table(rows, [f"TENANT {usage['tenant'] or '(all)'}", "TOTAL", "OF WHICH DELETED SESSIONS"])
+    return 0
+
+
+_USAGE_ROWS = [("sessions", "sessions"), ("turns", "turns"), ("summariser calls", "summary_calls"),
+               ("prompt tokens", "prompt_tokens"), ("completion tokens", "completion_tokens"),
+               ("cost", "cost"), ("tokens sent", "context_tokens"),
+               ("tokens resending everything", "full_history_tokens"), ("tokens saved", "tokens_saved")]
+
+
 def _tenants(args: argparse.Namespace) -> str | None:
     """The tenant a verb acts on; None (every tenant) only with --all-tenants, never by default."""
     if not args.all_tenants:
@@ -284,5 +339,5 @@ def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
 
 _VERBS: dict[str, Callable[[argparse.Namespace, Config, Store], Awaitable[int]]] = {
     "list": _list, "show": _show, "context": _context, "export": _export, "import": _import,
-    "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune,
+    "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune, "metadata": _metadata, "usage": _usage,
 }

@@ -416,6 +416,52 @@ def test_rm_all_deletes_everything_about_a_tenant_whatever_its_clock(cli: Setup,
                                                             ok=False).stderr
 
 
+# --- metadata and usage ---------------------------------------------------------------------------
+
+
+def test_metadata_shown_replaced_and_merged(cli: Setup, upstream: FakeUpstream) -> None:
+    cli.chat("meta-cli", [user("hello")])
+    assert cli.json("metadata", "meta-cli") == {}
+    replaced = cli.sessions("--tenant", "a", "metadata", "meta-cli", "--set", '{"step": 1, "city": "Oslo"}')
+    assert json.loads(replaced.stdout) == {"step": 1, "city": "Oslo"}
+    # Options after the verb, as before it.
+    merged = cli.sessions("metadata", "meta-cli", "--merge", '{"step": null, "seen": [1]}', "--tenant", "a")
+    assert json.loads(merged.stdout) == {"city": "Oslo", "seen": [1]}
+    assert cli.http("GET", "/sessions/meta-cli/metadata").json() == {"city": "Oslo", "seen": [1]}
+    assert cli.json("show", "meta-cli")["messages"][0]["message"] == user("hello")  # the chat is kept
+    cli.sessions("--tenant", "a", "metadata", "meta-cli-new", "--set", "{}")  # creates the session
+    assert cli.http("GET", "/sessions/meta-cli-new").status_code == 200
+
+    assert cli.sessions("--tenant", "a", "metadata", "meta-cli", "--set", "[1]", ok=False).stderr == (
+        "memproxy: --set takes a JSON object\n")
+    assert cli.sessions("--tenant", "b", "metadata", "meta-cli", "--merge", '{"k": 1}', ok=False).stderr == (
+        "memproxy: no session 'meta-cli' in tenant 'b'\n")
+    assert cli.sessions("--tenant", "b", "metadata", "meta-cli", ok=False).stderr == (
+        "memproxy: no session 'meta-cli' in tenant 'b'\n")
+    assert cli.http("GET", "/sessions/meta-cli/metadata").json() == {"city": "Oslo", "seen": [1]}
+
+
+def test_usage_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="spent", usage={"prompt_tokens": 300, "completion_tokens": 30}))
+    cli.chat("usage-1", [user("what does it cost?")])
+    usage = cli.json("usage")
+    assert usage == cli.http("GET", "/usage").json()
+    assert usage["tenant"] == "a" and usage["prompt_tokens"] >= 300
+    everyone = json.loads(cli.sessions("usage", "--all-tenants", "--json").stdout)
+    assert everyone == cli.http("GET", "/usage", key=ADMIN_KEY).json() and everyone["tenant"] is None
+
+    cli.sessions("--tenant", "a", "rm", "usage-1")
+    after = cli.json("usage")
+    assert after["prompt_tokens"] == usage["prompt_tokens"]  # deleting a session keeps what it cost
+    assert after["deleted_sessions"]["prompt_tokens"] >= 300
+
+    table = cli.sessions("usage", "--tenant", "a").stdout.splitlines()
+    assert table[0].split() == ["TENANT", "a", "TOTAL", "OF", "WHICH", "DELETED", "SESSIONS"]
+    rows = {line[: table[0].index("TOTAL")].strip(): line[table[0].index("TOTAL"):].split() for line in table[1:]}
+    assert rows["prompt tokens"] == [str(after["prompt_tokens"]), str(after["deleted_sessions"]["prompt_tokens"])]
+    assert rows["sessions"] == [str(after["sessions"]), str(after["deleted_sessions"]["sessions"])]
+
+
 # --- metadata stays out of the logs ---------------------------------------------------------------
 
 
