@@ -41,7 +41,12 @@ class PreparedTurn:
     system_changed: bool
     context: Context
     full_tokens: int  # what resending the whole history would cost
-    expired: bool  # the stored session idled past its TTL and is started afresh
+    expired_before: float | None = None  # set when the stored session idled past its TTL
+
+    @property
+    def expired(self) -> bool:
+        """The stored session idled past its TTL: this turn starts it afresh."""
+        return self.expired_before is not None
 
 
 def expired_before(idle_ttl: float | None) -> float | None:
@@ -96,9 +101,9 @@ async def prepare_turn(
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
     session = await store.get_session(tenant, session_id)
-    expired = has_expired(session, idle_ttl)
-    if expired:
-        session = None
+    cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
+    if cutoff is not None:
+        session = None  # planned as new; the store restarts the old one when the turn is written
     system, conversation = split_system(messages)
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
@@ -121,7 +126,7 @@ async def prepare_turn(
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
-                        full_tokens=fixed.tokens + context.base_totals.full, expired=expired)
+                        full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff)
 
 
 async def _fold_left_out(
@@ -183,7 +188,7 @@ def turn_record(
         full_tokens=turn.full_tokens,
         cost=cost,
         title=_title(turn),
-        replaces_expired=turn.expired,
+        expired_before=turn.expired_before,
         sent=sent_context(turn.context),
     )
 
@@ -237,7 +242,7 @@ async def _rebase(store: Store, turn: TurnRecord) -> TurnRecord | None:
         base_hash=session.head_hash,
         base_totals=Totals(session.head_cum, session.head_compact_cum),
         messages=messages,
-        replaces_expired=False,
+        expired_before=None,
     )
 
 

@@ -368,3 +368,26 @@ async def test_deleting_sessions_keeps_their_usage_once(open_store: Opener) -> N
     assert dataclasses.replace(deleted, sessions=before.sessions) == before
     assert (await second.deleted_usage("u")).sessions == 0 and (await second.usage("u")).turns == 1
     assert (await second.deleted_usage(None)).turns == 3
+
+
+async def test_a_turn_planned_on_an_expired_session_restarts_it_only_if_it_still_is(open_store: Opener) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("old"), assistant("a")]))
+    old = await store.get_session("t", "s")
+    assert old is not None
+    cutoff = old.updated_at + 1e-6  # the turn was planned when the session had idled past this
+    await store.record_turn(dataclasses.replace(turn(None, [user("new"), assistant("b")]), expired_before=cutoff))
+    session = await store.get_session("t", "s")
+    assert session is not None and [m.body for m in await store.active_range(session, 0, 9)] == [
+        user("new"), assistant("b")]
+    assert (await store.deleted_usage("t")).turns == 1
+
+    # The next turn is planned on it as expired too, but a metadata write restarts it first: the
+    # turn then continues the restarted session instead of deleting what that write stored.
+    cutoff = session.updated_at + 1e-6
+    await store.set_metadata("t", "s", {"step": 1}, expired_before=cutoff)
+    await store.record_turn(dataclasses.replace(turn(None, [user("later"), assistant("c")]), expired_before=cutoff))
+    session = await store.get_session("t", "s")
+    assert session is not None and await store.get_metadata(session) == {"step": 1}
+    assert [m.body for m in await store.active_range(session, 0, 9)] == [user("later"), assistant("c")]
+    assert (await store.deleted_usage("t")).turns == 2

@@ -148,7 +148,9 @@ class TurnRecord:
     full_tokens: int = 0  # what the request would have cost resending the whole history
     cost: float | None = None  # upstream cost, where litellm knows the price
     title: str | None = None  # the session's title, if it has none yet
-    replaces_expired: bool = False  # the session idled past its TTL: start it afresh
+    # The turn was planned on a session idle since before this time (`idle_ttl_seconds`): the store
+    # starts it afresh, unless a write meanwhile (a metadata write, a clear) already did.
+    expired_before: float | None = None
     sent: SentContext | None = None
 
 

@@ -276,10 +276,7 @@ class SQLStore:
         await self._db.write(self._record_turn(turn, time.time()))
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        row = yield from self._locked(turn.tenant, turn.session_id)
-        if row is not None and turn.replaces_expired:
-            yield from self._forget("pk = ?", (row[0],))
-            row = None
+        row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
         if row is None:
             if turn.expected_length != 0:
                 raise Conflict("the session was deleted while this turn was in flight")
