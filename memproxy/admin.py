@@ -3,22 +3,24 @@
 Listing pages newest activity first with an opaque cursor; `show` gives the active conversation in
 order with superseded branches apart, the summary and its history, metadata and usage; `context`
 plans the next request exactly as the chat endpoint would (same code, no summary folded) and labels
-its parts; a fork is an export of the kept prefix imported under a new id; exports are JSON lines
-that import back to the same records.
+its parts; a fork is an export of the kept prefix imported under a new id (`memproxy.exports` reads
+and checks exports); usage adds what deleted sessions had spent to what current ones have.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from typing import Any
 
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest
-from .memory import prepare_turn
+from .exports import has_gap, summaries_in_use
+from .memory import PreparedTurn, prepare_turn, prompt_schemas
 from .messages import wire_form
 from .provider import Provider
-from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, UsageTotals
+from .session_ids import is_session_id
+from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
 from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
 
@@ -27,14 +29,22 @@ def _cursor(value: tuple[float, int] | None) -> str | None:
     return None if value is None else f"{value[0]!r}_{value[1]}"
 
 
+_INT64 = 2**63
+
+
 def _parse_cursor(value: str | None) -> tuple[float, int] | None:
+    """A cursor `_cursor` wrote: a finite time and a key the databases can hold (an integer that
+    overflows PostgreSQL's BIGINT or SQLite's INTEGER would be a database error, not a 400)."""
     if value is None:
         return None
     try:
         updated, pk = value.split("_")
-        return float(updated), int(pk)
-    except ValueError as exc:
-        raise BadRequest("'after' is not a cursor this API returned", param="after") from exc
+        cursor = float(updated), int(pk)
+    except ValueError:
+        cursor = None
+    if cursor is None or not math.isfinite(cursor[0]) or not -_INT64 <= cursor[1] < _INT64:
+        raise BadRequest("'after' is not a cursor this API returned", param="after")
+    return cursor
 
 
 def info_json(info: SessionInfo) -> dict[str, Any]:
@@ -102,13 +112,37 @@ async def show(store: Store, session: SessionState) -> dict[str, Any]:
         "summary": summary_json(summary) if summary else None,
         "summary_history": [summary_json(s) for s in await store.summary_history(session)],
         "metadata": await store.get_metadata(session),
+        "turns": [turn_json(i + 1, t) for i, t in enumerate(await store.turns(session))],
     }
 
 
-def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
+def turn_json(number: int, turn: TurnInfo) -> dict[str, Any]:
+    """A stored turn: what it cost, which messages it stored, and for a chat turn what its request
+    was made of (`sent`), so "what did the model see in turn N, and why" has an answer later."""
+    sent = turn.sent
     return {
-        "object": "usage",
-        "tenant": tenant,
+        "turn": number, "kind": turn.kind, "model": turn.model, "created_at": turn.created_at,
+        "context_tokens": turn.context_tokens, "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens, "cost": turn.cost,
+        "stored_from_position": turn.stored_from, "stored_messages": turn.stored_messages,
+        "sent": None if sent is None else {
+            "summary_version": sent.summary_version, "from_position": sent.first_sent,
+            "stored_included": sent.included, "stored_omitted": sent.omitted,
+            "unsummarised_omitted": sent.unsummarised_omitted, "marker": sent.marker,
+            "tool_outputs_trimmed": sent.trimmed, "deduplicated": sent.deduplicated,
+        },
+    }
+
+
+def usage_json(tenant: str | None, current: UsageTotals, deleted: UsageTotals) -> dict[str, Any]:
+    """Totals over every session the tenant ever had: `sessions` counts the current ones, and
+    `deleted_sessions` is the part of the totals that sessions since deleted had spent."""
+    return {"object": "usage", "tenant": tenant, **_totals_json(current.plus(deleted)),
+            "sessions": current.sessions, "deleted_sessions": _totals_json(deleted)}
+
+
+def _totals_json(usage: UsageTotals) -> dict[str, Any]:
+    return {
         "sessions": usage.sessions,
         "turns": usage.turns,
         "summary_calls": usage.summary_calls,
@@ -119,6 +153,10 @@ def usage_json(tenant: str | None, usage: UsageTotals) -> dict[str, Any]:
         "full_history_tokens": usage.full_tokens,
         "tokens_saved": usage.tokens_saved,
     }
+
+
+async def usage(store: Store, tenant: str | None) -> dict[str, Any]:
+    return usage_json(tenant, await store.usage(tenant), await store.deleted_usage(tenant))
 
 
 def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:
@@ -134,68 +172,23 @@ def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:
     }
 
 
-def to_jsonl(records: list[dict[str, Any]]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
-
-
-def from_jsonl(text: str) -> list[dict[str, Any]]:
-    try:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as exc:
-        raise BadRequest(f"not JSON lines: {exc}") from exc
-    kinds = [r.get("type") if isinstance(r, dict) else None for r in records]
-    if kinds.count("session") != 1 or any(k not in _REQUIRED for k in kinds):
-        raise BadRequest("an export holds one session record and turn, message and summary records")
-    _check_export(records)
-    return records
-
-
-_NUMBER = (int, float)
-# The fields an import needs, by record type, and their JSON types; checked before anything is
-# written, so a damaged export is a 400 naming the problem, not a database error.
-_REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "session": {"created_at": _NUMBER, "updated_at": _NUMBER, "length": int, "head_hash": str,
-                "head_cum": int, "head_compact_cum": int},
-    "turn": {"id": int, "created_at": _NUMBER, "model": str, "kind": str, "context_tokens": int,
-             "latency_ms": _NUMBER},
-    "message": {"id": int, "turn": int, "seq": int, "active": int, "role": str, "body": dict, "tokens": int,
-                "cum_before": int, "unit_start": int, "chain_hash": str, "created_at": _NUMBER,
-                "compact_tokens": int, "compact_cum_before": int},
-    "summary": {"version": int, "text": str, "covers": int, "covers_hash": str, "tokens": int,
-                "replaced_tokens": int, "model": str, "created_at": _NUMBER},
-}
-
-
-def _check_export(records: list[dict[str, Any]]) -> None:
-    turns: set[Any] = set()
-    messages: set[Any] = set()
-    for line, record in enumerate(records, 1):
-        for name, kind in _REQUIRED[record["type"]].items():
-            if not isinstance(record.get(name), kind):
-                raise BadRequest(f"line {line}: a {record['type']} record needs '{name}'")
-        if record["type"] == "turn":
-            turns.add(record["id"])
-        elif record["type"] == "message":
-            if record["turn"] not in turns or record.get("parent") not in (None, *messages):
-                raise BadRequest(f"line {line}: a message refers to a turn or message not before it")
-            messages.add(record["id"])
-    [head] = [r for r in records if r["type"] == "session"]
-    active = [r for r in records if r["type"] == "message" and r["active"]]
-    seqs = {r["seq"] for r in active}  # with gaps where `max_messages_per_session` deleted some
-    if len(seqs) != len(active) or not seqs <= set(range(head["length"])) or \
-            len({r["chain_hash"] for r in active}) != len(active):
-        raise BadRequest("the active messages of an export must be numbered below its length, once each")
-
-
-def exported_id(records: list[dict[str, Any]]) -> str:
-    return str(next(r for r in records if r["type"] == "session").get("session_id") or "")
-
-
-async def fork(store: Store, session: SessionState, tenant: str, new_id: str, at: int) -> None:
-    """A new session holding the first `at` active messages (and the summaries covering no more)."""
+async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at: Any = None) -> int:
+    """A new session holding the first `at` active messages (default all) and the summaries
+    covering no more; returns `at`. A fork never cuts a unit: the session it makes must be one a
+    turn could have left, or it would send a tool call without its results."""
+    if not isinstance(new_id, str) or not is_session_id(new_id):
+        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+                         param="new_id")
+    at = session.length if at is None else at
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
+        raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
     records = await store.export_session(session)
-    kept = sorted((r for r in records if r["type"] == "message" and r["active"] and r["seq"] < at),
-                  key=lambda r: r["seq"])
+    active = {r["seq"]: r for r in records if r["type"] == "message" and r["active"]}
+    if at < session.length and not (at in active and active[at]["unit_start"]):
+        raise BadRequest(f"'at' must be the position of a message that starts a unit, or {session.length}: "
+                         f"position {at} lies between a tool call and its results, or is no longer stored",
+                         param="at")
+    kept = [active[seq] for seq in sorted(active) if seq < at]
     head = dict(next(r for r in records if r["type"] == "session"))
     last = kept[-1] if kept else None
     head.update(
@@ -208,10 +201,20 @@ async def fork(store: Store, session: SessionState, tenant: str, new_id: str, at
             "context_tokens": 0, "prompt_tokens": None, "completion_tokens": None, "latency_ms": 0.0,
             "cost": None, "full_tokens": 0}
     messages = [{**m, "id": i + 1, "turn": 1, "parent": i or None} for i, m in enumerate(kept)]
-    hashes = {m["seq"]: m["chain_hash"] for m in kept}
-    summaries = [s for s in records if s["type"] == "summary"
-                 and s["covers"] <= at and hashes.get(s["covers"] - 1) == s["covers_hash"]]
+    summaries = summaries_in_use(records, active, at)
+    if has_gap(active, summaries, at):
+        raise BadRequest(f"messages before position {at} were deleted (retention.max_messages_per_session) and "
+                         "no summary the fork can keep stands for them", param="at")
     await store.import_session(tenant, new_id, [head, turn, *messages, *summaries])
+    return at
+
+
+async def _tokens_before(store: Store, turn: PreparedTurn) -> int:
+    """What the stored messages left out of a request hold, as stored (before trimming): the
+    tokens the summary, the marker or nothing stand in for."""
+    if turn.session is None or not turn.context.omitted:
+        return 0
+    return (await store.totals_at(turn.session, turn.context.first_sent)).full
 
 
 async def context(
@@ -225,7 +228,7 @@ async def context(
         raise BadRequest(f"the output reserve must be an integer from 1 to {window - 1}", param="max_tokens")
     budget = Budget(window, reserve, config.memory.safety_margin(window))
     counter = provider.counter(model)
-    schemas = [*(params.get("tools") or []), *(params.get("functions") or [])]
+    schemas = prompt_schemas(params)
     turn = await prepare_turn(store, summarizer, model, counter, budget, config.memory, tenant,
                               session.session_id, list(new), schemas, "new",
                               idle_ttl=config.retention.idle_ttl_seconds, preview=True)
@@ -249,7 +252,7 @@ async def context(
         {"part": "kept", "messages": len(kept), "from_position": ctx.first_sent, "tokens": tokens(kept),
          "tool_outputs_trimmed": ctx.trimmed, "deduplicated": ctx.deduplicated},
         {"part": "left_out", "messages": ctx.omitted, "summarised": covered,
-         "unsummarised": ctx.unsummarised_omitted},
+         "unsummarised": ctx.unsummarised_omitted, "tokens_stored": await _tokens_before(store, turn)},
         {"part": "new", "messages": n_new, "tokens": tokens(sent[len(sent) - n_new :] if n_new else [])},
         {"part": "tools_and_priming", "tokens": counter.tools(schemas) + REPLY_PRIMING},
     ]

@@ -24,7 +24,7 @@ from .bodies import json_object
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
-from .memory import PreparedTurn, prepare_turn, turn_record
+from .memory import PreparedTurn, prepare_turn, prompt_schemas, turn_record
 from .messages import Message, validate_messages, wire_form
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
@@ -129,7 +129,7 @@ async def _prepare(
     budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
     turn = await prepare_turn(
         app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model), budget,
-        config.memory, tenant, session_id, exchange.messages, _prompt_schemas(body), mode,
+        config.memory, tenant, session_id, exchange.messages, prompt_schemas(body), mode,
         idle_ttl=config.retention.idle_ttl_seconds,
     )
     exchange.turn = turn
@@ -148,16 +148,6 @@ async def _prepare(
         "X-Memproxy-Tool-Outputs-Trimmed": str(context.trimmed),
         "X-Memproxy-Deduplicated": str(context.deduplicated),
     })
-
-
-def _prompt_schemas(body: dict[str, Any]) -> list[Any]:
-    """What the provider renders into the prompt besides the messages: tool and (legacy) function
-    schemas, and a JSON schema the output must follow. They count against the budget."""
-    schemas = [*(body.get("tools") or []), *(body.get("functions") or [])]
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("json_schema"):
-        schemas.append(response_format["json_schema"])
-    return schemas
 
 
 async def _forward(request: web.Request, exchange: Exchange) -> web.StreamResponse:

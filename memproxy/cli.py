@@ -102,12 +102,14 @@ async def _migrate(config: Config) -> int:
 
 
 async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig, resume: bool) -> int:
-    """Copy every session (messages with their branches, summaries, metadata, usage), then check
-    each one: its export from the target must equal its export from the source.
+    """Copy each tenant's usage of deleted sessions, then every session (messages with their
+    branches, summaries, metadata, usage), then check each session: its export from the target
+    must equal its export from the source.
 
     Each session is copied in one transaction, so an interrupted copy leaves whole sessions only. A
     target that already holds some of the sessions stops the copy before anything is written, unless
-    `--resume` says it is the rest of an interrupted copy: those sessions are checked, not copied."""
+    `--resume` says it is the rest of an interrupted copy: those sessions are checked, not copied,
+    and the usage rollups, copied before the first session, are not added again."""
     source, target = await open_store(source_config), await open_store(target_config)
     try:
         sessions = await source.tenants_sessions()
@@ -118,8 +120,12 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
                   f"(e.g. {tenant}/{session_id}); nothing was copied. If an earlier copy was "
                   "interrupted, --resume copies the rest", file=sys.stderr)
             return 1
-        in_source: Counter[str] = Counter()
-        in_target: Counter[str] = Counter()
+        rollups = await source.tenant_rollups()  # what deleted sessions spent
+        if not resume:
+            for tenant, usage in rollups.items():
+                await target.add_to_rollup(tenant, usage)
+        in_source: Counter[str] = Counter(tenant_usage=len(rollups))
+        in_target: Counter[str] = Counter(tenant_usage=len(rollups.keys() & (await target.tenant_rollups()).keys()))
         different = []
         for tenant, session_id in sessions:
             records = await _export(source, tenant, session_id)
@@ -139,12 +145,12 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
         await source.close()
         await target.close()
     for kind, table in [("session", "sessions"), ("turn", "turns"), ("message", "messages"),
-                        ("summary", "summaries")]:
+                        ("summary", "summaries"), ("tenant_usage", "tenant_usage")]:
         n, copied = in_source[kind], in_target[kind]
-        print(f"{table:<10} source {n:>8}  copied {copied:>8}  {'ok' if copied == n else 'MISMATCH'}")
+        print(f"{table:<12} source {n:>8}  copied {copied:>8}  {'ok' if copied == n else 'MISMATCH'}")
     for name in different:
         print(f"memproxy: {name}: the copy differs from the source", file=sys.stderr)
-    return 1 if different else 0
+    return 1 if different or in_source != in_target else 0
 
 
 async def _export(store: Store, tenant: str, session_id: str) -> list[dict[str, Any]]:

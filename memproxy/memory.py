@@ -21,7 +21,7 @@ from .config import MemoryConfig, ModelConfig
 from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
 from .reconcile import Reconciled, reconcile
-from .store import NewMessage, SessionState, Store, TurnRecord, Usage
+from .store import NewMessage, SentContext, SessionState, Store, TurnRecord, Usage
 from .summarize import Summarizer
 from .tokens import REPLY_PRIMING, TokenCounter
 
@@ -39,7 +39,34 @@ class PreparedTurn:
     system_changed: bool
     context: Context
     full_tokens: int  # what resending the whole history would cost
-    expired: bool  # the stored session idled past its TTL and is started afresh
+    expired_before: float | None = None  # set when the stored session idled past its TTL
+
+    @property
+    def expired(self) -> bool:
+        """The stored session idled past its TTL: this turn starts it afresh."""
+        return self.expired_before is not None
+
+
+def expired_before(idle_ttl: float | None) -> float | None:
+    """With `retention.idle_ttl_seconds`, the last activity before which a session has expired."""
+    return None if idle_ttl is None else time.time() - idle_ttl
+
+
+def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
+    """Whether a stored session idled past its TTL: it then behaves as new in every respect."""
+    cutoff = expired_before(idle_ttl)
+    return session is not None and cutoff is not None and session.updated_at < cutoff
+
+
+def prompt_schemas(params: dict[str, Any]) -> list[Any]:
+    """What the provider renders into the prompt besides the messages: tool and (legacy) function
+    schemas, and a JSON schema the output must follow. They count against the budget, the same way
+    for a chat request and for the admin preview of one."""
+    schemas = [*(params.get("tools") or []), *(params.get("functions") or [])]
+    response_format = params.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("json_schema"):
+        schemas.append(response_format["json_schema"])
+    return schemas
 
 
 def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
@@ -72,9 +99,9 @@ async def prepare_turn(
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
     session = await store.get_session(tenant, session_id)
-    expired = session is not None and idle_ttl is not None and time.time() - session.updated_at > idle_ttl
-    if expired:
-        session = None
+    cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
+    if cutoff is not None:
+        session = None  # planned as new; the store restarts the old one when the turn is written
     system, conversation = split_system(messages)
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
@@ -97,7 +124,7 @@ async def prepare_turn(
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
-                        full_tokens=fixed.tokens + context.base_totals.full, expired=expired)
+                        full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff)
 
 
 async def _fold_left_out(
@@ -159,7 +186,21 @@ def turn_record(
         full_tokens=turn.full_tokens,
         cost=cost,
         title=_title(turn),
-        replaces_expired=turn.expired,
+        expired_before=turn.expired_before,
+        sent=sent_context(turn.context),
+    )
+
+
+def sent_context(context: Context) -> SentContext:
+    return SentContext(
+        summary_version=context.summary.version if context.summary else 0,
+        first_sent=context.first_sent,
+        included=context.included,
+        omitted=context.omitted,
+        unsummarised_omitted=context.unsummarised_omitted,
+        marker=context.marker,
+        trimmed=context.trimmed,
+        deduplicated=context.deduplicated,
     )
 
 

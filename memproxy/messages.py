@@ -30,11 +30,12 @@ def validate_messages(raw: Any) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     for i, message in enumerate(raw):
-        _validate_message(message, f"messages[{i}]")
+        validate_message(message, f"messages[{i}]")
     return raw
 
 
-def _validate_message(message: Any, where: str) -> None:
+def validate_message(message: Any, where: str) -> None:
+    """One chat message as a client may send it; `where` names it in the error."""
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     role = message.get("role")

@@ -3,7 +3,8 @@
 A tenant key sees its own sessions only; another tenant's session is a 404, exactly like one that
 does not exist, so its existence is never confirmed. An admin key (`auth.admin_keys`) sees every
 tenant and names one with `?tenant=` where a session is addressed. Metadata values are the agents'
-own state: they are stored and returned, never logged.
+own state: they are stored and returned, never logged. No endpoint takes content in its URL (URLs
+are what access logs and proxies write down): new messages travel in request bodies.
 
 The work is done by `memproxy.admin`, which the CLI shares; this module only speaks HTTP.
 """
@@ -14,10 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
-from . import admin
+from . import admin, exports
 from .bodies import json_object
 from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
+from .memory import expired_before, has_expired
 from .session_ids import is_session_id
 from .store import SessionState
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
@@ -26,6 +28,7 @@ from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/sessions", list_sessions)
+    r.add_delete("/v1/sessions", delete_all)
     r.add_post("/v1/sessions/import", import_session)
     r.add_get("/v1/sessions/{session_id}", show)
     r.add_delete("/v1/sessions/{session_id}", delete)
@@ -59,8 +62,16 @@ async def _session(request: web.Request) -> tuple[str, SessionState]:
     session_id = request.match_info["session_id"]
     session = await request.app[STORE].get_session(tenant, session_id) if is_session_id(session_id) else None
     if session is None:
-        raise NotFound(f"No session '{session_id}'.", code="session_not_found")
+        raise _no_session(session_id)
     return tenant, session
+
+
+def _no_session(session_id: str) -> NotFound:
+    return NotFound(f"No session '{session_id}'.", code="session_not_found")
+
+
+def _expired_before(request: web.Request) -> float | None:
+    return expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
 
 
 def _model(request: web.Request, name: Any) -> ModelConfig:
@@ -95,9 +106,21 @@ async def delete(request: web.Request) -> web.Response:
     return web.json_response({"id": session.session_id, "object": "session.deleted", "deleted": True})
 
 
+async def delete_all(request: web.Request) -> web.Response:
+    """Every session of one tenant, whatever their clocks say (`?all=true`, so that a DELETE on
+    the list by mistake deletes nothing); an admin key names the tenant."""
+    if request.query.get("all") != "true":
+        raise BadRequest("deleting every session of the tenant needs ?all=true", param="all")
+    tenant = _tenant(request)
+    assert tenant is not None
+    deleted = await request.app[STORE].delete_tenant(tenant)
+    return web.json_response({"object": "session.deleted", "tenant": tenant, "deleted": deleted})
+
+
 async def clear(request: web.Request) -> web.Response:
     _, session = await _session(request)
-    await request.app[STORE].clear_session(session)
+    if not await request.app[STORE].clear_session(session, _expired_before(request)):
+        raise _no_session(session.session_id)
     return web.json_response({"id": session.session_id, "object": "session.cleared", "cleared": True})
 
 
@@ -105,13 +128,7 @@ async def fork(request: web.Request) -> web.Response:
     tenant, session = await _session(request)
     body = await json_object(request, optional=True)
     new_id = body.get("new_id")
-    if not isinstance(new_id, str) or not is_session_id(new_id):
-        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
-                         param="new_id")
-    at = body.get("at", session.length)
-    if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
-        raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
-    await admin.fork(request.app[STORE], session, tenant, new_id, at)
+    at = await admin.fork(request.app[STORE], session, tenant, new_id, body.get("at"))
     return web.json_response({"id": new_id, "object": "session", "forked_from": session.session_id,
                               "messages": at}, status=201)
 
@@ -119,14 +136,14 @@ async def fork(request: web.Request) -> web.Response:
 async def export(request: web.Request) -> web.Response:
     _, session = await _session(request)
     records = await request.app[STORE].export_session(session)
-    return web.Response(text=admin.to_jsonl(records), content_type="application/x-ndjson")
+    return web.Response(text=exports.to_jsonl(records), content_type="application/x-ndjson")
 
 
 async def import_session(request: web.Request) -> web.Response:
     tenant = _tenant(request)
     assert tenant is not None
-    records = admin.from_jsonl(await request.text())
-    session_id = request.query.get("session_id") or admin.exported_id(records)
+    records = exports.from_jsonl(await request.text())
+    session_id = request.query.get("session_id") or exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
     await request.app[STORE].import_session(tenant, session_id, records)
@@ -136,14 +153,14 @@ async def import_session(request: web.Request) -> web.Response:
 async def context(request: web.Request) -> web.Response:
     """What the next request would send upstream, part by part, with token counts."""
     tenant, session = await _session(request)
+    if "message" in request.query or "messages" in request.query:
+        # Content in a query string lands in access logs and proxies' logs: it goes in a body.
+        raise BadRequest("new messages go in the body of a POST, never in the URL", param="message")
     body = await json_object(request, optional=True) if request.method == "POST" else {}
     model = _model(request, body.get("model") or request.query.get("model"))
-    messages = body.get("messages")
-    if messages is None and request.query.get("message"):
-        messages = [{"role": "user", "content": request.query["message"]}]
     app = request.app
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, messages or [], body)
+                                  tenant, session, body.get("messages") or [], body)
     return web.json_response(preview)
 
 
@@ -158,6 +175,8 @@ async def compact(request: web.Request) -> web.Response:
 
 async def get_metadata(request: web.Request) -> web.Response:
     _, session = await _session(request)
+    if has_expired(session, request.app[CONFIG].retention.idle_ttl_seconds):
+        return web.json_response({})  # what it held is gone for every other purpose too
     return web.json_response(await request.app[STORE].get_metadata(session))
 
 
@@ -169,24 +188,20 @@ async def put_metadata(request: web.Request) -> web.Response:
     if not is_session_id(session_id):
         raise BadRequest("not a session id", param="session_id")
     metadata = await json_object(request, optional=True)
-    await request.app[STORE].set_metadata(tenant, session_id, metadata)
+    await request.app[STORE].set_metadata(tenant, session_id, metadata, _expired_before(request))
     return web.json_response(metadata)
 
 
 async def patch_metadata(request: web.Request) -> web.Response:
     """Merge the given top-level keys into the metadata; a key set to null is removed."""
     _, session = await _session(request)
-    store = request.app[STORE]
-    metadata = await store.get_metadata(session)
-    for key, value in (await json_object(request, optional=True)).items():
-        if value is None:
-            metadata.pop(key, None)
-        else:
-            metadata[key] = value
-    await store.set_metadata(session.tenant, session.session_id, metadata)
-    return web.json_response(metadata)
+    changes = await json_object(request, optional=True)
+    merged = await request.app[STORE].merge_metadata(session.tenant, session.session_id, changes,
+                                                     _expired_before(request))
+    if merged is None:
+        raise _no_session(session.session_id)
+    return web.json_response(merged)
 
 
 async def usage(request: web.Request) -> web.Response:
-    tenant = _tenant(request, listing=True)
-    return web.json_response(admin.usage_json(tenant, await request.app[STORE].usage(tenant)))
+    return web.json_response(await admin.usage(request.app[STORE], _tenant(request, listing=True)))

@@ -17,10 +17,11 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from . import admin
+from . import admin, exports
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
+from .memory import expired_before, has_expired
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
@@ -33,31 +34,56 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 def add_parser(commands: Any) -> None:
     sessions = commands.add_parser("sessions", help="list, inspect, export, delete sessions")
     sessions.add_argument("-c", "--config", help="YAML config file (for storage.url and models)")
-    sessions.add_argument("--tenant", help="the tenant (default: 'default'; list: every tenant)")
-    sessions.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(sessions, after_verb=False)
+    # The same options after the verb (`sessions list --tenant a`): there they are only set when
+    # given, so they never undo what was given before the verb.
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, after_verb=True)
     verbs = sessions.add_subparsers(dest="verb", required=True)
-    listing = verbs.add_parser("list", help="sessions, newest activity first")
+
+    def verb(name: str, text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = verbs.add_parser(name, help=text, parents=[common])
+        return parser
+
+    listing = verb("list", "sessions, newest activity first (every tenant without --tenant)")
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--after", help="the cursor a previous page printed")
-    verbs.add_parser("show", help="a session's messages, branches, summary and metadata").add_argument("id")
-    context = verbs.add_parser("context", help="what the next request would send, part by part")
+    verb("show", "a session's messages, branches, summary, metadata and turns").add_argument("id")
+    context = verb("context", "what the next request would send, part by part")
     context.add_argument("id")
     context.add_argument("--model", help="the model the request names (default: the summariser's)")
     context.add_argument("--message", help="the new user message of that request")
-    export = verbs.add_parser("export", help="a session as JSON lines")
+    export = verb("export", "a session as JSON lines")
     export.add_argument("id")
     export.add_argument("-o", "--output", help="file to write (default: standard output)")
-    imported = verbs.add_parser("import", help="a session from an export")
+    imported = verb("import", "a session from an export")
     imported.add_argument("file", help="an export, or - for standard input")
     imported.add_argument("--id", help="the new session id (default: the exported one)")
-    verbs.add_parser("rm", help="delete a session and everything about it, for good").add_argument("id")
-    verbs.add_parser("clear", help="start a session afresh, keeping its record").add_argument("id")
-    fork = verbs.add_parser("fork", help="copy a session's first messages into a new session")
+    rm = verb("rm", "delete a session and everything about it, for good")
+    rm.add_argument("id", nargs="?")
+    rm.add_argument("--all", action="store_true", help="every session of the tenant, whatever its clock says")
+    verb("clear", "start a session afresh, keeping its record").add_argument("id")
+    fork = verb("fork", "copy a session's first messages into a new session")
     fork.add_argument("id")
     fork.add_argument("new_id")
     fork.add_argument("--at", type=int, help="messages to keep (default: all)")
-    prune = verbs.add_parser("prune", help="delete sessions idle for longer than a duration")
-    prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s (0s: every session)")
+    prune = verb("prune", "delete the tenant's sessions idle for longer than a duration")
+    prune.add_argument("--older-than", required=True, help="e.g. 30d, 12h, 15m, 0s")
+    prune.add_argument("--all-tenants", action="store_true", help="every tenant's, not only --tenant's")
+    metadata = verb("metadata", "a session's metadata; --set replaces it, --merge merges top-level keys")
+    metadata.add_argument("id")
+    change = metadata.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="JSON", help="replace it with this object (creates the session)")
+    change.add_argument("--merge", metavar="JSON", help="merge this object's keys (null removes a key)")
+    usage = verb("usage", "what the tenant's sessions spent, deleted ones included")
+    usage.add_argument("--all-tenants", action="store_true", help="every tenant's together")
+
+
+def _add_common(parser: argparse.ArgumentParser, after_verb: bool) -> None:
+    parser.add_argument("--tenant", default=argparse.SUPPRESS if after_verb else None,
+                        help="the tenant (default: 'default'; list: every tenant)")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if after_verb else False,
+                        help="machine-readable output")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -134,7 +160,22 @@ async def _show(args: argparse.Namespace, config: Config, store: Store) -> int:
         print(f"  superseded branch from position {branch['forked_at']}: {len(branch['messages'])} messages")
     if detail["metadata"]:
         print(f"  metadata keys: {', '.join(sorted(detail['metadata']))}")
+    for turn in detail["turns"]:
+        print(f"  turn {turn['turn']:>3} {turn['kind']:<10} {turn['model']}: {_sent_text(turn)}")
     return 0
+
+
+def _sent_text(turn: dict[str, Any]) -> str:
+    """What a turn's request was made of, in a line."""
+    sent = turn["sent"]
+    if sent is None:
+        return f"{turn['context_tokens']} tokens"
+    parts = [f"summary v{sent['summary_version']}"] if sent["summary_version"] else []
+    parts += ["marker"] if sent["marker"] else []
+    parts.append(f"{sent['stored_included']} stored from position {sent['from_position']}")
+    return (f"{turn['context_tokens']} tokens: {' + '.join(parts)}; left out {sent['stored_omitted']} "
+            f"({sent['unsummarised_omitted']} unsummarised); {sent['tool_outputs_trimmed']} trimmed, "
+            f"{sent['deduplicated']} deduplicated")
 
 
 def _text(message: dict[str, Any]) -> str:
@@ -170,7 +211,7 @@ async def _context(args: argparse.Namespace, config: Config, store: Store) -> in
 
 
 async def _export(args: argparse.Namespace, config: Config, store: Store) -> int:
-    text = admin.to_jsonl(await store.export_session(await _session(args, store, args.id)))
+    text = exports.to_jsonl(await store.export_session(await _session(args, store, args.id)))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -185,8 +226,8 @@ async def _import(args: argparse.Namespace, config: Config, store: Store) -> int
     else:
         with open(args.file, encoding="utf-8") as handle:
             text = handle.read()
-    records = admin.from_jsonl(text)
-    session_id = args.id or admin.exported_id(records)
+    records = exports.from_jsonl(text)
+    session_id = args.id or exports.exported_id(records)
     if not is_session_id(session_id):
         raise ProxyError(f"not a session id: {session_id!r}")
     await store.import_session(_tenant(args), session_id, records)
@@ -195,23 +236,28 @@ async def _import(args: argparse.Namespace, config: Config, store: Store) -> int
 
 
 async def _rm(args: argparse.Namespace, config: Config, store: Store) -> int:
+    if args.all == bool(args.id):
+        raise ProxyError("rm takes a session id, or --all for every session of the tenant")
+    if args.all:
+        deleted = await store.delete_tenant(_tenant(args))
+        _done(args, {"tenant": _tenant(args), "deleted": deleted}, f"deleted {deleted} sessions")
+        return 0
     await store.delete_session(await _session(args, store, args.id))
     _done(args, {"id": args.id, "deleted": True}, f"deleted {args.id}")
     return 0
 
 
 async def _clear(args: argparse.Namespace, config: Config, store: Store) -> int:
-    await store.clear_session(await _session(args, store, args.id))
+    session = await _session(args, store, args.id)
+    if not await store.clear_session(session, expired_before(config.retention.idle_ttl_seconds)):
+        raise ProxyError(f"no session '{args.id}' in tenant '{_tenant(args)}'")
     _done(args, {"id": args.id, "cleared": True}, f"cleared {args.id}")
     return 0
 
 
 async def _fork(args: argparse.Namespace, config: Config, store: Store) -> int:
     session = await _session(args, store, args.id)
-    at = session.length if args.at is None else args.at
-    if not 0 <= at <= session.length or not is_session_id(args.new_id):
-        raise ProxyError(f"--at must be from 0 to {session.length} and the new id a session id")
-    await admin.fork(store, session, _tenant(args), args.new_id, at)
+    at = await admin.fork(store, session, _tenant(args), args.new_id, args.at)
     _done(args, {"id": args.new_id, "forked_from": args.id, "messages": at},
           f"forked {args.id} at {at} into {args.new_id}")
     return 0
@@ -222,9 +268,66 @@ async def _prune(args: argparse.Namespace, config: Config, store: Store) -> int:
     if match is None:
         raise ProxyError("--older-than takes a duration such as 30d, 12h, 15m or 0s")
     seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    removed = await store.prune(time.time() - seconds, args.tenant)
+    removed = await store.prune(time.time() - seconds, _tenants(args))
     _done(args, {"deleted": removed}, f"deleted {removed} sessions")
     return 0
+
+
+async def _metadata(args: argparse.Namespace, config: Config, store: Store) -> int:
+    """Shown as JSON either way: the values are the agent's own, printed only when asked for."""
+    cutoff = expired_before(config.retention.idle_ttl_seconds)
+    tenant = _tenant(args)
+    if not is_session_id(args.id):
+        raise ProxyError(f"not a session id: {args.id!r}")
+    if args.set is not None:
+        metadata: Any = _json_object(args.set, "--set")
+        await store.set_metadata(tenant, args.id, metadata, cutoff)
+    elif args.merge is not None:
+        metadata = await store.merge_metadata(tenant, args.id, _json_object(args.merge, "--merge"), cutoff)
+        if metadata is None:
+            raise ProxyError(f"no session '{args.id}' in tenant '{tenant}'")
+    else:
+        session = await _session(args, store, args.id)
+        expired = has_expired(session, config.retention.idle_ttl_seconds)
+        metadata = {} if expired else await store.get_metadata(session)
+    _print_json(metadata)
+    return 0
+
+
+def _json_object(text: str, option: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ProxyError(f"{option} takes a JSON object")
+    return value
+
+
+async def _usage(args: argparse.Namespace, config: Config, store: Store) -> int:
+    usage = await admin.usage(store, _tenants(args))
+    if args.json:
+        _print_json(usage)
+        return 0
+    deleted = usage["deleted_sessions"]
+    rows = [[name, str(usage[key]), str(deleted[key])] for name, key in _USAGE_ROWS]
+    _table(rows, [f"TENANT {usage['tenant'] or '(all)'}", "TOTAL", "OF WHICH DELETED SESSIONS"])
+    return 0
+
+
+_USAGE_ROWS = [("sessions", "sessions"), ("turns", "turns"), ("summariser calls", "summary_calls"),
+               ("prompt tokens", "prompt_tokens"), ("completion tokens", "completion_tokens"),
+               ("cost", "cost"), ("tokens sent", "context_tokens"),
+               ("tokens resending everything", "full_history_tokens"), ("tokens saved", "tokens_saved")]
+
+
+def _tenants(args: argparse.Namespace) -> str | None:
+    """The tenant a verb acts on; None (every tenant) only with --all-tenants, never by default."""
+    if not args.all_tenants:
+        return _tenant(args)
+    if args.tenant:
+        raise ProxyError("--all-tenants and --tenant name different things: give one")
+    return None
 
 
 def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
@@ -236,5 +339,5 @@ def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
 
 _VERBS: dict[str, Callable[[argparse.Namespace, Config, Store], Awaitable[int]]] = {
     "list": _list, "show": _show, "context": _context, "export": _export, "import": _import,
-    "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune,
+    "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune, "metadata": _metadata, "usage": _usage,
 }

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
@@ -121,6 +122,17 @@ async def chat(proxy: Proxy, session: str, messages: list[Message], key: str = P
     raw = await client.chat.completions.with_raw_response.create(model=model, messages=sent)
     raw.parse()
     return raw.headers
+
+
+async def preview_of(api: Api, session: str, text: str, **body: Any) -> Any:
+    """What the next request of `session` would send with the new user message `text` (in a POST
+    body: content never goes in a URL)."""
+    return await api.post(f"/sessions/{session}/context", json={"messages": [user(text)], **body})
+
+
+def part(preview: Any, name: str) -> Any:
+    """One labelled part of a context preview."""
+    return next(p for p in preview["parts"] if p["part"] == name)
 
 
 def assert_error(body: Any, *, type: str, code: str | None = None, param: str | None = None) -> None:
@@ -268,6 +280,9 @@ async def test_list_pages_cover_every_session_exactly_once(
 @pytest.mark.parametrize("query, param", [
     ("limit=0", "limit"), ("limit=-1", "limit"), ("limit=1001", "limit"), ("limit=ten", "limit"),
     ("limit=", "limit"), ("after=yesterday", "after"), ("after=1.5_x", "after"), ("after=1_2_3", "after"),
+    # Well-formed but beyond what a database holds: refused, not a database error.
+    ("after=1.0_99999999999999999999", "after"), ("after=1.0_-9223372036854775809", "after"),
+    ("after=1e400_1", "after"), ("after=nan_1", "after"), ("after=inf_1", "after"), ("after=-inf_1", "after"),
 ])
 async def test_list_rejects_a_bad_limit_or_cursor(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
@@ -346,6 +361,65 @@ async def test_compact_and_show_give_the_summary_and_its_history(
     assert_error(body, type="invalid_request_error", code="model_not_found", param="model")
 
 
+def marker_sent(message: Message) -> bool:
+    return message["role"] == "system" and "earlier messages of this conversation are not shown" in message["content"]
+
+
+async def test_show_tells_for_each_turn_what_its_request_was_made_of(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Not only the next request: for every past turn, `show` says which summary went, from which
+    stored position, how much was left out and whether a marker said so, as the upstream saw it."""
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="marker",
+                        chunk_threshold_tokens=100_000, tail_turns=1)
+    api = api_for(http, proxy)
+    upstream.summarizer = short_summary
+    headers = [await chat(proxy, "s1", [SYSTEM, user("q1 " + words(60, "a"))]),
+               await chat(proxy, "s1", [user("q2 " + words(60, "b"))])]
+    assert (await api.post("/sessions/s1/compact"))["summary"]["version"] == 1
+    headers.append(await chat(proxy, "s1", [user("q3, short")]))  # sends the summary
+    for i in range(4, 7):  # each ~600 tokens: by the last, unsummarised turns no longer fit
+        headers.append(await chat(proxy, "s1", [user(f"q{i}: " + words(600, f"w{i}"))]))
+    sent = [r.messages for r in upstream.chat_requests()]
+    assert len(sent) == 6
+
+    detail = await api.get("/sessions/s1")
+    chats = [t for t in detail["turns"] if t["kind"] != "summary"]
+    assert [t["kind"] for t in detail["turns"]] == ["new", "append", "summary", "append", "append", "append",
+                                                    "append"]
+    assert detail["turns"][2]["sent"] is None and detail["turns"][2]["stored_messages"] == 0
+    stored = [m["message"] for m in detail["messages"]]
+    summaries = {s["version"]: s["covers_messages"] for s in detail["summary_history"]}
+    for n, (turn, messages, header) in enumerate(zip(chats, sent, headers)):
+        extras = [m for m in messages[1:] if m["role"] == "system"]  # after the system prompt
+        summary = [m for m in extras if m["content"].startswith(SUMMARY_PREFIX)]
+        history = messages[1 + len(extras) : -1]
+        base = turn["stored_from_position"]  # where this turn's own messages went
+        assert turn["stored_messages"] == 2 and stored[base] == messages[-1]
+        first = next(i for i in range(base + 1) if stored[i : i + len(history)] == history) if history else base
+        expected = {
+            "summary_version": 1 if summary else 0,
+            "from_position": first,
+            "stored_included": len(history),
+            "stored_omitted": base - len(history),
+            "unsummarised_omitted": first - (summaries[1] if summary else 0),
+            "marker": any(marker_sent(m) for m in extras),
+            "tool_outputs_trimmed": 0,
+            "deduplicated": 0,
+        }
+        assert turn["sent"] == expected, f"turn {n + 1}"
+        assert turn["context_tokens"] == int(header["X-Memproxy-Context-Tokens"])
+        assert expected["stored_omitted"] == int(header["X-Memproxy-Stored-Omitted"])
+    assert [t["sent"]["summary_version"] for t in chats] == [0, 0, 1, 1, 1, 1]
+    assert [t["sent"]["marker"] for t in chats] == [False] * 4 + [True, True]
+    assert chats[-1]["sent"]["unsummarised_omitted"] > 0
+
+    # The export carries it, and an import gives it back.
+    exported = await api.get("/sessions/s1/export")
+    await api.post("/sessions/import?session_id=s1-copy", data=exported.encode(), status=201)
+    assert (await api.get("/sessions/s1-copy"))["turns"] == detail["turns"]
+
+
 # --- the context the next request sends ---------------------------------------------------------
 
 
@@ -386,9 +460,9 @@ async def test_context_is_exactly_what_the_next_request_sends(
     await converse(proxy, upstream, scenario)
     stored = (await api.get("/sessions/s1"))["message_count"]
 
-    preview = await api.get("/sessions/s1/context?model=small&message=what%20next%3F")
-    posted = await api.post("/sessions/s1/context", json={"model": "small", "messages": [user("what next?")]})
-    assert posted == preview
+    preview = await preview_of(api, "s1", "what next?", model="small")
+    without = await api.post("/sessions/s1/context", json={"model": "small"})
+    assert await api.get("/sessions/s1/context?model=small") == without
     assert preview["object"] == "session.context" and preview["model"] == "small"
     assert preview["expired"] is False and preview["would_summarize"] is False
     budget = preview["budget"]
@@ -414,6 +488,10 @@ async def test_context_is_exactly_what_the_next_request_sends(
         assert parts["left_out"]["unsummarised"] == 0
         assert preview["messages"][1]["content"].startswith(SUMMARY_PREFIX)
     assert parts["kept"]["tool_outputs_trimmed"] == (1 if scenario == "tool-output-trimmed" else 0)
+    # What was left out is counted too, as stored: what the summary or marker stand in for.
+    stored_tokens = [m["tokens"] for m in (await api.get("/sessions/s1"))["messages"]]
+    assert parts["left_out"]["tokens_stored"] == sum(stored_tokens[: parts["kept"]["from_position"]])
+    assert (parts["left_out"]["tokens_stored"] > 0) == (parts["left_out"]["messages"] > 0)
 
     # Now the client sends that message: upstream gets exactly the preview, byte for byte.
     headers = await chat(proxy, "s1", [user("what next?")])
@@ -437,14 +515,57 @@ async def test_context_says_when_the_next_request_will_summarise_first(
     upstream.summarizer = short_summary
     for i in range(6):  # on the large model everything fits
         await chat(proxy, "s1", [user(f"turn {i}: " + words(300, f"w{i}"))], model="big")
-    preview = await api.get("/sessions/s1/context?model=small&message=next")
+    preview = await preview_of(api, "s1", "next", model="small")
     assert preview["would_summarize"] is True and "marker" in {p["part"] for p in preview["parts"]}
     assert upstream.summary_requests() == []  # previewing folds nothing
     await chat(proxy, "s1", [user("next")])
     sent = upstream.last().messages
     assert upstream.summary_requests()  # folded first, then sent
     assert sent[0]["content"].startswith(SUMMARY_PREFIX) and sent != preview["messages"]
-    assert (await api.get("/sessions/s1/context?model=small&message=next"))["would_summarize"] is False
+    assert (await preview_of(api, "s1", "next", model="small"))["would_summarize"] is False
+
+
+async def test_no_content_in_a_url_and_none_in_the_access_log(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A URL is logged by access logs and proxies: the preview of a new message takes it in a body."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp.access")
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await chat(proxy, "s1", [user("hello")])
+    for query in ("message=hi", "messages=hi", "model=small&message="):
+        body = await api.get(f"/sessions/s1/context?{query}", status=400)
+        assert_error(body, type="invalid_request_error", param="message")
+    secret = "my passport number is X1234567"
+    preview = await preview_of(api, "s1", secret)
+    assert preview["messages"][-1] == user(secret)
+    access = [r for r in caplog.records if r.name == "aiohttp.access"]
+    assert any("/sessions/s1/context" in r.getMessage() for r in access), "no access log: proves nothing"
+    assert not any(secret.split()[-1] in r.getMessage() for r in caplog.records)
+
+
+async def test_context_counts_a_response_format_schema_as_the_chat_does(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await chat(proxy, "s1", [user("hello")])
+    schema = {"name": "answer", "schema": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city the user lives in, as they wrote it"},
+        "country": {"type": "string"}}}}
+    response_format = {"type": "json_schema", "json_schema": schema}
+    plain = await preview_of(api, "s1", "where do I live?")
+    shaped = await preview_of(api, "s1", "where do I live?", response_format=response_format)
+    schema_tokens = part(shaped, "tools_and_priming")["tokens"] - part(plain, "tools_and_priming")["tokens"]
+    assert schema_tokens > 10 and shaped["tokens"] == plain["tokens"] + schema_tokens
+
+    client = proxy.client(session="s1")
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=[user("where do I live?")], response_format=response_format)
+    raw.parse()
+    assert int(raw.headers["X-Memproxy-Context-Tokens"]) == shaped["tokens"]
+    assert upstream.last().messages == shaped["messages"]
 
 
 async def test_context_of_a_session_without_a_new_message_and_for_another_model(
@@ -519,7 +640,7 @@ async def test_clear_keeps_the_record_and_sends_nothing_from_before(
     assert detail["messages"] == [] and detail["message_count"] == 0 and detail["system"] is None
     assert [m["message"] for b in detail["superseded"] for m in b["messages"]] == [
         user("my name is Ada"), assistant("reply 1"), user("I live in Paris"), assistant("reply 2")]
-    assert (await api.get("/sessions/s1/context?message=who%20am%20I%3F"))["messages"] == [user("who am I?")]
+    assert (await preview_of(api, "s1", "who am I?"))["messages"] == [user("who am I?")]
 
     await chat(proxy, "s1", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
@@ -566,6 +687,32 @@ async def test_fork_at_a_message_continues_independently(
         assert_error(await api.post("/sessions/s1/fork", json=bad, status=400),
                      type="invalid_request_error", param=param)
     assert (await api.get("/sessions/x", status=404))["error"]["code"] == "session_not_found"
+
+
+async def test_fork_never_cuts_between_a_tool_call_and_its_results(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api, config = api_for(http, proxy), config_of(proxy)
+    calls = [tool_call("call_1", "search"), tool_call("call_2", "lookup")]
+    upstream.enqueue(Reply(tool_calls=calls), Reply(content="found it"))
+    await chat(proxy, "s1", [user("search twice")])
+    await chat(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": "result one"},
+                             {"role": "tool", "tool_call_id": "call_2", "content": "result two"}])
+    roles = [m["message"]["role"] for m in (await api.get("/sessions/s1"))["messages"]]
+    assert roles == ["user", "assistant", "tool", "tool", "assistant"]
+
+    for inside in (2, 3):  # after the call, before (all of) its results
+        body = await api.post("/sessions/s1/fork", json={"new_id": f"cut-{inside}", "at": inside}, status=400)
+        assert_error(body, type="invalid_request_error", param="at")
+        assert session_pk(config, f"cut-{inside}") is None
+    for at, kept in [(0, []), (1, ["user"]), (4, roles[:4]), (5, roles)]:
+        await api.post("/sessions/s1/fork", json={"new_id": f"fork-{at}", "at": at}, status=201)
+        fork = await api.get(f"/sessions/fork-{at}")
+        assert [m["message"]["role"] for m in fork["messages"]] == kept
+    # A fork that ends with a call and its results sends them whole.
+    await chat(proxy, "fork-4", [user("and then?")])
+    assert [m["role"] for m in upstream.last().messages] == ["user", "assistant", "tool", "tool", "user"]
 
 
 # --- export and import --------------------------------------------------------------------------
@@ -616,7 +763,7 @@ async def test_export_imports_back_exactly(
     assert {**copy, "id": "orig"} == original
 
     # The copy goes on as the original would.
-    preview = await api.get("/sessions/orig/context?message=next")
+    preview = await preview_of(api, "orig", "next")
     await chat(proxy, "copy", [user("next")], **{"X-Memproxy-History": "new"})
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     await proxy.app[SUMMARIZER].wait_idle()
@@ -644,6 +791,137 @@ async def test_import_of_a_malformed_export_is_400_and_stores_nothing(
     body = await api.post("/sessions/import?session_id=imported", data=text.encode(), status=400)
     assert_error(body, type="invalid_request_error")
     assert [len(found) for found in table_rows(config_of(proxy), *TABLES).values()] == [0, 0, 0, 0]
+
+
+MISSING = object()
+# A damaged field of an otherwise good export: (record type, which of them, field, value, what the
+# error names). Each is one a careless edit or a broken tool could write, and each used to be stored
+# (to fail at the next chat, or as a database error on one store and a wrong value on the other).
+DAMAGE: dict[str, tuple[str, int, str, Any, str]] = {
+    "system prompt a string": ("session", 0, "system_prompt", "You are terse.", "'system_prompt'"),
+    "system prompt of user messages": ("session", 0, "system_prompt", [user("hi")], "'system_prompt'"),
+    "system prompt of non-messages": ("session", 0, "system_prompt", [{"role": "system"}], "'system_prompt'"),
+    "metadata a list": ("session", 0, "metadata", ["a", "b"], "'metadata'"),
+    "history mode unknown": ("session", 0, "history_mode", "bogus", "'history_mode'"),
+    "length negative": ("session", 0, "length", -1, "'length'"),
+    "length a float": ("session", 0, "length", 4.0, "'length'"),
+    "length huge": ("session", 0, "length", 2**31 - 1, "a gap"),  # refused without walking it
+    "time not a number": ("session", 0, "created_at", "yesterday", "'created_at'"),
+    "time NaN": ("session", 0, "updated_at", float("nan"), "'updated_at'"),
+    "time infinite": ("turn", 1, "created_at", float("inf"), "'created_at'"),
+    "head not the last message": ("session", 0, "head_hash", "0" * 32, "'head_hash'"),
+    "head tokens wrong": ("session", 0, "head_cum", 1, "'head_cum'"),
+    "tokens a string": ("turn", 0, "prompt_tokens", "lots", "'prompt_tokens'"),
+    "tokens beyond a column": ("turn", 0, "completion_tokens", 2**40, "'completion_tokens'"),
+    "tokens a boolean": ("turn", 0, "context_tokens", True, "'context_tokens'"),
+    "cost negative": ("turn", 0, "cost", -1.5, "'cost'"),
+    "model missing": ("turn", 0, "model", MISSING, "'model'"),
+    "marker not a flag": ("turn", 0, "marker", 2, "'marker'"),
+    "sent half null": ("turn", 0, "included", None, "all null or all set"),
+    "body a string": ("message", 0, "body", "hello", "'body'"),
+    "body without content": ("message", 0, "body", {"role": "user"}, "'body'"),
+    "body of another role": ("message", 0, "role", "assistant", "'role'"),
+    "role unknown": ("message", 0, "role", "wizard", "'role'"),
+    "active not a flag": ("message", 1, "active", 2, "'active'"),
+    "position beyond a column": ("message", 1, "seq", 2**40, "'seq'"),
+    "tokens negative": ("message", 1, "tokens", -5, "'tokens'"),
+    "chain hash missing": ("message", 1, "chain_hash", MISSING, "'chain_hash'"),
+    "compact form not a message": ("message", 1, "compact_body", [1], "'compact_body'"),
+    "parent not before it": ("message", 1, "parent", 999, "not before it"),
+    "turn not before it": ("message", 1, "turn", 999, "not before it"),
+    "a message id twice": ("message", 1, "id", 1, "a second message id"),
+    "summary beyond the length": ("summary", 0, "covers", 10**6, "more than the session's length"),
+    "summary version 0": ("summary", 0, "version", 0, "'version'"),
+}
+
+
+# Damage only the relations between records show: the error is about the export, not one line.
+ABOUT_THE_WHOLE_EXPORT = {"head not the last message", "head tokens wrong", "length huge", "summary beyond the length"}
+
+
+async def exported_session(proxy: Proxy, upstream: FakeUpstream, api: Api) -> str:
+    """An export with every kind of record: system prompt, metadata, turns, messages, a summary."""
+    upstream.summarizer = short_summary
+    await chat(proxy, "orig", [SYSTEM, user("q1 " + words(80, "q"))])
+    await chat(proxy, "orig", [user("q2")])
+    await chat(proxy, "orig", [user("q3")])
+    assert (await api.post("/sessions/orig/compact"))["outcome"] == "applied"
+    await api.call("PUT", "/sessions/orig/metadata", json={"k": "v"})
+    export: str = await api.get("/sessions/orig/export")
+    return export
+
+
+def damage(exported: str, kind: str, nth: int, field: str, value: Any) -> tuple[str, int]:
+    """The export with one field of its `nth` record of `kind` changed (MISSING: removed), and the
+    line that record is on."""
+    lines = exported.splitlines()
+    records = [json.loads(line) for line in lines]
+    index = [i for i, r in enumerate(records) if r["type"] == kind][nth]
+    if value is MISSING:
+        del records[index][field]
+    else:
+        records[index][field] = value
+    lines[index] = json.dumps(records[index])
+    return "\n".join(lines) + "\n", index + 1
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+async def test_import_refuses_a_damaged_field_naming_its_line_and_stores_nothing(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    case: str,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    api, config = api_for(http, proxy), config_of(proxy)
+    exported = await exported_session(proxy, upstream, api)
+    before = table_rows(config, *TABLES)
+    kind, nth, field, value, named = DAMAGE[case]
+    text, line = damage(exported, kind, nth, field, value)
+
+    body = await api.post("/sessions/import?session_id=copy", data=text.encode(), status=400)
+    assert_error(body, type="invalid_request_error")
+    message = body["error"]["message"]
+    assert named in message, message
+    if case not in ABOUT_THE_WHOLE_EXPORT:
+        assert f"line {line}:" in message, message
+    assert table_rows(config, *TABLES) == before
+    await api.get("/sessions/copy", status=404)
+    # The undamaged export still imports, and the copy chats like the original.
+    await api.post("/sessions/import?session_id=copy", data=exported.encode(), status=201)
+    await chat(proxy, "copy", [user("q4")], **{"X-Memproxy-History": "new"})
+    await proxy.app[SUMMARIZER].wait_idle()
+
+
+async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A session "active tomorrow" would outlive every prune and idle TTL: its times become now. An
+    export written before turns kept what their requests were made of imports too."""
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    api, config = api_for(http, proxy), config_of(proxy)
+    exported = await exported_session(proxy, upstream, api)
+    records = [json.loads(line) for line in exported.splitlines()]
+    later = time.time() + 30 * 86400
+    for record in records:
+        record.update({t: later for t in ("created_at", "updated_at") if t in record})
+        if record["type"] == "turn":
+            for name in ("summary_version", "first_sent", "included", "omitted", "unsummarised_omitted",
+                         "marker", "trimmed", "deduplicated"):
+                del record[name]
+    started = time.time()
+    await api.post("/sessions/import?session_id=copy", data="".join(json.dumps(r) + "\n" for r in records).encode(),
+                   status=201)
+    finished = time.time()
+    copy = [json.loads(line) for line in (await api.get("/sessions/copy/export")).splitlines()]
+    times = [r[t] for r in copy for t in ("created_at", "updated_at") if t in r]
+    assert len(times) == len(records) + 1 and all(started <= t <= finished for t in times)
+    assert all(r["summary_version"] is None for r in copy if r["type"] == "turn")
+    def bodies(detail: Any) -> list[Any]:
+        return [(m["position"], m["message"]) for m in detail["messages"]]
+
+    assert bodies(await api.get("/sessions/copy")) == bodies(await api.get("/sessions/orig"))
+    # Now "delete everything older than now" reaches it.
+    assert (await api.call("DELETE", "/sessions?all=true"))["deleted"] == 2
+    await proxy.app[SUMMARIZER].wait_idle()
 
 
 # --- metadata -----------------------------------------------------------------------------------
@@ -701,6 +979,27 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
             assert secret not in text, f"{record.name} logged a metadata value"
 
 
+async def test_concurrent_metadata_patches_of_distinct_keys_all_land(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Each PATCH merges under the session's row lock: none is lost to another read before it."""
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    await api.call("PUT", "/sessions/agent/metadata", json={"kept": True})
+    results = await asyncio.gather(*[api.call("PATCH", "/sessions/agent/metadata", json={f"key{i}": i})
+                                     for i in range(20)])
+    expected = {"kept": True, **{f"key{i}": i for i in range(20)}}
+    assert await api.get("/sessions/agent/metadata") == expected
+    # Each answer is the metadata its own merge wrote: it holds its key and every earlier one.
+    assert all(f"key{i}" in result and result["kept"] for i, result in enumerate(results))
+    assert sorted(len(result) for result in results) == list(range(2, 22))
+    # Removing keys concurrently loses no removal either.
+    await asyncio.gather(*[api.call("PATCH", "/sessions/agent/metadata", json={f"key{i}": None})
+                           for i in range(0, 20, 2)])
+    assert await api.get("/sessions/agent/metadata") == {
+        "kept": True, **{f"key{i}": i for i in range(1, 20, 2)}}
+
+
 # --- tenants ------------------------------------------------------------------------------------
 
 # Every endpoint that addresses one session, with a body it accepts.
@@ -710,7 +1009,7 @@ SESSION_ENDPOINTS: list[tuple[str, str, Any]] = [
     ("POST", "/sessions/{id}/clear", None),
     ("POST", "/sessions/{id}/fork", {"new_id": "stolen"}),
     ("GET", "/sessions/{id}/export", None),
-    ("GET", "/sessions/{id}/context?message=hi", None),
+    ("GET", "/sessions/{id}/context?model=small", None),
     ("POST", "/sessions/{id}/context", {"messages": [user("hi")]}),
     ("POST", "/sessions/{id}/compact", {}),
     ("GET", "/sessions/{id}/metadata", None),
@@ -853,6 +1152,10 @@ async def test_admin_key_without_a_tenant_on_a_session_endpoint_is_400(
     assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["alpha"]
 
 
+NOTHING_DELETED = {"sessions": 0, "turns": 0, "summary_calls": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                   "cost": None, "context_tokens": 0, "full_history_tokens": 0, "tokens_saved": 0}
+
+
 # --- usage --------------------------------------------------------------------------------------
 
 
@@ -899,6 +1202,7 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
         "context_tokens": sum(context for _, context, _, _ in turns),
         "full_history_tokens": sum(full for _, _, full, _ in turns),
         "tokens_saved": saved["long"],
+        "deleted_sessions": NOTHING_DELETED,
     }
     assert (await api.as_(OTHER_KEY).get("/usage"))["turns"] == 0
 
@@ -963,7 +1267,7 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     assert old_pk is not None
     await age(config, "idle", 61)
 
-    preview = await api.get("/sessions/idle/context?message=who%20am%20I%3F")
+    preview = await preview_of(api, "idle", "who am I?")
     assert preview["expired"] is True and preview["messages"] == [user("who am I?")]
     await chat(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
@@ -972,10 +1276,142 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     detail = await api.get("/sessions/idle")
     assert detail["metadata"] == {} and detail["system"] is None and detail["title"] == "who am I?"
     assert detail["usage"]["turns"] == 1
+    usage = await api.get("/usage")  # what the replaced session spent still counts
+    assert (usage["sessions"], usage["turns"], usage["deleted_sessions"]["turns"]) == (2, 4, 2)
 
     # The session that was not idle is untouched.
     await chat(proxy, "busy", [user("and now?")])
     assert upstream.last().messages == [user("still here"), assistant("reply 3"), user("and now?")]
+
+
+EXPIRED_WRITES: dict[str, tuple[str, str, Any, Any]] = {
+    # method, path, body, the metadata after it
+    "PATCH metadata": ("PATCH", "/sessions/idle/metadata", {"step": 3}, {"step": 3}),
+    "PUT metadata": ("PUT", "/sessions/idle/metadata", {"fresh": True}, {"fresh": True}),
+    "clear": ("POST", "/sessions/idle/clear", None, {}),
+}
+
+
+@pytest.mark.parametrize("write", list(EXPIRED_WRITES))
+async def test_a_write_to_an_expired_session_starts_it_afresh_first(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+    write: str,
+) -> None:
+    """A metadata write or a clear renews a session's activity; on an expired one it must not bring
+    the past back to life: the session is started afresh first, exactly as a chat turn would."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    api, config = api_for(http, proxy), config_of(proxy)
+    upstream.enqueue(*[Reply(content=f"reply {i}", usage={"prompt_tokens": 10, "completion_tokens": 1})
+                       for i in range(1, 4)])
+    await chat(proxy, "idle", [SYSTEM, user("my name is Ada")])
+    await chat(proxy, "idle", [user("I live in Paris")])
+    await api.call("PATCH", "/sessions/idle/metadata", json={"step": 2, "secret": "the old state"})
+    await age(config, "idle", 61)
+    assert await api.get("/sessions/idle/metadata") == {}  # expired: nothing of it is current
+
+    method, path, body, metadata = EXPIRED_WRITES[write]
+    await api.call(method, path, **({} if body is None else {"json": body}))
+    new_pk = session_pk(config, "idle")  # the old session is gone (SQLite may reuse its key)
+    assert new_pk is not None and rows_of(config, new_pk) == {"sessions": 1, "turns": 0, "messages": 0,
+                                                              "summaries": 0}
+    assert rows(config, "SELECT count(*) FROM messages") == [(0,)]
+    detail = await api.get("/sessions/idle")
+    assert detail["metadata"] == metadata and detail["messages"] == [] and detail["superseded"] == []
+    assert detail["system"] is None and detail["title"] is None and detail["usage"]["turns"] == 0
+    await chat(proxy, "idle", [user("who am I?")])
+    assert upstream.last().messages == [user("who am I?")]
+    # What the old session spent still counts for the tenant.
+    usage = await api.get("/usage")
+    assert (usage["turns"], usage["prompt_tokens"], usage["deleted_sessions"]["turns"]) == (3, 30, 2)
+
+
+async def test_delete_every_session_of_a_tenant_whatever_the_clock(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)
+    api, config = api_for(http, proxy), config_of(proxy)
+    admin, other = api.as_(ADMIN_KEY), api.as_(OTHER_KEY)
+    for session in ("one", "two", "future"):
+        await chat(proxy, session, [user(f"{session} in a")])
+    await api.call("PUT", "/sessions/only-metadata/metadata", json={"k": 1})
+    for session in ("one", "b-only"):
+        await chat(proxy, session, [user(f"{session} in b")], key=OTHER_KEY)
+    # Written by a replica whose clock is a day ahead: `prune --older-than 0s` would skip it.
+    await asyncio.to_thread(write_db, config, "UPDATE sessions SET updated_at = updated_at + 86400"
+                                              " WHERE session_id = 'future'")
+    b_before = await snapshot(api, "one", "b")
+
+    for query in ("", "?all=false", "?all=1"):  # deleting everything is never implied
+        assert_error(await api.call("DELETE", f"/sessions{query}", status=400), type="invalid_request_error",
+                     param="all")
+    assert_error(await admin.call("DELETE", "/sessions?all=true", status=400), type="invalid_request_error",
+                 param="tenant")
+    assert len((await api.get("/sessions"))["data"]) == 4
+
+    body = await api.call("DELETE", "/sessions?all=true&tenant=b")  # a tenant key names only its own
+    assert body == {"object": "session.deleted", "tenant": "a", "deleted": 4}
+    assert (await api.get("/sessions"))["data"] == []
+    assert rows(config, "SELECT count(*) FROM sessions WHERE tenant = 'a'") == [(0,)]
+    assert rows(config, "SELECT count(*) FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                        " WHERE s.tenant = 'a'") == [(0,)]
+    assert await snapshot(api, "one", "b") == b_before  # tenant b is untouched
+    assert [s["id"] for s in (await other.get("/sessions"))["data"]] == ["b-only", "one"]
+    assert (await api.call("DELETE", "/sessions?all=true"))["deleted"] == 0
+
+    assert await admin.call("DELETE", "/sessions?all=true&tenant=b") == {
+        "object": "session.deleted", "tenant": "b", "deleted": 2}
+    assert rows(config, "SELECT count(*) FROM sessions") == [(0,)]
+    await chat(proxy, "one", [user("back again")])
+    assert upstream.last().messages == [user("back again")]
+
+
+async def test_usage_of_deleted_sessions_stays_with_their_tenant(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Deleting sessions (one, every one, pruned, swept, expired) deletes their content, not what they
+    cost: each deletion adds their usage to their tenant's rollup in the same transaction."""
+    retention = RetentionConfig(idle_ttl_seconds=3600, sweep_interval_seconds=0.05)
+    proxy = await start(start_proxy, make_storage, upstream, retention=retention)
+    api, config = api_for(http, proxy), config_of(proxy)
+    other = api.as_(OTHER_KEY)
+    spent = {"prompt_tokens": 100, "completion_tokens": 10}
+    upstream.enqueue(*[Reply(content=f"answer {i}", usage=spent) for i in range(8)])
+    for session in ("deleted", "swept", "expired", "kept"):
+        await chat(proxy, session, [user(f"{session}: first")])
+    await chat(proxy, "deleted", [user("deleted: second")], model="big")  # priced
+    await chat(proxy, "b1", [user("tenant b")], key=OTHER_KEY)
+    before, before_b = await api.get("/usage"), await other.get("/usage")
+    assert before["turns"] == 5 and before["cost"] > 0 and before["deleted_sessions"] == NOTHING_DELETED
+
+    await api.call("DELETE", "/sessions/deleted")
+    await age(config, "swept", 7200)
+    await until(lambda: session_pk(config, "swept") is None, "the sweep removed the idle session")
+    await age(config, "expired", 7200)  # swept, or replaced by its next turn: deleted either way
+    await chat(proxy, "expired", [user("expired: again")])
+
+    after = await api.get("/usage")
+    deleted = after["deleted_sessions"]
+    assert (deleted["sessions"], deleted["turns"], deleted["prompt_tokens"]) == (3, 4, 400)
+    assert deleted["cost"] == pytest.approx(before["cost"])  # the priced turn was in a deleted session
+    assert {**after, "deleted_sessions": None} == {
+        **before, "sessions": 2, "turns": 6, "prompt_tokens": 600, "completion_tokens": 60,
+        "context_tokens": after["context_tokens"], "full_history_tokens": after["full_history_tokens"],
+        "tokens_saved": after["tokens_saved"], "cost": pytest.approx(before["cost"]), "deleted_sessions": None}
+    assert after["context_tokens"] > before["context_tokens"]
+    assert await other.get("/usage") == before_b  # nothing of a's went to b
+
+    # Every session of the tenant at once: all of it in the rollup, none of it in b's.
+    await api.call("DELETE", "/sessions?all=true")
+    final = await api.get("/usage")
+    assert final["sessions"] == 0 and final["deleted_sessions"]["sessions"] == 5
+    assert {k: v for k, v in final.items() if k not in ("sessions", "deleted_sessions")} == \
+        {k: v for k, v in after.items() if k not in ("sessions", "deleted_sessions")}
+    assert {k: v for k, v in final["deleted_sessions"].items() if k != "sessions"} == \
+        {k: v for k, v in final.items() if k not in ("object", "tenant", "sessions", "deleted_sessions")}
+    rollup = rows(config, "SELECT * FROM tenant_usage")
+    assert [r[0] for r in rollup] == ["a"]  # a tenant and its sums: no session id, no content
+    assert (await api.as_(ADMIN_KEY).get("/usage"))["prompt_tokens"] == 700
+    assert await other.get("/usage") == before_b
 
 
 async def test_the_sweep_removes_expired_sessions(
@@ -1071,7 +1507,7 @@ async def test_message_cap_deletes_only_what_can_never_be_sent_again(
     await api.post("/sessions/import?session_id=s1-copy", data=exported.encode(), status=201)
     assert await api.get("/sessions/s1-copy/export") == exported.replace('"session_id":"s1"', '"session_id":"s1-copy"')
     await api.post("/sessions/s1/fork", json={"new_id": "s1-fork"}, status=201)
-    preview = await api.get("/sessions/s1/context?message=q5")
-    assert (await api.get("/sessions/s1-fork/context?message=q5"))["messages"] == preview["messages"]
+    preview = await preview_of(api, "s1", "q5")
+    assert (await preview_of(api, "s1-fork", "q5"))["messages"] == preview["messages"]
     await capped.app[SUMMARIZER].wait_idle()
     await uncapped.app[SUMMARIZER].wait_idle()

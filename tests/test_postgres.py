@@ -196,6 +196,11 @@ async def populate(path: Path) -> None:
         await store.record_turn(dataclasses.replace(record, messages=compact))
         await store.set_metadata("u", "only-metadata", {"state": {"step": 3}})
         await conversation(store, "u", "long", 12)
+        await store.record_turn(dataclasses.replace(
+            turn(None, [user("gone"), assistant("soon")], tenant="t", session_id="deleted"), cost=0.5))
+        gone = await store.get_session("t", "deleted")
+        assert gone is not None
+        await store.delete_session(gone)  # what it spent stays in the tenant's rollup
     finally:
         await store.close()
 
@@ -208,6 +213,7 @@ async def exports(url: str, schema: str | None = None) -> dict[tuple[str, str], 
             session = await store.get_session(tenant, session_id)
             assert session is not None
             result[(tenant, session_id)] = await store.export_session(session)
+        result[("rollups", "")] = [dataclasses.asdict(u) for u in (await store.tenant_rollups()).values()]
         return result
     finally:
         await store.close()
@@ -227,9 +233,13 @@ async def test_migrate_store_copies_sqlite_to_postgres_and_back(postgres: StoreU
     schema = postgres.storage.schema
     assert schema is not None
     original = await exports(f"sqlite:///{source}")
-    assert sorted(original) == [("t", "edited"), ("u", "long"), ("u", "only-metadata"), ("u", "tools")]
+    assert sorted(original) == [("rollups", ""), ("t", "edited"), ("u", "long"), ("u", "only-metadata"),
+                                ("u", "tools")]
+    assert original[("rollups", "")] == [{"sessions": 1, "turns": 1, "prompt_tokens": 7, "completion_tokens": 3,
+                                          "cost": 0.5, "context_tokens": 123, "full_tokens": 0,
+                                          "summary_calls": 0}]
     # turns: 3 + 1 + 12; messages: 6 (2 superseded) + 4 + 12 turns of 2, 4 of them with a call and result
-    expected = {"sessions": 4, "turns": 16, "messages": 6 + 4 + 12 * 2 + 4 * 2, "summaries": 1}
+    expected = {"sessions": 4, "turns": 16, "messages": 6 + 4 + 12 * 2 + 4 * 2, "summaries": 1, "tenant_usage": 1}
 
     there = run_cli("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", schema)
     assert there.returncode == 0, there.stderr
@@ -255,12 +265,16 @@ async def test_an_interrupted_migrate_store_writes_nothing_more_until_resumed(
     await populate(source)
     original = await exports(f"sqlite:///{source}")
     schema = postgres.storage.schema
-    # What an interrupted copy leaves: some sessions whole (each is one transaction), the rest absent.
-    target = await postgres.open()
+    # What an interrupted copy leaves: the usage of deleted sessions (copied first), some sessions
+    # whole (each is one transaction), the rest absent.
+    source_store, target = await SQLiteStore.open(f"sqlite:///{source}"), await postgres.open()
     try:
+        for tenant, usage in (await source_store.tenant_rollups()).items():
+            await target.add_to_rollup(tenant, usage)
         for key in [("t", "edited"), ("u", "tools")]:
             await target.import_session(*key, original[key])
     finally:
+        await source_store.close()
         await target.close()
     command = ("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", str(schema))
     refused = run_cli(*command)

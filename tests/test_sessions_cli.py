@@ -182,6 +182,9 @@ def test_list_as_a_table_and_as_json_with_pages(cli: Setup, upstream: FakeUpstre
     assert rows["list-1"][header.index("SPENT"):].split()[0] == "1200"
     assert rows["list-1"].endswith("Plan a trip to Kyoto with many stops wit")  # titles cut to 40
     assert cli.json("list", "--limit", "3", tenant="b")["data"][0]["id"] == "list-b"
+    # --tenant and --json after the verb too.
+    after_verb = json.loads(cli.sessions("list", "--limit", "3", "--tenant", "b", "--json").stdout)
+    assert after_verb == cli.json("list", "--limit", "3", tenant="b")
     assert cli.sessions("list", "--limit", "0", ok=False).stderr == (
         "memproxy: 'limit' must be an integer from 1 to 1000\n")
     assert cli.sessions("list", "--after", "yesterday", ok=False).stderr == (
@@ -212,6 +215,11 @@ def test_show_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None
         ["0", "user", "q1"], ["1", "assistant", "reply 1"], ["2", "user", "q2, edited"], ["3", "assistant", "reply 3"]]
     assert text[6] == "  superseded branch from position 2: 2 messages"
     assert text[7] == "  metadata keys: city, step"  # keys only: the values are the agent's
+    # Then each turn, with what its request was made of.
+    assert [line.split()[:3] for line in text[8:]] == [["turn", "1", "new"], ["turn", "2", "continue"],
+                                                       ["turn", "3", "edit"]]
+    assert text[10].endswith(": 2 stored from position 0; left out 0 (0 unsummarised); 0 trimmed, 0 deduplicated")
+    assert shown["turns"][2]["sent"]["stored_included"] == 2 and shown["turns"][2]["stored_from_position"] == 2
     assert "Oslo" not in "\n".join(text)
 
 
@@ -237,8 +245,8 @@ def test_context_shows_what_the_model_is_sent_in_one_command(cli: Setup, upstrea
 
     # "What does the model see in session ctx-1?" One command, for a script ...
     preview = cli.json("context", "ctx-1", "--model", "small", "--message", "where do I live?")
-    assert preview == cli.http("GET", "/sessions/ctx-1/context",
-                               params={"model": "small", "message": "where do I live?"}).json()
+    assert preview == cli.http("POST", "/sessions/ctx-1/context",
+                               json={"model": "small", "messages": [user("where do I live?")]}).json()
     cli.chat("ctx-1", [user("where do I live?")])
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     assert preview["messages"] == [SYSTEM, user("my name is Ada"), assistant("reply 1"), user("I live in Paris"),
@@ -333,39 +341,125 @@ def test_fork(cli: Setup, upstream: FakeUpstream) -> None:
     assert cli.json("fork", "fork-1", "fork-1c") == {"id": "fork-1c", "forked_from": "fork-1", "messages": 6}
     assert cli.sessions("--tenant", "a", "fork", "fork-1", "fork-1b", ok=False).stderr == (
         "memproxy: a session 'fork-1b' already exists\n")
-    assert "--at must be from 0 to 6" in cli.sessions("--tenant", "a", "fork", "fork-1", "x2", "--at", "7",
-                                                      ok=False).stderr
+    assert cli.sessions("--tenant", "a", "fork", "fork-1", "x2", "--at", "7", ok=False).stderr == (
+        "memproxy: 'at' must be an integer from 0 to 6\n")
+
+    # Never between a tool call and its results: the fork would send a call without them.
+    upstream.enqueue(Reply(tool_calls=[{"id": "call_1", "type": "function",
+                                        "function": {"name": "search", "arguments": "{}"}}]))
+    cli.chat("fork-2", [user("search")])
+    cli.chat("fork-2", [{"role": "tool", "tool_call_id": "call_1", "content": "found"}])
+    assert "'at' must be the position of a message that starts a unit" in cli.sessions(
+        "--tenant", "a", "fork", "fork-2", "fork-2b", "--at", "2", ok=False).stderr
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'fork-2b'") == 0
+    assert cli.json("fork", "fork-2", "fork-2b", "--at", "3")["messages"] == 3
 
 
-# --- prune: everything about a tenant, or what is old ---------------------------------------------
+# --- prune and rm --all: what is old, or everything about a tenant ------------------------------
 
 
-def test_prune_older_than_and_everything_about_a_tenant(cli: Setup, upstream: FakeUpstream) -> None:
+def age_sessions(cli: Setup, seconds: float, *session_ids: str) -> None:
+    """Move sessions' last activity by `seconds` (into the past when positive), while the server runs."""
+    with cli.db_connection(write=True) as db:
+        db.execute(f"UPDATE sessions SET updated_at = updated_at - ? WHERE session_id IN "
+                   f"({','.join('?' * len(session_ids))})", (seconds, *session_ids))
+
+
+def test_prune_acts_on_one_tenant_unless_told_every_one(cli: Setup, upstream: FakeUpstream) -> None:
     for session in ("prune-old", "prune-new"):
         cli.chat(session, [user(f"{session} in a")])
-    for session in ("prune-b1", "prune-b2"):
-        cli.chat(session, [user(f"{session} in b")], key=OTHER_KEY)
-    with cli.db_connection(write=True) as db:  # idle for two days, while the server runs
-        db.execute("UPDATE sessions SET updated_at = updated_at - 172800 WHERE session_id = 'prune-old'")
+    cli.chat("prune-b-old", [user("old in b")], key=OTHER_KEY)
+    exported = cli.sessions("--tenant", "a", "export", "prune-new").stdout
+    cli.sessions("import", "-", "--id", "prune-default", stdin=exported)  # into the tenant `default`
+    age_sessions(cli, 172800, "prune-old", "prune-b-old", "prune-default")  # idle for two days
     tenant_a = cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'")
 
     assert cli.sessions("--tenant", "a", "prune", "--older-than", "1d").stdout == "deleted 1 sessions\n"
     assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'prune-old'") == 0
     assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a - 1
-
-    # "Delete everything about tenant b": one command.
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") >= 2
-    result = json.loads(cli.sessions("--tenant", "b", "--json", "prune", "--older-than", "0s").stdout)
-    assert result["deleted"] >= 2
     for table in ("turns", "messages", "summaries"):
         assert cli.count(f"SELECT count(*) FROM {table} WHERE session_pk NOT IN (SELECT pk FROM sessions)") == 0
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") == 0
-    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a - 1
-    assert cli.http("GET", "/sessions", key=OTHER_KEY).json()["data"] == []
-    cli.chat("prune-b1", [user("back")], key=OTHER_KEY)
-    assert upstream.last().messages == [user("back")]  # nothing about it is left
 
+    # Without --tenant: the tenant `default`, as for every verb but `list`; not every tenant.
+    assert cli.sessions("prune", "--older-than", "1d").stdout == "deleted 1 sessions\n"
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id IN ('prune-default', 'prune-b-old')") == 1
+    age_sessions(cli, 172800, "prune-new")
+    assert json.loads(cli.sessions("prune", "--older-than", "1d", "--all-tenants", "--json").stdout) == {
+        "deleted": 2}
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id LIKE 'prune-%'") == 0
+    assert "--all-tenants and --tenant" in cli.sessions("--tenant", "a", "prune", "--older-than", "1d",
+                                                        "--all-tenants", ok=False).stderr
     assert "--older-than takes a duration" in cli.sessions("prune", "--older-than", "soon", ok=False).stderr
+
+
+def test_rm_all_deletes_everything_about_a_tenant_whatever_its_clock(cli: Setup, upstream: FakeUpstream) -> None:
+    for session in ("rm-all-1", "rm-all-future"):
+        cli.chat(session, [user(f"{session} in b")], key=OTHER_KEY)
+    cli.chat("rm-all-a", [user("in a")])
+    age_sessions(cli, -86400, "rm-all-future")  # written by a replica whose clock is a day ahead
+    tenant_a = cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'")
+    assert cli.json("prune", "--older-than", "0s", tenant="b")["deleted"] >= 1
+    assert cli.count("SELECT count(*) FROM sessions WHERE session_id = 'rm-all-future'") == 1  # skipped
+
+    # "Delete everything about tenant b": one command, whatever the clocks say.
+    assert cli.sessions("rm", "--all", "--tenant", "b").stdout == "deleted 1 sessions\n"
+    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'b'") == 0
+    for table in ("turns", "messages", "summaries"):
+        assert cli.count(f"SELECT count(*) FROM {table} WHERE session_pk NOT IN (SELECT pk FROM sessions)") == 0
+    assert cli.count("SELECT count(*) FROM sessions WHERE tenant = 'a'") == tenant_a  # a is untouched
+    assert cli.http("GET", "/sessions", key=OTHER_KEY).json()["data"] == []
+    assert cli.json("rm", "--all", tenant="b") == {"tenant": "b", "deleted": 0}
+    cli.chat("rm-all-1", [user("back")], key=OTHER_KEY)
+    assert upstream.last().messages == [user("back")]  # nothing about it is left
+    assert "rm takes a session id, or --all" in cli.sessions("--tenant", "b", "rm", ok=False).stderr
+    assert "rm takes a session id, or --all" in cli.sessions("--tenant", "b", "rm", "rm-all-1", "--all",
+                                                            ok=False).stderr
+
+
+# --- metadata and usage ---------------------------------------------------------------------------
+
+
+def test_metadata_shown_replaced_and_merged(cli: Setup, upstream: FakeUpstream) -> None:
+    cli.chat("meta-cli", [user("hello")])
+    assert cli.json("metadata", "meta-cli") == {}
+    replaced = cli.sessions("--tenant", "a", "metadata", "meta-cli", "--set", '{"step": 1, "city": "Oslo"}')
+    assert json.loads(replaced.stdout) == {"step": 1, "city": "Oslo"}
+    # Options after the verb, as before it.
+    merged = cli.sessions("metadata", "meta-cli", "--merge", '{"step": null, "seen": [1]}', "--tenant", "a")
+    assert json.loads(merged.stdout) == {"city": "Oslo", "seen": [1]}
+    assert cli.http("GET", "/sessions/meta-cli/metadata").json() == {"city": "Oslo", "seen": [1]}
+    assert cli.json("show", "meta-cli")["messages"][0]["message"] == user("hello")  # the chat is kept
+    cli.sessions("--tenant", "a", "metadata", "meta-cli-new", "--set", "{}")  # creates the session
+    assert cli.http("GET", "/sessions/meta-cli-new").status_code == 200
+
+    assert cli.sessions("--tenant", "a", "metadata", "meta-cli", "--set", "[1]", ok=False).stderr == (
+        "memproxy: --set takes a JSON object\n")
+    assert cli.sessions("--tenant", "b", "metadata", "meta-cli", "--merge", '{"k": 1}', ok=False).stderr == (
+        "memproxy: no session 'meta-cli' in tenant 'b'\n")
+    assert cli.sessions("--tenant", "b", "metadata", "meta-cli", ok=False).stderr == (
+        "memproxy: no session 'meta-cli' in tenant 'b'\n")
+    assert cli.http("GET", "/sessions/meta-cli/metadata").json() == {"city": "Oslo", "seen": [1]}
+
+
+def test_usage_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="spent", usage={"prompt_tokens": 300, "completion_tokens": 30}))
+    cli.chat("usage-1", [user("what does it cost?")])
+    usage = cli.json("usage")
+    assert usage == cli.http("GET", "/usage").json()
+    assert usage["tenant"] == "a" and usage["prompt_tokens"] >= 300
+    everyone = json.loads(cli.sessions("usage", "--all-tenants", "--json").stdout)
+    assert everyone == cli.http("GET", "/usage", key=ADMIN_KEY).json() and everyone["tenant"] is None
+
+    cli.sessions("--tenant", "a", "rm", "usage-1")
+    after = cli.json("usage")
+    assert after["prompt_tokens"] == usage["prompt_tokens"]  # deleting a session keeps what it cost
+    assert after["deleted_sessions"]["prompt_tokens"] >= 300
+
+    table = cli.sessions("usage", "--tenant", "a").stdout.splitlines()
+    assert table[0].split() == ["TENANT", "a", "TOTAL", "OF", "WHICH", "DELETED", "SESSIONS"]
+    rows = {line[: table[0].index("TOTAL")].strip(): line[table[0].index("TOTAL"):].split() for line in table[1:]}
+    assert rows["prompt tokens"] == [str(after["prompt_tokens"]), str(after["deleted_sessions"]["prompt_tokens"])]
+    assert rows["sessions"] == [str(after["sessions"]), str(after["deleted_sessions"]["sessions"])]
 
 
 # --- metadata stays out of the logs ---------------------------------------------------------------

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -370,3 +371,82 @@ async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest)
         assert [m.body for m in await store.active_range(after, 0, 2)] == [question, assistant("a")]
     finally:
         await store.close()
+
+
+async def test_metadata_merges_from_two_stores_at_once_all_land(open_store: Opener) -> None:
+    first, second = await open_store(), await open_store()
+    await first.set_metadata("t", "s", {"kept": 1})
+    merges = [(first if i % 2 else second).merge_metadata("t", "s", {f"k{i}": i}) for i in range(16)]
+    results = await asyncio.gather(*merges)
+    session = await first.get_session("t", "s")
+    assert session is not None
+    assert await second.get_metadata(session) == {"kept": 1, **{f"k{i}": i for i in range(16)}}
+    assert sorted(len(r or {}) for r in results) == list(range(2, 18))  # each saw every merge before it
+    assert await first.merge_metadata("t", "nobody", {"k": 1}) is None
+    assert await first.get_session("t", "nobody") is None
+
+
+async def test_a_write_to_an_expired_session_starts_it_afresh(open_store: Opener, backend: StoreUnderTest) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a")], system=[{"role": "system", "content": "x"}]))
+    await store.set_metadata("t", "s", {"old": True})
+    old = await store.get_session("t", "s")
+    assert old is not None
+    # Not yet expired: the write keeps the history.
+    assert await store.merge_metadata("t", "s", {"k": 1}, expired_before=old.updated_at - 1) == {"old": True, "k": 1}
+    assert await store.merge_metadata("t", "s", {"k": 2}, expired_before=time.time() + 1) == {"k": 2}
+    fresh = await store.get_session("t", "s")
+    assert fresh is not None and (fresh.length, fresh.system, fresh.head_hash) == (0, None, "")
+    assert await backend.query("SELECT count(*) FROM messages") == [(0,)]
+    assert (await store.deleted_usage("t")).turns == 1
+    await store.record_turn(turn(fresh, [user("2"), assistant("b")]))
+    renewed = await store.get_session("t", "s")
+    assert renewed is not None
+    assert await store.clear_session(renewed, expired_before=time.time() + 1)
+    assert await store.get_metadata(renewed) == {}
+    assert (await store.deleted_usage("t")).turns == 2
+
+
+async def test_deleting_sessions_keeps_their_usage_once(open_store: Opener) -> None:
+    first, second = await open_store(), await open_store()
+    for tenant, session_id in [("t", "a"), ("t", "b"), ("t", "c"), ("u", "a")]:
+        await first.record_turn(turn(None, [user("1"), assistant("a")], tenant=tenant, session_id=session_id))
+    session = await first.get_session("t", "a")
+    assert session is not None
+    await first.record_summary_call(session, SummaryCall("small", 200, Usage(180, 20), 12.5, cost=0.5))
+    before = (await first.usage("t")).plus(await first.deleted_usage("t"))
+    # Two stores deleting one session at once: it counts once.
+    await asyncio.gather(first.delete_session(session), second.delete_session(session))
+    deleted = await second.deleted_usage("t")
+    assert (deleted.sessions, deleted.turns, deleted.summary_calls, deleted.cost) == (1, 1, 1, 0.5)
+    assert (deleted.prompt_tokens, deleted.completion_tokens) == (7 + 180, 3 + 20)
+    assert await second.prune(time.time() + 1, "t") == 2
+    assert await second.delete_tenant("t") == 0
+    current, deleted = await second.usage("t"), await second.deleted_usage("t")
+    assert current.sessions == 0 and deleted.sessions == 3
+    assert dataclasses.replace(deleted, sessions=before.sessions) == before
+    assert (await second.deleted_usage("u")).sessions == 0 and (await second.usage("u")).turns == 1
+    assert (await second.deleted_usage(None)).turns == 3
+
+
+async def test_a_turn_planned_on_an_expired_session_restarts_it_only_if_it_still_is(open_store: Opener) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("old"), assistant("a")]))
+    old = await store.get_session("t", "s")
+    assert old is not None
+    cutoff = old.updated_at + 1e-6  # the turn was planned when the session had idled past this
+    await store.record_turn(dataclasses.replace(turn(None, [user("new"), assistant("b")]), expired_before=cutoff))
+    session = await store.get_session("t", "s")
+    assert session is not None and [m.body for m in await store.active_range(session, 0, 9)] == [
+        user("new"), assistant("b")]
+    assert (await store.deleted_usage("t")).turns == 1
+
+    # The next turn is planned on it as expired too, but a metadata write restarts it first: the
+    # turn then continues the restarted session instead of deleting what that write stored.
+    cutoff = session.updated_at + 1e-6
+    await store.set_metadata("t", "s", {"step": 1}, expired_before=cutoff)
+    await store.record_turn(dataclasses.replace(turn(None, [user("later"), assistant("c")]), expired_before=cutoff))
+    session = await store.get_session("t", "s")
+    assert session is not None and await store.get_metadata(session) == {"step": 1}
+    assert [m.body for m in await store.active_range(session, 0, 9)] == [user("later"), assistant("c")]
+    assert (await store.deleted_usage("t")).turns == 2

@@ -108,6 +108,21 @@ class SummaryCall:
 
 
 @dataclass(frozen=True)
+class SentContext:
+    """What a chat turn's request was made of, kept with the turn so that what the model saw, and
+    why, can be told after the fact (the admin `show`), not only for the next request."""
+
+    summary_version: int  # the summary sent, 0 for none
+    first_sent: int  # position of the first stored message sent
+    included: int  # stored messages sent
+    omitted: int  # stored messages not sent (summarised or left out)
+    unsummarised_omitted: int  # of those, the ones no summary sent stands for
+    marker: bool  # a note saying that earlier messages are not shown was sent
+    trimmed: int  # stored tool outputs sent as head + tail
+    deduplicated: int  # stored contents sent as a reference to an earlier copy
+
+
+@dataclass(frozen=True)
 class TurnRecord:
     """One successful exchange, written atomically.
 
@@ -134,7 +149,10 @@ class TurnRecord:
     full_tokens: int = 0  # what the request would have cost resending the whole history
     cost: float | None = None  # upstream cost, where litellm knows the price
     title: str | None = None  # the session's title, if it has none yet
-    replaces_expired: bool = False  # the session idled past its TTL: start it afresh
+    # The turn was planned on a session idle since before this time (`idle_ttl_seconds`): the store
+    # starts it afresh, unless a write meanwhile (a metadata write, a clear) already did.
+    expired_before: float | None = None
+    sent: SentContext | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +189,22 @@ class MessageRecord:
 
 
 @dataclass(frozen=True)
+class TurnInfo:
+    """A stored turn (a chat turn, a summariser call or a fork) as `show` lists it."""
+
+    kind: str
+    model: str
+    created_at: float
+    context_tokens: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cost: float | None
+    stored_from: int | None  # position of the first message it stored (None: it stored none)
+    stored_messages: int  # messages it stored that are still kept, superseded ones included
+    sent: SentContext | None  # None: not a chat turn, or recorded before this was kept
+
+
+@dataclass(frozen=True)
 class UsageTotals:
     sessions: int
     turns: int  # chat turns; summariser calls are counted apart, their tokens and cost included
@@ -184,6 +218,16 @@ class UsageTotals:
     @property
     def tokens_saved(self) -> int:
         return self.full_tokens - self.context_tokens
+
+    def plus(self, other: UsageTotals) -> UsageTotals:
+        """Both together; a cost is known if either part knows one."""
+        cost = None if self.cost is None and other.cost is None else (self.cost or 0.0) + (other.cost or 0.0)
+        return UsageTotals(
+            sessions=self.sessions + other.sessions, turns=self.turns + other.turns,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens, cost=cost,
+            context_tokens=self.context_tokens + other.context_tokens,
+            full_tokens=self.full_tokens + other.full_tokens, summary_calls=self.summary_calls + other.summary_calls)
 
 
 class Store(Protocol):
@@ -250,19 +294,52 @@ class Store(Protocol):
 
     async def all_messages(self, session: SessionState) -> list[MessageRecord]: ...
 
+    async def turns(self, session: SessionState) -> list[TurnInfo]:
+        """Every stored turn of the session, oldest first."""
+        ...
+
+    # Deleting sessions, by any of these or by a turn replacing an expired session, first adds
+    # their usage to their tenant's rollup (`deleted_usage`), in the same transaction.
+
     async def delete_session(self, session: SessionState) -> None: ...
 
-    async def clear_session(self, session: SessionState) -> None:
-        """Start afresh: every message superseded, no system prompt; the record stays."""
+    async def delete_tenant(self, tenant: str) -> int:
+        """Delete every session of the tenant, whatever its clock says; returns how many."""
+        ...
+
+    # `expired_before`: a session last active before this time has expired (`idle_ttl_seconds`);
+    # a write to it first starts it afresh, exactly as a turn would (the old one deleted, usage
+    # rolled up), so nothing of its past comes back. Checked under the session's row lock.
+
+    async def clear_session(self, session: SessionState, expired_before: float | None = None) -> bool:
+        """Start afresh: every message superseded, no system prompt; the record (title, metadata)
+        stays. False if the session is gone."""
         ...
 
     async def get_metadata(self, session: SessionState) -> Any: ...
 
-    async def set_metadata(self, tenant: str, session_id: str, metadata: Any) -> None:
-        """Creates the session if it does not exist yet (an agent may set state before a turn)."""
+    async def set_metadata(
+        self, tenant: str, session_id: str, metadata: dict[str, Any], expired_before: float | None = None
+    ) -> None:
+        """Replace the metadata; creates the session if it does not exist yet (an agent may set
+        state before a turn)."""
         ...
 
-    async def usage(self, tenant: str | None) -> UsageTotals: ...
+    async def merge_metadata(
+        self, tenant: str, session_id: str, changes: dict[str, Any], expired_before: float | None = None
+    ) -> dict[str, Any] | None:
+        """Merge top-level keys into the metadata (a key set to None is removed) and return the
+        result, read and written in one transaction under the session's row lock, so concurrent
+        merges of different keys all land; None if there is no such session."""
+        ...
+
+    async def usage(self, tenant: str | None) -> UsageTotals:
+        """What the tenant's current sessions spent."""
+        ...
+
+    async def deleted_usage(self, tenant: str | None) -> UsageTotals:
+        """What the tenant's deleted sessions had spent (`sessions`: how many were deleted)."""
+        ...
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
         """Every record of the session as plain JSON-able dicts, ids numbered within the export."""
@@ -273,7 +350,15 @@ class Store(Protocol):
         ...
 
     async def prune(self, older_than: float, tenant: str | None = None) -> int:
-        """Delete sessions idle since before `older_than`; returns how many."""
+        """Delete sessions idle since before `older_than` (of every tenant with None); returns how many."""
+        ...
+
+    async def tenant_rollups(self) -> dict[str, UsageTotals]:
+        """Every tenant's `deleted_usage`, for copying a whole store."""
+        ...
+
+    async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
+        """Add to what the tenant's deleted sessions had spent (a copy of another store's rollup)."""
         ...
 
     async def tenants_sessions(self) -> list[tuple[str, str]]: ...

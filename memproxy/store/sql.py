@@ -7,9 +7,11 @@ whole in one trip to SQLite's writer thread (`record_turn`, the write every turn
 for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
 
 Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
-SQLite the whole write transaction is exclusive): recording a turn, saving a summary. A turn planned
-against a history that has since moved is appended after the new head if it only continued that
-history, and refused with `Conflict` otherwise (an edit or regenerate whose fork point may be gone).
+SQLite the whole write transaction is exclusive): recording a turn, saving a summary, merging
+metadata, clearing. A turn planned against a history that has since moved is appended after the new
+head if it only continued that history, and refused with `Conflict` otherwise (an edit or regenerate
+whose fork point may be gone). Every deletion of sessions goes through `_forget`, which first adds
+what they spent to their tenant's rollup.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from ..errors import Conflict
 from ..messages import chain_hash
 from .base import (
     MessageRecord,
+    SentContext,
     SessionInfo,
     SessionState,
     StoredMessage,
     Summary,
     SummaryCall,
     Totals,
+    TurnInfo,
     TurnRecord,
     UsageTotals,
 )
@@ -39,7 +43,6 @@ Row = Sequence[Any]
 T = TypeVar("T")
 Step = tuple[str, Sequence[Any]]
 Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
-_HASH_CHUNK = 500
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
@@ -78,8 +81,25 @@ _SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_c
                     " history_mode, title, metadata")
 # Turns of chat, not summariser calls (`turns` rows of kind `summary`), in a LEFT JOIN on turns `t`.
 _CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind <> 'summary' THEN 1 ELSE 0 END), 0)"
+# What a chat turn's request was made of (`SentContext`), in the order of its fields.
+_SENT_COLUMNS = "summary_version, first_sent, included, omitted, unsummarised_omitted, marker, trimmed, deduplicated"
 _TURN_COLUMNS = ("created_at, model, kind, context_tokens, prompt_tokens, completion_tokens, latency_ms,"
-                 " cost, full_tokens")
+                 f" cost, full_tokens, {_SENT_COLUMNS}")
+# A tenant's usage summed over turns `t` of sessions `s` (LEFT JOIN), in the order of `tenant_usage`.
+_USAGE_SUMS = (f"count(DISTINCT s.pk), {_CHAT_TURNS},"
+               " coalesce(sum(CASE WHEN t.kind = 'summary' THEN 1 ELSE 0 END), 0),"
+               " coalesce(sum(t.prompt_tokens), 0), coalesce(sum(t.completion_tokens), 0), sum(t.cost),"
+               " coalesce(sum(t.context_tokens), 0), coalesce(sum(coalesce(t.full_tokens, t.context_tokens)), 0)")
+_USAGE_COLUMNS = "sessions, turns, summary_calls, prompt_tokens, completion_tokens, cost, context_tokens, full_tokens"
+_ROLLUP_SUMS = ", ".join("sum(cost)" if c == "cost" else f"coalesce(sum({c}), 0)" for c in _USAGE_COLUMNS.split(", "))
+# Adds an inserted `tenant_usage` row to the tenant's existing one; a cost stays unknown (null)
+# only while neither part knows one.
+_ADD_TO_ROLLUP = ("ON CONFLICT (tenant) DO UPDATE SET "
+                  + ", ".join(f"{c} = tenant_usage.{c} + excluded.{c}" for c in _USAGE_COLUMNS.split(", ")
+                              if c != "cost")
+                  + ", cost = CASE WHEN tenant_usage.cost IS NULL AND excluded.cost IS NULL THEN NULL"
+                  " ELSE coalesce(tenant_usage.cost, 0) + coalesce(excluded.cost, 0) END")
+_CHUNK = 500  # ids per statement, well under every placeholder limit
 _MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, chain_hash, created_at,"
                     " compact_body, compact_tokens, compact_cum_before")
 _SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
@@ -160,8 +180,8 @@ class SQLStore:
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
         best = -1
-        for i in range(0, len(hashes), _HASH_CHUNK):
-            chunk = list(hashes[i : i + _HASH_CHUNK])
+        for i in range(0, len(hashes), _CHUNK):
+            chunk = list(hashes[i : i + _CHUNK])
             sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
             row = await self._one(sql, (session.pk, *chunk))
             if row is not None and row[0] is not None:
@@ -212,43 +232,73 @@ class SQLStore:
             f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,))
         return [_summary(row) for row in rows]
 
+    def _locked(self, tenant: str, session_id: str, expired_before: float | None = None) -> Script[Row | None]:
+        """The session's row (pk, length, head_hash, head_cum, head_compact_cum), locked for the
+        rest of the write. One last active before `expired_before` is started afresh first, as a
+        turn would start it: deleted (`_forget`) and created anew, empty, so nothing of its past
+        comes back."""
+        rows = yield ("SELECT pk, length, head_hash, head_cum, head_compact_cum, updated_at FROM sessions"
+                      " WHERE tenant = ? AND session_id = ?" + self._db.row_lock, (tenant, session_id))
+        if not rows:
+            return None
+        if expired_before is not None and rows[0][5] < expired_before:
+            yield from self._forget("pk = ?", (rows[0][0],))
+            return (yield from self._new_session(tenant, session_id))
+        return rows[0][:5]
+
     async def _lock_session(self, tx: Transaction, tenant: str, session_id: str) -> Row | None:
-        rows = await tx.fetch(
-            "SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
-            + self._db.row_lock, (tenant, session_id))
-        return rows[0] if rows else None
+        return await run_script_async(self._locked(tenant, session_id), tx)
+
+    def _forget(self, where: str, params: Sequence[Any]) -> Script[int]:
+        """Delete the sessions `where` selects, first adding what they spent to their tenants'
+        rollup (`tenant_usage`); returns how many. The rows are locked before they are summed, so
+        two deletions racing on one session count it once."""
+        rows = yield f"SELECT pk FROM sessions WHERE {where} ORDER BY pk" + self._db.row_lock, params
+        pks = [row[0] for row in rows]
+        for i in range(0, len(pks), _CHUNK):
+            chunk = pks[i : i + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            yield (f"INSERT INTO tenant_usage (tenant, {_USAGE_COLUMNS}) SELECT s.tenant, {_USAGE_SUMS}"
+                   f" FROM sessions s LEFT JOIN turns t ON t.session_pk = s.pk WHERE s.pk IN ({marks})"
+                   f" GROUP BY s.tenant {_ADD_TO_ROLLUP}", chunk)
+            yield f"DELETE FROM sessions WHERE pk IN ({marks})", chunk
+        return len(pks)
+
+    def _new_session(self, tenant: str, session_id: str) -> Script[Row]:
+        """A session record with nothing in it yet, locked like `_locked`'s row. If another writer
+        creates it meanwhile (PostgreSQL waits for theirs to commit), theirs is the one."""
+        now = time.time()
+        created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
+                         " ON CONFLICT (tenant, session_id) DO NOTHING"
+                         " RETURNING pk, length, head_hash, head_cum, head_compact_cum",
+                         (tenant, session_id, now, now))
+        row = created[0] if created else (yield from self._locked(tenant, session_id))
+        if row is None:
+            raise Conflict("the session was deleted while it was being written; retry")
+        return row
 
     async def record_turn(self, turn: TurnRecord) -> None:
         await self._db.write(self._record_turn(turn, time.time()))
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        lock = ("SELECT pk, length, head_hash, head_cum, head_compact_cum FROM sessions"
-                " WHERE tenant = ? AND session_id = ?" + self._db.row_lock, (turn.tenant, turn.session_id))
-        rows = yield lock
-        if rows and turn.replaces_expired:
-            yield "DELETE FROM sessions WHERE pk = ?", (rows[0][0],)
-            rows = []
-        if not rows:
+        row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
+        if row is None:
             if turn.expected_length != 0:
                 raise Conflict("the session was deleted while this turn was in flight")
-            created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
-                             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
-                             (turn.tenant, turn.session_id, now, now))
             # Empty, as this turn expects; or another replica created it meanwhile: continue theirs.
-            rows = [(created[0][0], 0, "", 0, 0)] if created else (yield lock)
-        pk = int(rows[0][0])
-        if (rows[0][1], rows[0][2]) != (turn.expected_length, turn.expected_head_hash):
-            turn = yield from self._rebased(turn, pk, rows[0])
+            row = yield from self._new_session(turn.tenant, turn.session_id)
+        pk = int(row[0])
+        if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+            turn = yield from self._rebased(turn, pk, row)
         if turn.base < turn.expected_length:
             yield QUERIES["supersede"], (pk, turn.base)
         parents = (yield QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
         parent_id = parents[0][0] if parents else None
         [(turn_id,)] = yield (
-            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
-            " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " RETURNING id",
+            f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)}) RETURNING id",
             (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
-             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens))
+             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens,
+             *_sent_values(turn.sent)))
         seq, head_hash = turn.base, turn.base_hash
         cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
         for message in turn.messages:
@@ -382,45 +432,101 @@ class SQLStore:
         return [MessageRecord(id=r[0], seq=r[1], active=bool(r[2]), parent_id=r[3], role=r[4],
                               body=json.loads(r[5]), tokens=r[6], created_at=r[7]) for r in rows]
 
-    async def delete_session(self, session: SessionState) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute("DELETE FROM sessions WHERE pk = ?", (session.pk,))
+    async def turns(self, session: SessionState) -> list[TurnInfo]:
+        rows = await self._db.fetch(
+            "SELECT t.kind, t.model, t.created_at, t.context_tokens, t.prompt_tokens, t.completion_tokens,"
+            f" t.cost, min(m.seq), count(m.id), {', '.join('t.' + c for c in _SENT_COLUMNS.split(', '))}"
+            " FROM turns t LEFT JOIN messages m ON m.turn_id = t.id WHERE t.session_pk = ?"
+            " GROUP BY t.id ORDER BY t.id",
+            (session.pk,))
+        return [TurnInfo(kind=r[0], model=r[1], created_at=r[2], context_tokens=r[3], prompt_tokens=r[4],
+                         completion_tokens=r[5], cost=r[6], stored_from=r[7], stored_messages=int(r[8]),
+                         sent=_sent(r[9:]))
+                for r in rows]
 
-    async def clear_session(self, session: SessionState) -> None:
-        async with self._db.transaction() as tx:
-            await self._lock_session(tx, session.tenant, session.session_id)
-            await tx.execute("UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (session.pk,))
-            await tx.execute(
-                "UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
-                " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?",
-                (time.time(), session.pk))
+    async def delete_session(self, session: SessionState) -> None:
+        await self._db.write(self._forget("pk = ?", (session.pk,)))
+
+    async def delete_tenant(self, tenant: str) -> int:
+        return await self._db.write(self._forget("tenant = ?", (tenant,)))
+
+    async def prune(self, older_than: float, tenant: str | None = None) -> int:
+        return await self._db.write(self._forget(
+            "updated_at < ? AND (CAST(? AS TEXT) IS NULL OR tenant = ?)", (older_than, tenant, tenant)))
+
+    async def clear_session(self, session: SessionState, expired_before: float | None = None) -> bool:
+        return await self._db.write(self._clear(session.tenant, session.session_id, expired_before))
+
+    def _clear(self, tenant: str, session_id: str, expired_before: float | None) -> Script[bool]:
+        row = yield from self._locked(tenant, session_id, expired_before)
+        if row is None:
+            return False
+        yield "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (row[0],)
+        yield ("UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
+               " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?", (time.time(), row[0]))
+        return True
 
     async def get_metadata(self, session: SessionState) -> Any:
         row = await self._one("SELECT metadata FROM sessions WHERE pk = ?", (session.pk,))
         return json.loads(row[0]) if row and row[0] else {}
 
-    async def set_metadata(self, tenant: str, session_id: str, metadata: Any) -> None:
-        now = time.time()
-        async with self._db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO sessions (tenant, session_id, created_at, updated_at, metadata)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id)"
-                " DO UPDATE SET metadata = excluded.metadata, updated_at = excluded.updated_at",
-                (tenant, session_id, now, now, _dumps(metadata)))
+    async def set_metadata(
+        self, tenant: str, session_id: str, metadata: dict[str, Any], expired_before: float | None = None
+    ) -> None:
+        await self._db.write(self._write_metadata(tenant, session_id, metadata, False, expired_before))
+
+    async def merge_metadata(
+        self, tenant: str, session_id: str, changes: dict[str, Any], expired_before: float | None = None
+    ) -> dict[str, Any] | None:
+        return await self._db.write(self._write_metadata(tenant, session_id, changes, True, expired_before))
+
+    def _write_metadata(
+        self, tenant: str, session_id: str, given: dict[str, Any], merge: bool, expired_before: float | None
+    ) -> Script[dict[str, Any] | None]:
+        """Replace (creating the session if needed) or merge, under the row lock: a merge reads the
+        metadata it merges into in the same transaction that writes the result."""
+        row = yield from self._locked(tenant, session_id, expired_before)
+        if row is None:
+            if merge:
+                return None
+            row = yield from self._new_session(tenant, session_id)
+        metadata = dict(given)
+        if merge:
+            [(stored,)] = yield "SELECT metadata FROM sessions WHERE pk = ?", (row[0],)
+            metadata = json.loads(stored) if stored else {}
+            for key, value in given.items():
+                if value is None:
+                    metadata.pop(key, None)
+                else:
+                    metadata[key] = value
+        yield "UPDATE sessions SET metadata = ?, updated_at = ? WHERE pk = ?", (_dumps(metadata), time.time(), row[0])
+        return metadata
 
     async def usage(self, tenant: str | None) -> UsageTotals:
-        row = await self._one(
-            f"SELECT count(DISTINCT s.pk), {_CHAT_TURNS}, coalesce(sum(t.prompt_tokens), 0),"
-            " coalesce(sum(t.completion_tokens), 0), sum(t.cost), coalesce(sum(t.context_tokens), 0),"
-            " coalesce(sum(coalesce(t.full_tokens, t.context_tokens)), 0),"
-            " coalesce(sum(CASE WHEN t.kind = 'summary' THEN 1 ELSE 0 END), 0)"
-            " FROM sessions s LEFT JOIN turns t ON t.session_pk = s.pk"
-            " WHERE (CAST(? AS TEXT) IS NULL OR s.tenant = ?)",
-            (tenant, tenant))
+        return await self._usage(
+            f"SELECT {_USAGE_SUMS} FROM sessions s LEFT JOIN turns t ON t.session_pk = s.pk"
+            " WHERE (CAST(? AS TEXT) IS NULL OR s.tenant = ?)", tenant)
+
+    async def deleted_usage(self, tenant: str | None) -> UsageTotals:
+        return await self._usage(
+            f"SELECT {_ROLLUP_SUMS} FROM tenant_usage WHERE (CAST(? AS TEXT) IS NULL OR tenant = ?)", tenant)
+
+    async def _usage(self, sql: str, tenant: str | None) -> UsageTotals:
+        row = await self._one(sql, (tenant, tenant))
         assert row is not None
-        return UsageTotals(sessions=int(row[0]), turns=int(row[1]), prompt_tokens=int(row[2]),
-                           completion_tokens=int(row[3]), cost=None if row[4] is None else float(row[4]),
-                           context_tokens=int(row[5]), full_tokens=int(row[6]), summary_calls=int(row[7]))
+        return _usage_totals(row)
+
+    async def tenant_rollups(self) -> dict[str, UsageTotals]:
+        rows = await self._db.fetch(f"SELECT tenant, {_USAGE_COLUMNS} FROM tenant_usage ORDER BY tenant")
+        return {row[0]: _usage_totals(row[1:]) for row in rows}
+
+    async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
+        async with self._db.transaction() as tx:
+            await tx.execute(
+                f"INSERT INTO tenant_usage (tenant, {_USAGE_COLUMNS}) VALUES (?, {_marks(_USAGE_COLUMNS)})"
+                f" {_ADD_TO_ROLLUP}",
+                (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
+                 usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
         head = await self._one(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))
@@ -472,12 +578,6 @@ class SQLStore:
                 await tx.execute(
                     f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
                     (pk, *_values(_SUMMARY_COLUMNS, record)))
-
-    async def prune(self, older_than: float, tenant: str | None = None) -> int:
-        async with self._db.transaction() as tx:
-            return await tx.execute(
-                "DELETE FROM sessions WHERE updated_at < ? AND (CAST(? AS TEXT) IS NULL OR tenant = ?)",
-                (older_than, tenant, tenant))
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
         async with self._db.transaction() as tx:
@@ -531,6 +631,30 @@ def _values(columns: str, record: dict[str, Any]) -> list[Any]:
 def _summary(row: Row) -> Summary:
     return Summary(version=row[0], text=row[1], covers=row[2], covers_hash=row[3], tokens=row[4],
                    replaced_tokens=row[5], model=row[6], created_at=row[7])
+
+
+def _usage_totals(row: Row) -> UsageTotals:
+    """`_USAGE_COLUMNS` (summed: PostgreSQL's sums may be decimals) as totals."""
+    return UsageTotals(sessions=int(row[0]), turns=int(row[1]), summary_calls=int(row[2]),
+                       prompt_tokens=int(row[3]), completion_tokens=int(row[4]),
+                       cost=None if row[5] is None else float(row[5]), context_tokens=int(row[6]),
+                       full_tokens=int(row[7]))
+
+
+def _sent_values(sent: SentContext | None) -> list[int | None]:
+    """A `SentContext` as `_SENT_COLUMNS` store it (nulls for a turn that is not a chat turn)."""
+    if sent is None:
+        return [None] * len(_SENT_COLUMNS.split(", "))
+    return [int(value) for value in dataclasses.astuple(sent)]
+
+
+def _sent(row: Row) -> SentContext | None:
+    """`_SENT_COLUMNS` as stored: null for turns that are not chat turns, or were recorded before
+    turns kept this."""
+    if row[0] is None:
+        return None
+    return SentContext(summary_version=row[0], first_sent=row[1], included=row[2], omitted=row[3],
+                       unsummarised_omitted=row[4], marker=bool(row[5]), trimmed=row[6], deduplicated=row[7])
 
 
 def _dumps(value: Any) -> str:
