@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import Config, ModelConfig
 from .context import Budget
-from .errors import BadRequest
+from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
 from .memory import PreparedTurn, prepare_turn, prompt_schemas
 from .messages import wire_form
@@ -215,6 +215,20 @@ async def _tokens_before(store: Store, turn: PreparedTurn) -> int:
     if turn.session is None or not turn.context.omitted:
         return 0
     return (await store.totals_at(turn.session, turn.context.first_sent)).full
+
+
+async def session_model(store: Store, config: Config, session: SessionState, name: Any) -> ModelConfig:
+    """The model a preview or a compaction is sized for: the one named, else the one the session
+    last chatted with, else the summariser's, else the first configured."""
+    if not name:
+        last = await store.last_model(session)
+        name = last if last and config.model(last) else config.memory.summarizer_model
+        name = name or (config.models[0].name if config.models else None)
+    model = config.model(name) if isinstance(name, str) else None
+    if model is None:
+        raise NotFound(f"The model '{name}' does not exist on this proxy.", code="model_not_found",
+                       param="model")
+    return model
 
 
 async def context(

@@ -17,7 +17,6 @@ from aiohttp import web
 
 from . import admin, exports
 from .bodies import json_object
-from .config import ModelConfig
 from .errors import BadRequest, NotFound, UpstreamError
 from .memory import expired_before, has_expired
 from .session_ids import is_session_id
@@ -72,17 +71,6 @@ def _no_session(session_id: str) -> NotFound:
 
 def _expired_before(request: web.Request) -> float | None:
     return expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
-
-
-def _model(request: web.Request, name: Any) -> ModelConfig:
-    """The model named, else the summariser's, else the first configured."""
-    config = request.app[CONFIG]
-    name = name or config.memory.summarizer_model or (config.models[0].name if config.models else None)
-    model = config.model(name) if isinstance(name, str) else None
-    if model is None:
-        raise NotFound(f"The model '{name}' does not exist on this proxy.", code="model_not_found",
-                       param="model")
-    return model
 
 
 async def list_sessions(request: web.Request) -> web.Response:
@@ -157,8 +145,9 @@ async def context(request: web.Request) -> web.Response:
         # Content in a query string lands in access logs and proxies' logs: it goes in a body.
         raise BadRequest("new messages go in the body of a POST, never in the URL", param="message")
     body = await json_object(request, optional=True) if request.method == "POST" else {}
-    model = _model(request, body.get("model") or request.query.get("model"))
     app = request.app
+    model = await admin.session_model(app[STORE], app[CONFIG], session,
+                                      body.get("model") or request.query.get("model"))
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
                                   tenant, session, body.get("messages") or [], body)
     return web.json_response(preview)
@@ -166,7 +155,8 @@ async def context(request: web.Request) -> web.Response:
 
 async def compact(request: web.Request) -> web.Response:
     tenant, session = await _session(request)
-    model = _model(request, (await json_object(request, optional=True)).get("model"))
+    model = await admin.session_model(request.app[STORE], request.app[CONFIG], session,
+                                      (await json_object(request, optional=True)).get("model"))
     result = await request.app[SUMMARIZER].fold(tenant, session.session_id, model)
     if result.outcome == "failed":
         raise UpstreamError(f"the summariser failed: {result.detail}", code="summarization_failed")

@@ -51,7 +51,7 @@ def add_parser(commands: Any) -> None:
     verb("show", "a session's messages, branches, summary, metadata and turns").add_argument("id")
     context = verb("context", "what the next request would send, part by part")
     context.add_argument("id")
-    context.add_argument("--model", help="the model the request names (default: the summariser's)")
+    context.add_argument("--model", help="the model the request names (default: the one the session last chatted with)")
     context.add_argument("--message", help="the new user message of that request")
     export = verb("export", "a session as JSON lines")
     export.add_argument("id")
@@ -189,10 +189,7 @@ def _text(message: dict[str, Any]) -> str:
 
 async def _context(args: argparse.Namespace, config: Config, store: Store) -> int:
     session = await _session(args, store, args.id)
-    name = args.model or config.memory.summarizer_model or (config.models[0].name if config.models else None)
-    model = config.model(name) if name else None
-    if model is None:
-        raise ProxyError(f"no model '{name}' in the config")
+    model = await admin.session_model(store, config, session, args.model)
     provider = Provider(config)
     summarizer = Summarizer(config, store, provider, BackgroundTasks())
     new = [{"role": "user", "content": args.message}] if args.message else []

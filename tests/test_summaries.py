@@ -980,7 +980,7 @@ async def test_compaction_folds_everything_but_the_tail_now(
     assert "outcome=applied " in summary_logs(caplog)[-1]
 
     # Nothing new to fold: nothing asked of the summariser, the summary in use is returned.
-    status, body = await compact(proxy, "s1")  # no body: the summariser model sizes the tail
+    status, body = await compact(proxy, "s1")  # no body: the session's own model sizes the tail
     assert status == 200
     assert body["outcome"] == "nothing" and body["messages_folded"] == 0
     assert body["summary"]["version"] == 1
@@ -989,6 +989,26 @@ async def test_compaction_folds_everything_but_the_tail_now(
     sent = await chat.say("next question")
     assert sent.summary == summary.text and sent.version == 1 and sent.summarized == summary.covers
     assert sent.history == chat.history[summary.covers : -2]
+
+
+async def test_compaction_and_preview_without_a_model_are_sized_for_the_sessions_own(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, chunk_threshold_tokens=1_000_000)
+    config = proxy.app[CONFIG]
+    assert config.memory.summarizer_model == "small"
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream, model="big", budget=100_000 - 1000 - 20)
+    for turn in range(6):  # three of these turns exceed the small model's verbatim tail, not big's
+        await chat.say(f"question {turn}: FACT-{turn} {words(400, turn)}")
+    assert request_tokens(COUNTER, chat.history[-6:], []) > config.memory.tail_token_limit(WINDOW)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {PROXY_KEY}"}) as http:
+        async with http.get(f"{proxy.url}/sessions/s1/context") as response:
+            assert response.status == 200
+            assert (await response.json())["model"] == "big"
+    status, body = await compact(proxy, "s1")
+    assert status == 200 and body["outcome"] == "applied"
+    assert body["messages_folded"] == len(chat.history) - 6  # big's tail: the newest 3 turns
 
 
 async def test_compaction_of_an_unknown_or_foreign_session_is_not_found(

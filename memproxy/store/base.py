@@ -292,6 +292,10 @@ class Store(Protocol):
 
     async def session_info(self, session: SessionState) -> SessionInfo: ...
 
+    async def last_model(self, session: SessionState) -> str | None:
+        """The model of the session's newest chat turn (summariser calls and forks aside)."""
+        ...
+
     async def all_messages(self, session: SessionState) -> list[MessageRecord]: ...
 
     async def turns(self, session: SessionState) -> list[TurnInfo]:

@@ -605,6 +605,11 @@ class SQLStore:
             await tx.execute(f"DELETE FROM messages WHERE id IN ({marks})", ids)
             return len(ids)
 
+    async def last_model(self, session: SessionState) -> str | None:
+        row = await self._one("SELECT model FROM turns WHERE session_pk = ? AND kind NOT IN ('summary', 'fork')"
+                              " ORDER BY id DESC LIMIT 1", (session.pk,))
+        return None if row is None else str(row[0])
+
     async def tenants_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id), for copying a whole store."""
         rows = await self._db.fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
