@@ -8,6 +8,7 @@ shares the test's event loop) or from a helper:
   accept, with `?` placeholders (they become `$1, $2, ...` on PostgreSQL); avoid `? IS NULL` on an
   untyped parameter (PostgreSQL cannot guess its type) and SQLite's PRAGMAs.
 - `table_rows(config, *tables)`: every row of each table, ordered by its first column, in one go.
+- `execute(config, sql, *params)`: one committed write, as another process could make.
 - `write_lock_held(config)`: hold the write lock another process could hold, so a proxy's write
   waits; `writes_waiting(config)` counts PostgreSQL sessions waiting on it.
 
@@ -70,6 +71,25 @@ async def connect(storage: StorageConfig) -> asyncpg.Connection:
 def rows(config: Config | StorageConfig, sql: str, *params: Any) -> list[Row]:
     """The rows `sql` returns, read from a new connection: what is committed, nothing else."""
     return table_query(config, [(sql, params)])[0]
+
+
+def execute(config: Config | StorageConfig, sql: str, *params: Any) -> None:
+    """Run one write and commit it, as another process would while a proxy runs."""
+    storage = storage_of(config)
+    if not storage.is_postgres:
+        with closing(sqlite3.connect(sqlite_path(storage.url), timeout=10)) as db:
+            db.execute(sql, params)
+            db.commit()
+        return
+
+    async def write() -> None:
+        conn = await connect(storage)
+        try:
+            await conn.execute(numbered(sql), *params)
+        finally:
+            await conn.close()
+
+    run_async(write)
 
 
 def table_rows(config: Config | StorageConfig, *tables: str) -> dict[str, list[Row]]:

@@ -11,12 +11,17 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
 from conftest import PROXY_KEY
+from db import run_async
+from memproxy.config import StorageConfig
+from stores import store_under_test
 
 START_TIMEOUT = 60.0
 # The memory settings most process tests want: summaries by the small model, every other default.
@@ -70,6 +75,24 @@ storage:
 
 def sqlite_storage(db: Path) -> str:
     return f'  url: "sqlite:///{db}"\n'
+
+
+def storage_section(storage: StorageConfig) -> str:
+    """The storage section of a config file for `storage` (SQLite, or PostgreSQL in its schema)."""
+    if not storage.is_postgres:
+        return f'  url: "{storage.url}"\n'
+    return f'  url: "{storage.url}"\n  schema: {storage.schema}\n  pool_max_size: {storage.pool_max_size}\n'
+
+
+@contextmanager
+def store_for_processes(kind: str, folder: Path) -> Iterator[StorageConfig]:
+    """An empty store of `kind` for memproxy processes to share: a SQLite file in `folder`, or a fresh
+    PostgreSQL schema (created by the first process to open it, dropped at the end)."""
+    under_test = run_async(lambda: store_under_test(kind, folder))
+    try:
+        yield under_test.storage
+    finally:
+        run_async(under_test.drop)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The `memproxy` command as a user runs it: `serve` as a real process driven by the synchronous
-`openai` client, memory across a restart, and config validation at start (`check-config`, `serve`)."""
+`openai` client, memory across a restart (on SQLite and on PostgreSQL), and config validation at
+start (`check-config`, `serve`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ import pytest
 import processes
 from conftest import PROXY_KEY
 from fake_upstream import FakeUpstream
-from processes import Served, clean_env, memproxy_command, serve_one, sqlite_storage
+from memproxy.config import StorageConfig
+from processes import Served, clean_env, memproxy_command, serve_one, storage_section, store_for_processes
 
-def write_config(path: Path, upstream_url: str, db: Path, extra: str = "") -> Path:
+
+def write_config(path: Path, upstream_url: str, storage: StorageConfig, extra: str = "") -> Path:
     """The upstream key comes from the environment, as a deployment would take it."""
-    return processes.write_config(path, upstream_url, sqlite_storage(db),
+    return processes.write_config(path, upstream_url, storage_section(storage),
                                   api_key="${MEMPROXY_TEST_UPSTREAM_KEY}", extra=extra)
+
+
+def sqlite_at(path: Path) -> StorageConfig:
+    return StorageConfig(url=f"sqlite:///{path}")
 
 
 def start_server(config: Path, log: Path) -> Served:
@@ -30,13 +37,16 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env=clean_env(**env))
 
 
-@pytest.fixture(scope="module")
-def server(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def server(
+    request: pytest.FixtureRequest, upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp("cli-server")
-    config = write_config(folder / "memproxy.yaml", upstream_server.url, folder / "memproxy.db")
-    running = start_server(config, folder / "stderr.log")
-    yield running
-    assert running.stop() == 0, running.log.read_text()
+    with store_for_processes(request.param, folder) as storage:
+        running = start_server(write_config(folder / "memproxy.yaml", upstream_server.url, storage),
+                               folder / "stderr.log")
+        yield running
+        assert running.stop() == 0, running.log.read_text()
 
 
 # --- the synchronous SDK against a real process ----------------------------------------------------
@@ -95,8 +105,17 @@ def test_sync_client_errors(server: Served, upstream: FakeUpstream) -> None:
 # --- restart ------------------------------------------------------------------------------------
 
 
-def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> None:
-    config = write_config(tmp_path / "memproxy.yaml", upstream.url, tmp_path / "data" / "memproxy.db")
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path, kind: str) -> None:
+    with store_for_processes(kind, tmp_path) as storage:
+        if kind == "sqlite":  # in a folder that does not exist yet
+            storage = sqlite_at(tmp_path / "data" / "memproxy.db")
+        restart(upstream, write_config(tmp_path / "memproxy.yaml", upstream.url, storage), tmp_path)
+    if kind == "sqlite":
+        assert (tmp_path / "data" / "memproxy.db").exists()
+
+
+def restart(upstream: FakeUpstream, config: Path, tmp_path: Path) -> None:
     first = start_server(config, tmp_path / "first.log")
     try:
         with first.client(session="durable") as client:
@@ -105,7 +124,6 @@ def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> No
                                          {"role": "user", "content": "my name is Ada"}])
     finally:
         assert first.stop() == 0, first.log.read_text()
-    assert (tmp_path / "data" / "memproxy.db").exists()
 
     second = start_server(config, tmp_path / "second.log")
     try:
@@ -127,7 +145,7 @@ def test_memory_survives_a_restart(upstream: FakeUpstream, tmp_path: Path) -> No
 
 
 def test_check_config_accepts_a_good_file(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "ok.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    config = write_config(tmp_path / "ok.yaml", "http://127.0.0.1:9/v1", sqlite_at(tmp_path / "x.db"))
     result = run_cli("check-config", "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k")
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout and "1 models" in result.stdout
@@ -155,7 +173,7 @@ def test_check_config_accepts_the_example(tmp_path: Path) -> None:
 def test_bad_config_is_reported_by_key(
     tmp_path: Path, extra: str, replace: tuple[str, str], message: str
 ) -> None:
-    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db", extra)
+    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", sqlite_at(tmp_path / "x.db"), extra)
     config.write_text(config.read_text().replace(*replace, 1))
     result = run_cli("check-config", "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k")
     assert result.returncode == 2
@@ -170,7 +188,7 @@ def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_serve_validates_the_config_before_starting(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    config = write_config(tmp_path / "bad.yaml", "http://127.0.0.1:9/v1", sqlite_at(tmp_path / "x.db"))
     config.write_text(config.read_text().replace("context_window: 2000", "context_window: -5"))
     result = run_cli("serve", "-c", str(config), "--port", "0", MEMPROXY_TEST_UPSTREAM_KEY="k")
     assert result.returncode == 2
@@ -181,7 +199,7 @@ def test_serve_validates_the_config_before_starting(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("in_config", [False, True], ids=["host-flag", "host-in-config"])
 def test_serve_refuses_a_public_address_without_keys(tmp_path: Path, in_config: bool) -> None:
-    config = write_config(tmp_path / "open.yaml", "http://127.0.0.1:9/v1", tmp_path / "x.db")
+    config = write_config(tmp_path / "open.yaml", "http://127.0.0.1:9/v1", sqlite_at(tmp_path / "x.db"))
     text = (config.read_text().replace(f'    - {{key: "{PROXY_KEY}", tenant: a}}\n', "")
             .replace("  keys:\n", "  keys: []\n"))
     config.write_text(text.replace("host: 127.0.0.1", "host: 0.0.0.0") if in_config else text)

@@ -25,12 +25,12 @@ from typing import Any
 import openai
 import pytest
 
-from db import rows, run_async, write_lock_held, writes_waiting
+from db import rows, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import StorageConfig
 from memproxy.store.sqlite import migrations
-from stores import POSTGRES_URL, StoreUnderTest, require_postgres, store_under_test
-from processes import Served, serve, write_config
+from processes import Served, serve, storage_section, store_for_processes, write_config
+from stores import POSTGRES_URL
 
 Message = dict[str, Any]
 
@@ -48,20 +48,6 @@ memory:
 """
 
 
-def postgres_storage(schema: str) -> str:
-    return f'  url: "{POSTGRES_URL}"\n  schema: {schema}\n  pool_max_size: 4\n'
-
-
-def new_schema(tmp_path: Path) -> StorageConfig:
-    """A fresh schema name (created by the first replica to start); skips without PostgreSQL."""
-    run_async(require_postgres)
-    return run_async(lambda: store_under_test("postgres", tmp_path)).storage
-
-
-def drop_schema(storage: StorageConfig) -> None:
-    run_async(StoreUnderTest("postgres", storage).drop)
-
-
 @dataclass
 class Cluster:
     a: Served
@@ -74,19 +60,18 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("replicas")
-    storage = new_schema(folder)
-    assert storage.schema is not None
-    assert rows(StorageConfig(url=POSTGRES_URL), "SELECT count(*) FROM pg_namespace WHERE nspname = ?",
-                storage.schema) == [(0,)]  # fresh: the replicas create the schema and migrate it together
-    config = write_config(folder / "memproxy.yaml", upstream_server.url, postgres_storage(storage.schema),
-                          memory=MEMORY)
-    replicas: list[Served] = []
-    try:
-        replicas = serve(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
-        yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage, config=config)
-    finally:
-        codes = {r.log.name: r.stop() for r in replicas}
-        drop_schema(storage)
+    with store_for_processes("postgres", folder) as storage:
+        assert storage.schema is not None
+        assert rows(StorageConfig(url=POSTGRES_URL), "SELECT count(*) FROM pg_namespace WHERE nspname = ?",
+                    storage.schema) == [(0,)]  # fresh: the replicas create the schema and migrate it together
+        config = write_config(folder / "memproxy.yaml", upstream_server.url, storage_section(storage),
+                              memory=MEMORY)
+        replicas: list[Served] = []
+        try:
+            replicas = serve(config, [folder / f"{name}.log" for name in ("a", "b", "victim")])
+            yield Cluster(a=replicas[0], b=replicas[1], victim=replicas[2], storage=storage, config=config)
+        finally:
+            codes = {r.log.name: r.stop() for r in replicas}
     assert codes["a.log"] == 0, replicas[0].log.read_text()
     assert codes["b.log"] == 0, replicas[1].log.read_text()
 

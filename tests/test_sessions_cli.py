@@ -1,21 +1,20 @@
 """`memproxy sessions ...` (issue 4) on the store of a running server.
 
-One `memproxy serve` process runs for the module (at log level DEBUG, so its log shows whatever
-could leak); the tests chat with it through the synchronous `openai` SDK, then run the CLI as a
-separate process on the same SQLite file while the server keeps running, and check the CLI's tables,
-its `--json` output, what the server sends upstream afterwards, and the file itself (read with the
-stdlib `sqlite3`). Every session id is unique to its test, as the store is shared.
+One `memproxy serve` process runs for the module on each store, a SQLite file and a PostgreSQL
+schema (at log level DEBUG, so its log shows whatever could leak); the tests chat with it through the
+synchronous `openai` SDK, then run the CLI as a separate process on the same store while the server
+keeps running, and check the CLI's tables, its `--json` output, what the server sends upstream
+afterwards, and the database itself (`tests/db.py`). Every session id is unique to its test, as the
+store is shared.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import subprocess
 import threading
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,11 @@ import httpx
 import openai
 import pytest
 
+import db
 from conftest import OTHER_KEY, PROXY_KEY
 from fake_upstream import FakeUpstream, Reply
-from processes import Served, clean_env, memproxy_command, serve_one, sqlite_storage, write_config
+from memproxy.config import StorageConfig
+from processes import Served, clean_env, memproxy_command, serve_one, storage_section, store_for_processes, write_config
 
 Message = dict[str, Any]
 ADMIN_KEY = "cli-admin-key-123"
@@ -48,7 +49,7 @@ def assistant(text: str) -> Message:
 class Setup:
     server: Served
     config: Path
-    db: Path
+    storage: StorageConfig
     printed: list[str]  # the server's standard output so far
 
     def server_output(self) -> str:
@@ -81,17 +82,10 @@ class Setup:
     def json(self, *args: str, tenant: str = "a") -> Any:
         return json.loads(self.sessions("--tenant", tenant, "--json", *args).stdout)
 
-    @contextmanager
-    def db_connection(self, write: bool = False) -> Iterator[sqlite3.Connection]:
-        uri = f"file:{self.db}" + ("" if write else "?mode=ro")
-        with closing(sqlite3.connect(uri, uri=True, timeout=10)) as db:
-            yield db
-            if write:
-                db.commit()
-
     def count(self, sql: str, *params: Any) -> int:
-        with self.db_connection() as db:
-            return int(db.execute(sql, params).fetchone()[0])
+        """The one number `sql` selects, read from the store by a connection of the test's own."""
+        [(value,)] = db.rows(self.storage, sql, *params)
+        return int(value)
 
 
 AUTH = f"""\
@@ -103,12 +97,18 @@ auth:
 """
 
 
-@pytest.fixture(scope="module")
-def setup(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def setup(
+    request: pytest.FixtureRequest, upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
     folder = tmp_path_factory.mktemp("sessions-cli")
-    db = folder / "memproxy.db"
-    config = write_config(folder / "memproxy.yaml", upstream_server.url, sqlite_storage(db), big_model=True,
-                          auth=AUTH)
+    with store_for_processes(request.param, folder) as storage:
+        yield from _serve(upstream_server, folder, storage)
+
+
+def _serve(upstream_server: FakeUpstream, folder: Path, storage: StorageConfig) -> Iterator[Setup]:
+    config = write_config(folder / "memproxy.yaml", upstream_server.url, storage_section(storage),
+                          big_model=True, auth=AUTH)
     server = serve_one(config, folder / "server.log", "--log-level", "DEBUG")
     # At DEBUG litellm prints to standard output: drain it, or the server blocks on a full pipe.
     stdout = server.process.stdout
@@ -117,7 +117,7 @@ def setup(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFactor
     drain = threading.Thread(target=lambda: printed.extend(stdout), name="drain-server-stdout", daemon=True)
     drain.start()
     try:
-        yield Setup(server, config, db, printed)
+        yield Setup(server, config, storage, printed)
     finally:
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(timeout=30)
@@ -262,7 +262,7 @@ def test_context_shows_what_the_model_is_sent_in_one_command(cli: Setup, upstrea
               if field.startswith("tokens=")]
     assert sum(tokens) == int(lines[0].split()[2])
     assert cli.sessions("--tenant", "a", "context", "ctx-1", "--model", "nope", ok=False).stderr == (
-        "memproxy: no model 'nope' in the config\n")
+        "memproxy: The model 'nope' does not exist on this proxy.\n")
 
 
 # --- export, import, rm, clear, fork --------------------------------------------------------------
@@ -360,9 +360,8 @@ def test_fork(cli: Setup, upstream: FakeUpstream) -> None:
 
 def age_sessions(cli: Setup, seconds: float, *session_ids: str) -> None:
     """Move sessions' last activity by `seconds` (into the past when positive), while the server runs."""
-    with cli.db_connection(write=True) as db:
-        db.execute(f"UPDATE sessions SET updated_at = updated_at - ? WHERE session_id IN "
-                   f"({','.join('?' * len(session_ids))})", (seconds, *session_ids))
+    db.execute(cli.storage, f"UPDATE sessions SET updated_at = updated_at - ? WHERE session_id IN "
+               f"({','.join('?' * len(session_ids))})", seconds, *session_ids)
 
 
 def test_prune_acts_on_one_tenant_unless_told_every_one(cli: Setup, upstream: FakeUpstream) -> None:
