@@ -574,7 +574,7 @@ async def test_context_of_a_session_without_a_new_message_and_for_another_model(
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     await chat(proxy, "s1", [user("hello")])
-    preview = await api.get("/sessions/s1/context")  # the summariser's model by default
+    preview = await api.get("/sessions/s1/context")  # the model the session chatted with by default
     assert preview["model"] == "small"
     assert preview["messages"] == [user("hello"), assistant("reply 1")]
     parts = {p["part"]: p for p in preview["parts"]}

@@ -607,6 +607,15 @@ async def test_concurrent_sessions_never_fold_twice_at_once(
         assert all(f"[{other}]" not in summariser_input(r) for r in requests for other in names if other != name)
 
 
+async def talk_until_a_fold_starts(chat: Conversation, config: Config) -> None:
+    """Turns until the session crosses its threshold and its background fold has reached the
+    summariser (where a gated summariser holds it)."""
+    while not chat.upstream.summary_requests():
+        await chat.say(f"question {len(chat.history)}: FACT-{len(chat.history)} {words(90)}")
+        if stored_tokens(config) > config.memory.chunk_threshold(WINDOW):
+            await until(lambda: bool(chat.upstream.summary_requests()), "the fold started")
+
+
 async def test_manual_compaction_waits_for_a_fold_in_flight_instead_of_racing_it(
     start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
@@ -616,10 +625,7 @@ async def test_manual_compaction_waits_for_a_fold_in_flight_instead_of_racing_it
     upstream.summarizer = gated(gate)
     chat = Conversation(proxy, upstream)
     try:
-        while not upstream.summary_requests():
-            await chat.say(f"question {len(chat.history)}: {words(90)}")
-            if stored_tokens(config) > config.memory.chunk_threshold(WINDOW):
-                await until(lambda: bool(upstream.summary_requests()), "the fold started")
+        await talk_until_a_fold_starts(chat, config)
         compaction = asyncio.create_task(compact(proxy, "s1"))
         done, _ = await asyncio.wait([compaction], timeout=0.2)  # it has to wait for the held fold
         assert not done
@@ -647,10 +653,7 @@ async def test_callers_waiting_for_a_fold_start_theirs_one_after_another(
     upstream.summarizer = gated(gate)
     chat = Conversation(proxy, upstream)
     try:
-        while not upstream.summary_requests():
-            await chat.say(f"question {len(chat.history)}: FACT-{len(chat.history)} {words(90)}")
-            if stored_tokens(config) > config.memory.chunk_threshold(WINDOW):
-                await until(lambda: bool(upstream.summary_requests()), "the fold started")
+        await talk_until_a_fold_starts(chat, config)
         for turn in range(4):  # the tail moves on while the fold is held: there is more to fold
             await chat.say(f"more {turn}: FACT-{50 + turn} {words(20, turn)}")
         # Two callers (an overflowing request, a manual compaction) wait for the fold in flight;
