@@ -25,6 +25,7 @@ from .errors import Conflict
 from .reconcile import Reconciled, reconcile
 from .store import NewMessage, SessionState, Store, Totals, TurnRecord, Usage
 from .summarize import Summarizer
+from .timing import lap
 from .tokens import REPLY_PRIMING, TokenCounter
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
@@ -82,6 +83,7 @@ async def prepare_turn(
     if not system and session is not None and session.system:
         system = session.system
     reconciled = await reconcile(store, session, conversation, history_mode)
+    lap("reconcile")
     hashes = chain_hashes(reconciled.base_hash, reconciled.new)
     new = [new_message(m, h, counter, memory) for m, h in zip(reconciled.new, hashes)]
     fixed = Fixed(

@@ -21,6 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Conflict
+from ..timing import charge_store
 from .base import (
     MessageRecord,
     SessionInfo,
@@ -136,12 +137,19 @@ class SQLStore:
     async def close(self) -> None:
         await self._db.close()
 
+    async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        started = time.perf_counter()
+        try:
+            return await self._db.fetch(sql, params)
+        finally:
+            charge_store(started)
+
     async def _one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._db.fetch(sql, params)
+        rows = await self._fetch(sql, params)
         return rows[0] if rows else None
 
     async def ping(self) -> None:
-        await self._db.fetch("SELECT 1")
+        await self._fetch("SELECT 1")
 
     # --- serving a turn ------------------------------------------------------------------------
 
@@ -178,7 +186,7 @@ class SQLStore:
         return before if row is None else int(row[0])
 
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
-        rows = await self._db.fetch(QUERIES["user_positions"], (session.pk, before, limit))
+        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit))
         return [int(row[0]) for row in rows]
 
     async def first_fitting_unit_start(
@@ -191,7 +199,7 @@ class SQLStore:
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
         if start >= stop:
             return []
-        rows = await self._db.fetch(QUERIES["active_range"], (session.pk, start, stop))
+        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop))
         return [
             StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
                           unit_start=bool(r[4]), chain_hash=r[5],
@@ -205,7 +213,7 @@ class SQLStore:
         return None if row is None else _summary(row)
 
     async def summary_history(self, session: SessionState) -> list[Summary]:
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,))
         return [_summary(row) for row in rows]
 
@@ -216,7 +224,11 @@ class SQLStore:
         return rows[0] if rows else None
 
     async def record_turn(self, turn: TurnRecord) -> None:
-        await self._db.write(self._record_turn(turn, time.time()))
+        started = time.perf_counter()
+        try:
+            await self._db.write(self._record_turn(turn, time.time()))
+        finally:
+            charge_store(started)
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
         rows = yield ("SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
@@ -334,7 +346,7 @@ class SQLStore:
 
     async def _infos(self, where: str, params: list[Any], limit: int) -> list[tuple[SessionInfo, int]]:
         columns = "pk, tenant, session_id, title, created_at, updated_at, length, head_cum"
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             f"WITH page AS (SELECT {columns} FROM sessions WHERE {where}"
             " ORDER BY updated_at DESC, pk DESC LIMIT ?)"
             f" SELECT page.*, {_CHAT_TURNS}, coalesce(sum(t.prompt_tokens), 0),"
@@ -355,7 +367,7 @@ class SQLStore:
         ]
 
     async def all_messages(self, session: SessionState) -> list[MessageRecord]:
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             "SELECT id, seq, active, parent_id, role, body, tokens, created_at FROM messages"
             " WHERE session_pk = ? ORDER BY id", (session.pk,))
         return [MessageRecord(id=r[0], seq=r[1], active=bool(r[2]), parent_id=r[3], role=r[4],
@@ -407,19 +419,19 @@ class SQLStore:
         records: list[dict[str, Any]] = [{"type": "session", "format": 1, "session_id": session.session_id,
                                           **_record(_SESSION_COLUMNS, head)}]
         turn_ids: dict[int, int] = {}
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT id, {_TURN_COLUMNS} FROM turns WHERE session_pk = ? ORDER BY id", (session.pk,)):
             turn_ids[row[0]] = len(turn_ids) + 1
             records.append({"type": "turn", "id": turn_ids[row[0]], **_record(_TURN_COLUMNS, row[1:])})
         message_ids: dict[int, int] = {}
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT id, turn_id, parent_id, {_MESSAGE_COLUMNS} FROM messages WHERE session_pk = ?"
                 " ORDER BY id", (session.pk,)):
             message_ids[row[0]] = len(message_ids) + 1
             records.append({"type": "message", "id": message_ids[row[0]], "turn": turn_ids[row[1]],
                             "parent": message_ids.get(row[2]) if row[2] is not None else None,
                             **_record(_MESSAGE_COLUMNS, row[3:])})
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,)):
             records.append({"type": "summary", **_record(_SUMMARY_COLUMNS, row)})
         return records
@@ -488,13 +500,13 @@ class SQLStore:
         """Rows per table: what a copy between stores must reproduce."""
         counts = {}
         for table in ("sessions", "turns", "messages", "summaries"):
-            [(count,)] = await self._db.fetch(f"SELECT count(*) FROM {table}")
+            [(count,)] = await self._fetch(f"SELECT count(*) FROM {table}")
             counts[table] = int(count)
         return counts
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id), for copying a whole store."""
-        rows = await self._db.fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
+        rows = await self._fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
         return [(r[0], r[1]) for r in rows]
 
 
