@@ -112,6 +112,20 @@ async def test_recorded_turn_is_committed_and_visible_to_another_store(open_stor
     assert [(m.seq, m.tokens, m.cum_before) for m in stored] == [(0, 10, 0), (1, 10, 10)]
 
 
+async def test_reads_see_only_committed_data_and_do_not_wait_for_a_writer(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    """A write transaction left open (another process recording a turn) hides what it wrote, and
+    holds no read up: SQLite answers a turn's reads on the event loop, which must never wait."""
+    store = await open_store()
+    async with backend.uncommitted("INSERT INTO sessions (tenant, session_id, created_at, updated_at)"
+                                   " VALUES ('t', 's', 0, 0)"):
+        assert await asyncio.wait_for(store.get_session("t", "s"), 2) is None
+        assert (await asyncio.wait_for(store.usage("t"), 2)).sessions == 0
+    session = await store.get_session("t", "s")
+    assert session is not None and session.length == 0
+
+
 async def test_sessions_are_scoped_by_tenant(open_store: Opener) -> None:
     store = await open_store()
     await store.record_turn(turn(None, [user("a"), assistant("x")], tenant="a"))

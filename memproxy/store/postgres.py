@@ -53,6 +53,8 @@ class PostgresBackend:
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
 
+    lookup = fetch  # a round trip to the server either way
+
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[_Transaction]:
         async with self._pool.acquire() as conn:

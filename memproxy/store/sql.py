@@ -39,6 +39,7 @@ T = TypeVar("T")
 Step = tuple[str, Sequence[Any]]
 Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
 _HASH_CHUNK = 500
+_LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) is no lookup
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
@@ -99,6 +100,11 @@ class Backend(Protocol):
         """A read outside any transaction: it sees committed data only."""
         ...
 
+    async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
+        by the request rather than the history, so a backend may answer it on the event loop."""
+        ...
+
     def transaction(self) -> AbstractAsyncContextManager[Transaction]: ...
 
     async def write(self, script: Script[T]) -> T:
@@ -137,15 +143,16 @@ class SQLStore:
     async def close(self) -> None:
         await self._db.close()
 
-    async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def _fetch(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> list[Row]:
+        """`lookup`: one of the `QUERIES` that serve a turn (`Backend.lookup`)."""
         started = time.perf_counter()
         try:
-            return await self._db.fetch(sql, params)
+            return await (self._db.lookup if lookup else self._db.fetch)(sql, params)
         finally:
             charge_store(started)
 
-    async def _one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._fetch(sql, params)
+    async def _one(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> Row | None:
+        rows = await self._fetch(sql, params, lookup)
         return rows[0] if rows else None
 
     async def ping(self) -> None:
@@ -154,7 +161,7 @@ class SQLStore:
     # --- serving a turn ------------------------------------------------------------------------
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
-        row = await self._one(QUERIES["get_session"], (tenant, session_id))
+        row = await self._one(QUERIES["get_session"], (tenant, session_id), lookup=True)
         if row is None:
             return None
         return SessionState(
@@ -168,7 +175,7 @@ class SQLStore:
         for i in range(0, len(hashes), _HASH_CHUNK):
             chunk = list(hashes[i : i + _HASH_CHUNK])
             sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
-            row = await self._one(sql, (session.pk, *chunk))
+            row = await self._one(sql, (session.pk, *chunk), lookup=True)
             if row is not None and row[0] is not None:
                 best = max(best, int(row[0]))
         return best + 1
@@ -176,30 +183,31 @@ class SQLStore:
     async def totals_at(self, session: SessionState, seq: int) -> Totals:
         if seq >= session.length:
             return Totals(session.head_cum, session.head_compact_cum)
-        row = await self._one(QUERIES["totals_at"], (session.pk, seq))
+        row = await self._one(QUERIES["totals_at"], (session.pk, seq), lookup=True)
         if row is None:
             raise LookupError(f"no active message at position {seq}")
         return Totals(int(row[0]), int(row[1]))
 
     async def last_unit_start(self, session: SessionState, before: int) -> int:
-        row = await self._one(QUERIES["last_unit_start"], (session.pk, before))
+        row = await self._one(QUERIES["last_unit_start"], (session.pk, before), lookup=True)
         return before if row is None else int(row[0])
 
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
-        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit))
+        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit), lookup=True)
         return [int(row[0]) for row in rows]
 
     async def first_fitting_unit_start(
         self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
     ) -> int | None:
         query = QUERIES["first_fitting_compact_unit_start" if compact else "first_fitting_unit_start"]
-        row = await self._one(query, (session.pk, min_cum_before, floor))
+        row = await self._one(query, (session.pk, min_cum_before, floor), lookup=True)
         return None if row is None else int(row[0])
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
         if start >= stop:
             return []
-        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop))
+        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop),
+                                 lookup=stop - start <= _LOOKUP_ROWS)
         return [
             StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
                           unit_start=bool(r[4]), chain_hash=r[5],
@@ -209,7 +217,7 @@ class SQLStore:
         ]
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
-        row = await self._one(QUERIES["current_summary"], (session.pk, upto))
+        row = await self._one(QUERIES["current_summary"], (session.pk, upto), lookup=True)
         return None if row is None else _summary(row)
 
     async def summary_history(self, session: SessionState) -> list[Summary]:
