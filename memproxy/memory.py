@@ -24,7 +24,7 @@ from .messages import Message, assistant_message, chain_hash, chain_hashes, spli
 from .errors import Conflict
 from .reconcile import Reconciled, reconcile
 from .store import NewMessage, SessionState, Store, Totals, TurnRecord, Usage
-from .summarize import Summarizer
+from .summarize import FoldResult, Summarizer
 from .timing import lap
 from .tokens import REPLY_PRIMING, TokenCounter
 
@@ -93,11 +93,11 @@ async def prepare_turn(
         + counter.tools(schemas) + REPLY_PRIMING,
     )
 
-    async def build() -> Context:
+    async def build(session: SessionState | None) -> Context:
         return await build_context(store, session, reconciled.base, fixed, budget, model.name, counter,
                                    memory, use_marker=memory.overflow != "drop")
 
-    context = await build()
+    context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
@@ -106,7 +106,7 @@ async def prepare_turn(
 
 async def _fold_left_out(
     summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
-    memory: MemoryConfig, context: Context, build: Callable[[], Awaitable[Context]],
+    memory: MemoryConfig, context: Context, build: Callable[[SessionState], Awaitable[Context]],
 ) -> Context:
     """The overflow policy `summarize`: fold what was left out, and everything older than the
     verbatim tail, then plan again. The room the new summary takes can push more turns out, so
@@ -121,11 +121,14 @@ async def _fold_left_out(
         upto = min(max(context.first_sent, tail), context.mandatory_start)
         fold = summarizer.fold(session.tenant, session.session_id, model, upto=upto)
         try:
-            outcome = (await asyncio.wait_for(fold, max(deadline - loop.time(), 0))).outcome
+            result: FoldResult | None = await asyncio.wait_for(fold, max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
-            outcome = "timeout"
-        context = await build()
-        if outcome != "applied":
+            result = None
+        if result is not None and result.summary is not None:
+            # The session was read before this summary was saved; planning again must look for it.
+            session = dataclasses.replace(session, summary_version=result.summary.version)
+        context = await build(session)
+        if result is None or result.outcome != "applied":
             break
     return context
 

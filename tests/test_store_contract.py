@@ -278,9 +278,11 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     session = await store.get_session("t", "s")
     assert session is not None
     hashes = chain_hashes(ROOT_HASH, history)
-    assert await store.current_summary(session, 6) is None
+    assert await store.current_summary(session, 6) is None and session.summary_version == 0
     await store.save_summary(session, 0, summary(2, hashes[1], "first"))
     await store.save_summary(session, 1, summary(4, hashes[3], "second"))
+    summarised = await other.get_session("t", "s")
+    assert summarised is not None and summarised.summary_version == 2  # the session says it has some
     current = await other.current_summary(session, 6)
     assert current is not None and (current.version, current.text, current.covers) == (2, "second", 4)
     # A summary covering more than the messages kept is not used for them: the older one is.
@@ -321,6 +323,32 @@ def test_the_oldest_schema_migrates_with_its_data(tmp_path: Path) -> None:
             [message] = await store.active_range(session, 0, 1)
             assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
             assert await store.current_summary(session, 1) is None
+        finally:
+            await store.close()
+
+    asyncio.run(check())
+
+
+def test_sessions_summarised_before_0005_know_their_summary_version(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    before = [(migration_id, sql) for migration_id, sql in migrations() if migration_id < "0005"]
+    with closing(sqlite3.connect(path)) as db:
+        for _, sql in before:
+            db.executescript(sql)
+        db.execute("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+        db.executemany("INSERT INTO schema_migrations VALUES (?, 0)", [(m,) for m, _ in before])
+        db.execute("INSERT INTO sessions (pk, tenant, session_id, created_at, updated_at)"
+                   " VALUES (1, 't', 'summarised', 0, 0), (2, 't', 'not', 0, 0)")
+        db.executemany("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
+                       " replaced_tokens, model, created_at) VALUES (1, ?, 'x', 1, 'h', 1, 2, 'm', 0)",
+                       [(1,), (2,)])
+        db.commit()
+
+    async def check() -> None:
+        store = await SQLiteStore.open(f"sqlite:///{path}")
+        try:
+            sessions = [await store.get_session("t", name) for name in ("summarised", "not")]
+            assert [s.summary_version if s else None for s in sessions] == [2, 0]
         finally:
             await store.close()
 

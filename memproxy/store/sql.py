@@ -46,7 +46,7 @@ _LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) 
 # length of a session's history.
 QUERIES = {
     "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
-    " system_prompt, history_mode, created_at, updated_at FROM sessions"
+    " system_prompt, history_mode, created_at, updated_at, summary_version FROM sessions"
     " WHERE tenant = ? AND session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
     " AND chain_hash IN ({marks})",
@@ -167,7 +167,7 @@ class SQLStore:
         return SessionState(
             pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
             head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
-            history_mode=row[8], created_at=row[9], updated_at=row[10],
+            history_mode=row[8], created_at=row[9], updated_at=row[10], summary_version=row[11],
         )
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
@@ -315,6 +315,8 @@ class SQLStore:
                 " replaced_tokens, model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
                  summary.tokens, summary.replaced_tokens, summary.model, time.time()))
+            await tx.execute("UPDATE sessions SET summary_version = ? WHERE pk = ?",
+                             (expected_version + 1, session.pk))
 
     async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
         now = time.time()
@@ -471,6 +473,8 @@ class SQLStore:
                 await tx.execute(
                     f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
                     (pk, *_values(_SUMMARY_COLUMNS, record)))
+            await tx.execute("UPDATE sessions SET summary_version = (SELECT coalesce(max(version), 0)"
+                             " FROM summaries WHERE session_pk = ?) WHERE pk = ?", (pk, pk))
 
     async def prune(self, older_than: float, tenant: str | None = None) -> int:
         async with self._db.transaction() as tx:
