@@ -239,55 +239,55 @@ class SQLStore:
             charge_store(started)
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        rows = yield ("SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
-                      + self._db.row_lock, (turn.tenant, turn.session_id))
-        row = rows[0] if rows else None
-        if row is not None and turn.replaces_expired:
-            yield "DELETE FROM sessions WHERE pk = ?", (row[0],)
-            row = None
-        if row is None:
-            if turn.expected_length != 0:
-                raise Conflict("the session was deleted while this turn was in flight")
-            created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
-                             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
-                             (turn.tenant, turn.session_id, now, now))
-            if not created:  # another replica created it meanwhile
-                raise Conflict("the session changed while this turn was in flight; retry it")
-            pk = int(created[0][0])
-        else:
-            pk = int(row[0])
-            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
-                raise Conflict("the session changed while this turn was in flight; retry it")
+        """A turn in as few statements as it takes (each is a round trip on PostgreSQL): the session
+        row checked and moved to the new head in one, then the turn, then its messages."""
+        placed, head = _placement(turn)
+        pk = yield from self._move_head(turn, head, now)
         if turn.base < turn.expected_length:
             yield QUERIES["supersede"], (pk, turn.base)
-        parents = (yield QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
-        parent_id = parents[0][0] if parents else None
         [(turn_id,)] = yield (
             "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
             " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " RETURNING id",
             (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
              turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens))
-        seq, head_hash = turn.base, turn.base_hash
-        cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
-        for message in turn.messages:
-            compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        parent_id = None  # the first message's parent, the message before `base`, is looked up in its insert
+        for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placed):
             [(parent_id,)] = yield (
                 "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
                 " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
-                " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
-                 message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                f" compact_cum_before) VALUES (?, ?, coalesce(?, ({QUERIES['message_id']})),"
+                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (pk, turn_id, parent_id, pk, turn.base - 1, seq, message.body.get("role"),
+                 _dumps(message.body), message.tokens, cum, int(message.unit_start), message.chain_hash, now,
                  None if message.compact_body is None else _dumps(message.compact_body),
                  compact_tokens, compact_cum))
-            seq, head_hash = seq + 1, message.chain_hash
-            cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
-        yield (
+
+    def _move_head(self, turn: TurnRecord, head: tuple[int, str, int, int], now: float) -> Script[int]:
+        """The session's key, its row moved to `head` (length, hash, running totals) by the statement
+        that checks it is still where the turn was planned (and locks it, on PostgreSQL); a new
+        session is inserted with its head. `Conflict` if the session moved meanwhile."""
+        system = _dumps(turn.system) if turn.system else None
+        if turn.replaces_expired:
+            yield "DELETE FROM sessions WHERE tenant = ? AND session_id = ?", (turn.tenant, turn.session_id)
+        if turn.expected_length == 0:
+            created = yield (
+                "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
+                " head_compact_cum, system_prompt, history_mode, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+                (turn.tenant, turn.session_id, now, now, *head, system, turn.history_mode, turn.title))
+            if created:
+                return int(created[0][0])
+        moved = yield (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-            " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
-            (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
-             turn.history_mode, turn.title, pk))
+            " history_mode = coalesce(?, history_mode), title = coalesce(title, ?)"
+            " WHERE tenant = ? AND session_id = ? AND length = ? AND head_hash = ? RETURNING pk",
+            (*head, now, system, turn.history_mode, turn.title, turn.tenant, turn.session_id,
+             turn.expected_length, turn.expected_head_hash))
+        if not moved:  # another turn was recorded, or the session deleted, since this one was planned
+            raise Conflict("the session changed while this turn was in flight; retry it")
+        return int(moved[0][0])
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
         async with self._db.transaction() as tx:
@@ -520,6 +520,20 @@ class SQLStore:
         """Every (tenant, session id), for copying a whole store."""
         rows = await self._fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
         return [(r[0], r[1]) for r in rows]
+
+
+def _placement(turn: TurnRecord) -> tuple[list[tuple[int, int, int, int]], tuple[int, str, int, int]]:
+    """Where each of the turn's messages goes (seq, running total before it, its compact tokens and
+    compact running total), and the session's head after them (length, hash, running totals)."""
+    seq, head_hash = turn.base, turn.base_hash
+    cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
+    placed = []
+    for message in turn.messages:
+        compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        placed.append((seq, cum, compact_tokens, compact_cum))
+        seq, head_hash = seq + 1, message.chain_hash
+        cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
+    return placed, (seq, head_hash, cum, compact_cum)
 
 
 def _marks(columns: str) -> str:
