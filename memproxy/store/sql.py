@@ -1,10 +1,12 @@
 """The Store, written once in the SQL that SQLite and PostgreSQL share.
 
-A `Backend` supplies four things: reads that see only committed data, write transactions, write
-scripts, and the dialect's row lock. A script is a write as a generator of statements, each `yield`
-answered with that statement's rows: the same code runs statement by statement on PostgreSQL and
-whole in one trip to SQLite's writer thread (`record_turn`, the write every turn makes). Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING`
-for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
+A `Backend` supplies reads that see only committed data, write scripts, and the dialect's row lock.
+Every write is a script: a generator of statements, each `yield` answered with that statement's
+rows, run in one transaction. The same code runs statement by statement on PostgreSQL and whole in
+one trip to SQLite's writer thread, so no write there holds the thread across trips to the event
+loop, and writes queue on the thread instead of on a lock. Statements use `?` placeholders (the
+PostgreSQL backend numbers them), `RETURNING` for new ids and for what a statement changed, and
+`CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
 
 Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
 SQLite the whole write transaction is exclusive): recording a turn, saving a summary. A turn planned
@@ -16,8 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Conflict
@@ -85,14 +86,6 @@ _SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens,
 _JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body"})
 
 
-class Transaction(Protocol):
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
-
-    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run a statement; returns the rows it affected."""
-        ...
-
-
 class Backend(Protocol):
     row_lock: str  # appended to a SELECT that must lock the rows it reads
 
@@ -104,8 +97,6 @@ class Backend(Protocol):
         """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
         by the request rather than the history, so a backend may answer it on the event loop."""
         ...
-
-    def transaction(self) -> AbstractAsyncContextManager[Transaction]: ...
 
     async def write(self, script: Script[T]) -> T:
         """Run a script in one write transaction, rolled back if it raises."""
@@ -125,12 +116,12 @@ def run_script(script: Script[T], fetch: Callable[[str, Sequence[Any]], list[Row
         return result
 
 
-async def run_script_async(script: Script[T], tx: Transaction) -> T:
-    """Drive a script statement by statement in a transaction."""
+async def run_script_async(script: Script[T], fetch: Callable[[str, Sequence[Any]], Awaitable[list[Row]]]) -> T:
+    """Drive a script statement by statement with an asynchronous `fetch` (in a transaction)."""
     try:
         step = next(script)
         while True:
-            step = script.send(await tx.fetch(*step))
+            step = script.send(await fetch(*step))
     except StopIteration as done:
         result: T = done.value
         return result
@@ -225,11 +216,15 @@ class SQLStore:
             f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,))
         return [_summary(row) for row in rows]
 
-    async def _lock_session(self, tx: Transaction, tenant: str, session_id: str) -> Row | None:
-        rows = await tx.fetch(
-            "SELECT pk, length, head_hash FROM sessions WHERE tenant = ? AND session_id = ?"
-            + self._db.row_lock, (tenant, session_id))
+    def _lock_session(self, session: SessionState) -> Script[Row | None]:
+        """(pk, length) of the session's row, locked for the rest of the script; None if it is gone."""
+        rows = yield ("SELECT pk, length FROM sessions WHERE tenant = ? AND session_id = ?" + self._db.row_lock,
+                      (session.tenant, session.session_id))
         return rows[0] if rows else None
+
+    async def _write_one(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """One statement in a write of its own; the rows it returns."""
+        return await self._db.write(_statement(sql, params))
 
     async def record_turn(self, turn: TurnRecord) -> None:
         started = time.perf_counter()
@@ -290,50 +285,45 @@ class SQLStore:
         return int(moved[0][0])
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
-                " completion_tokens, latency_ms, cost, full_tokens)"
-                " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
-                (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
-                 call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+        await self._write_one(
+            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+            " completion_tokens, latency_ms, cost, full_tokens)"
+            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
+            (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
+             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
-        async with self._db.transaction() as tx:
-            await self._lock_session(tx, session.tenant, session.session_id)
-            [(version,)] = await tx.fetch(
-                "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,))
-            if version != expected_version:
-                raise Conflict("another summary of this session was saved meanwhile")
-            covered = await tx.fetch(
-                "SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
-                (session.pk, summary.covers - 1, summary.covers_hash))
-            if not covered:
-                raise Conflict("the history this summary covers has changed since it was read")
-            await tx.execute(
-                "INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
-                " replaced_tokens, model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
-                 summary.tokens, summary.replaced_tokens, summary.model, time.time()))
-            await tx.execute("UPDATE sessions SET summary_version = ? WHERE pk = ?",
-                             (expected_version + 1, session.pk))
+        await self._db.write(self._save_summary(session, expected_version, summary, time.time()))
+
+    def _save_summary(self, session: SessionState, expected_version: int, summary: Summary,
+                      now: float) -> Script[None]:
+        yield from self._lock_session(session)
+        [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
+        if version != expected_version:
+            raise Conflict("another summary of this session was saved meanwhile")
+        covered = yield ("SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
+                         (session.pk, summary.covers - 1, summary.covers_hash))
+        if not covered:
+            raise Conflict("the history this summary covers has changed since it was read")
+        yield ("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens, replaced_tokens,"
+               " model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
+                summary.tokens, summary.replaced_tokens, summary.model, now))
+        yield "UPDATE sessions SET summary_version = ? WHERE pk = ?", (expected_version + 1, session.pk)
 
     async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
         now = time.time()
-        async with self._db.transaction() as tx:
-            taken = await tx.fetch(
-                "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
-                " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
-                " expires_at = excluded.expires_at"
-                " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
-                " RETURNING holder",
-                (session.pk, holder, now + seconds, now))
+        taken = await self._write_one(
+            "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
+            " expires_at = excluded.expires_at"
+            " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
+            " RETURNING holder",
+            (session.pk, holder, now + seconds, now))
         return bool(taken)
 
     async def release_summary_lease(self, session: SessionState, holder: str) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?",
-                             (session.pk, holder))
+        await self._write_one("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?", (session.pk, holder))
 
     # --- managing sessions ---------------------------------------------------------------------
 
@@ -384,17 +374,16 @@ class SQLStore:
                               body=json.loads(r[5]), tokens=r[6], created_at=r[7]) for r in rows]
 
     async def delete_session(self, session: SessionState) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute("DELETE FROM sessions WHERE pk = ?", (session.pk,))
+        await self._write_one("DELETE FROM sessions WHERE pk = ?", (session.pk,))
 
     async def clear_session(self, session: SessionState) -> None:
-        async with self._db.transaction() as tx:
-            await self._lock_session(tx, session.tenant, session.session_id)
-            await tx.execute("UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (session.pk,))
-            await tx.execute(
-                "UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
-                " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?",
-                (time.time(), session.pk))
+        await self._db.write(self._clear_session(session, time.time()))
+
+    def _clear_session(self, session: SessionState, now: float) -> Script[None]:
+        yield from self._lock_session(session)
+        yield "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (session.pk,)
+        yield ("UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
+               " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?", (now, session.pk))
 
     async def get_metadata(self, session: SessionState) -> Any:
         row = await self._one("SELECT metadata FROM sessions WHERE pk = ?", (session.pk,))
@@ -402,12 +391,11 @@ class SQLStore:
 
     async def set_metadata(self, tenant: str, session_id: str, metadata: Any) -> None:
         now = time.time()
-        async with self._db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO sessions (tenant, session_id, created_at, updated_at, metadata)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id)"
-                " DO UPDATE SET metadata = excluded.metadata, updated_at = excluded.updated_at",
-                (tenant, session_id, now, now, _dumps(metadata)))
+        await self._write_one(
+            "INSERT INTO sessions (tenant, session_id, created_at, updated_at, metadata)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id)"
+            " DO UPDATE SET metadata = excluded.metadata, updated_at = excluded.updated_at",
+            (tenant, session_id, now, now, _dumps(metadata)))
 
     async def usage(self, tenant: str | None) -> UsageTotals:
         row = await self._one(
@@ -447,66 +435,66 @@ class SQLStore:
         return records
 
     async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:
-        async with self._db.transaction() as tx:
-            [head] = [r for r in records if r["type"] == "session"]
-            created = await tx.fetch(
-                f"INSERT INTO sessions (tenant, session_id, {_SESSION_COLUMNS})"
-                f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
-                " RETURNING pk",
-                (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
-            if not created:
-                raise Conflict(f"a session '{session_id}' already exists")
-            pk = created[0][0]
-            turn_ids: dict[int, int] = {}
-            for record in (r for r in records if r["type"] == "turn"):
-                [(turn_ids[record["id"]],)] = await tx.fetch(
-                    f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)})"
-                    " RETURNING id", (pk, *_values(_TURN_COLUMNS, record)))
-            message_ids: dict[int, int] = {}
-            for record in (r for r in records if r["type"] == "message"):
-                parent = message_ids[record["parent"]] if record.get("parent") is not None else None
-                [(message_ids[record["id"]],)] = await tx.fetch(
-                    f"INSERT INTO messages (session_pk, turn_id, parent_id, {_MESSAGE_COLUMNS})"
-                    f" VALUES (?, ?, ?, {_marks(_MESSAGE_COLUMNS)}) RETURNING id",
-                    (pk, turn_ids[record["turn"]], parent, *_values(_MESSAGE_COLUMNS, record)))
-            for record in (r for r in records if r["type"] == "summary"):
-                await tx.execute(
-                    f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
-                    (pk, *_values(_SUMMARY_COLUMNS, record)))
-            await tx.execute("UPDATE sessions SET summary_version = (SELECT coalesce(max(version), 0)"
-                             " FROM summaries WHERE session_pk = ?) WHERE pk = ?", (pk, pk))
+        await self._db.write(self._import_session(tenant, session_id, records))
+
+    def _import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> Script[None]:
+        [head] = [r for r in records if r["type"] == "session"]
+        created = yield (f"INSERT INTO sessions (tenant, session_id, {_SESSION_COLUMNS})"
+                         f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
+                         " RETURNING pk", (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
+        if not created:
+            raise Conflict(f"a session '{session_id}' already exists")
+        pk = created[0][0]
+        turn_ids: dict[int, int] = {}
+        for record in (r for r in records if r["type"] == "turn"):
+            [(turn_ids[record["id"]],)] = yield (
+                f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)}) RETURNING id",
+                (pk, *_values(_TURN_COLUMNS, record)))
+        message_ids: dict[int, int] = {}
+        for record in (r for r in records if r["type"] == "message"):
+            parent = message_ids[record["parent"]] if record.get("parent") is not None else None
+            [(message_ids[record["id"]],)] = yield (
+                f"INSERT INTO messages (session_pk, turn_id, parent_id, {_MESSAGE_COLUMNS})"
+                f" VALUES (?, ?, ?, {_marks(_MESSAGE_COLUMNS)}) RETURNING id",
+                (pk, turn_ids[record["turn"]], parent, *_values(_MESSAGE_COLUMNS, record)))
+        for record in (r for r in records if r["type"] == "summary"):
+            yield (f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
+                   (pk, *_values(_SUMMARY_COLUMNS, record)))
+        yield ("UPDATE sessions SET summary_version = (SELECT coalesce(max(version), 0) FROM summaries"
+               " WHERE session_pk = ?) WHERE pk = ?", (pk, pk))
 
     async def prune(self, older_than: float, tenant: str | None = None) -> int:
-        async with self._db.transaction() as tx:
-            return await tx.execute(
-                "DELETE FROM sessions WHERE updated_at < ? AND (CAST(? AS TEXT) IS NULL OR tenant = ?)",
-                (older_than, tenant, tenant))
+        removed = await self._write_one(
+            "DELETE FROM sessions WHERE updated_at < ? AND (CAST(? AS TEXT) IS NULL OR tenant = ?) RETURNING pk",
+            (older_than, tenant, tenant))
+        return len(removed)
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
-        async with self._db.transaction() as tx:
-            locked = await self._lock_session(tx, session.tenant, session.session_id)
-            if locked is None or locked[0] != session.pk:
-                return 0
-            # The summary in use is read under the lock: read before it, an edit recorded meanwhile
-            # could make it stale and its `covers` would reach into the new branch, still to be sent.
-            summary = await tx.fetch(QUERIES["current_summary"], (session.pk, locked[1]))
-            covers = _summary(summary[0]).covers if summary else 0
-            [(count,)] = await tx.fetch("SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,))
-            excess = int(count) - keep
-            if excess <= 0:
-                return 0
-            # Superseded messages first, then what the summary in use stands for (its last message
-            # stays: it proves the summary still matches the history).
-            rows = await tx.fetch(
-                "SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
-                " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
-            ids = [r[0] for r in rows]
-            if not ids:
-                return 0
-            marks = ",".join("?" * len(ids))
-            await tx.execute(f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids)
-            await tx.execute(f"DELETE FROM messages WHERE id IN ({marks})", ids)
-            return len(ids)
+        return await self._db.write(self._cap_messages(session, keep))
+
+    def _cap_messages(self, session: SessionState, keep: int) -> Script[int]:
+        locked = yield from self._lock_session(session)
+        if locked is None or locked[0] != session.pk:
+            return 0
+        # The summary in use is read under the lock: read before it, an edit recorded meanwhile
+        # could make it stale and its `covers` would reach into the new branch, still to be sent.
+        summary = yield QUERIES["current_summary"], (session.pk, locked[1])
+        covers = _summary(summary[0]).covers if summary else 0
+        [(count,)] = yield "SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,)
+        excess = int(count) - keep
+        if excess <= 0:
+            return 0
+        # Superseded messages first, then what the summary in use stands for (its last message
+        # stays: it proves the summary still matches the history).
+        rows = yield ("SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
+                      " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
+        ids = [r[0] for r in rows]
+        if not ids:
+            return 0
+        marks = ",".join("?" * len(ids))
+        yield f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids
+        yield f"DELETE FROM messages WHERE id IN ({marks})", ids
+        return len(ids)
 
     async def counts(self) -> dict[str, int]:
         """Rows per table: what a copy between stores must reproduce."""
@@ -534,6 +522,11 @@ def _placement(turn: TurnRecord) -> tuple[list[tuple[int, int, int, int]], tuple
         seq, head_hash = seq + 1, message.chain_hash
         cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
     return placed, (seq, head_hash, cum, compact_cum)
+
+
+def _statement(sql: str, params: Sequence[Any]) -> Script[list[Row]]:
+    rows = yield sql, params
+    return rows
 
 
 def _marks(columns: str) -> str:

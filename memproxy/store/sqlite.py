@@ -2,8 +2,9 @@
 
 Writes go to a connection on a thread of its own (sqlite3 blocks; the event loop must not), one
 transaction at a time, `BEGIN IMMEDIATE`, so a reader never sees half a turn and another process
-(the CLI, a second server) waits on the busy timeout instead of failing. A write script
-(`SQLStore.record_turn`) runs whole in one trip to the writer's thread.
+(the CLI, a second server) waits on the busy timeout instead of failing. Every write is a script
+(`memproxy.store.sql`) run whole in one trip to the writer's thread: writes queue there, none waits
+on another's trip back to a busy event loop.
 
 Reads see only committed data, from connections of their own. The indexed reads that serve a turn
 (`Backend.lookup`) are answered on the event loop's thread: each is a few B-tree pages, some tens
@@ -19,9 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -90,17 +90,6 @@ class _Connection:
         self._thread.shutdown(wait=True)
 
 
-class _Transaction:
-    def __init__(self, conn: _Connection) -> None:
-        self._conn = conn
-
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return await self._conn.fetch(sql, params)
-
-    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return await self._conn.call(lambda conn: conn.execute(sql, params).rowcount)
-
-
 def _in_transaction(script: Script[T]) -> Callable[[sqlite3.Connection], T]:
     def run(conn: sqlite3.Connection) -> T:
         conn.execute("BEGIN IMMEDIATE")
@@ -121,7 +110,6 @@ class SQLiteBackend:
         self._reader = reader
         self._writer = writer
         self._lookups = lookups  # on the loop's thread; None for `:memory:`, where one connection holds it all
-        self._write_lock = asyncio.Lock()
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return await self._reader.fetch(sql, params)
@@ -135,20 +123,8 @@ class SQLiteBackend:
                     raise
         return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[_Transaction]:
-        async with self._write_lock:
-            await self._writer.fetch("BEGIN IMMEDIATE")
-            try:
-                yield _Transaction(self._writer)
-            except BaseException:
-                await self._writer.fetch("ROLLBACK")
-                raise
-            await self._writer.fetch("COMMIT")
-
     async def write(self, script: Script[T]) -> T:
-        async with self._write_lock:
-            return await self._writer.call(_in_transaction(script))
+        return await self._writer.call(_in_transaction(script))
 
     async def close(self) -> None:
         if self._lookups is not None:
@@ -185,14 +161,19 @@ def _lookups(path: str) -> sqlite3.Connection:
 async def _migrate(backend: SQLiteBackend) -> None:
     """Apply the numbered migrations not yet recorded, each in its own write transaction, so two
     processes starting on one file at once apply each migration exactly once."""
-    async with backend.transaction() as tx:
-        await tx.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    await backend.write(_statements(
+        ["CREATE TABLE IF NOT EXISTS schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)"]))
     for migration_id, sql in migrations():
-        async with backend.transaction() as tx:
-            if await tx.fetch("SELECT 1 FROM schema_migrations WHERE id = ?", (migration_id,)):
-                continue
-            for statement in statements(sql):
-                await tx.execute(statement)
-            await tx.execute("INSERT INTO schema_migrations (id, applied_at) VALUES (?, strftime('%s','now'))",
-                             (migration_id,))
+        await backend.write(_migration(migration_id, sql))
+
+
+def _migration(migration_id: str, sql: str) -> Script[None]:
+    if (yield "SELECT 1 FROM schema_migrations WHERE id = ?", (migration_id,)):
+        return
+    yield from _statements(statements(sql))
+    yield "INSERT INTO schema_migrations (id, applied_at) VALUES (?, strftime('%s','now'))", (migration_id,)
+
+
+def _statements(sqls: list[str]) -> Script[None]:
+    for sql in sqls:
+        yield sql, ()
