@@ -54,6 +54,10 @@ class BackgroundTasks:
             await asyncio.wait([task])
             raise
 
+    def __len__(self) -> int:
+        """Work under way that shutdown waits for (a turn being written), optional work aside."""
+        return len(self._tasks - self._optional)
+
     async def close(self) -> None:
         self._closing = True
         for task in self._optional:
