@@ -94,11 +94,11 @@ class Plan:
             raise ValueError("throughput_rounds must be odd, so that the median round is one that was run")
 
 
-# About 15 minutes on 2 cores: the ladder's three rounds take about 5, the soaks 4.
+# About 15 minutes on 2 cores: the ladder's three rounds take about 6, the two soaks 3.5.
 FULL = Plan(rounds=5, cpu_requests=200, concurrency={1: 40, 10: 200, 100: 500}, streams={1: 30, 10: 100},
             rates=(20, 40, 50, 60, 80, 100, 125, 150, 200, 300, 400, 600, 800), step_seconds=2.0,
             throughput_rounds=3,
-            history_sizes=(10, 1_000, 10_000, 100_000), history_requests=30, soak_seconds=120.0,
+            history_sizes=(10, 1_000, 10_000, 100_000), history_requests=30, soak_seconds=100.0,
             replay_exchanges=None, replay_conversations=None, warmup=100)
 QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, streams={1: 3, 10: 10},
              rates=(50, 200), step_seconds=0.4, throughput_rounds=1, history_sizes=(10, 1_000),
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-litellm-proxy", action="store_true", help="leave LiteLLM's proxy out")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where benchmarks.md and the plots go")
     parser.add_argument("--rounds", type=int, help="rounds per phase (default: 5, quick: 1)")
-    parser.add_argument("--soak-seconds", type=float, help="length of each soak (default: 120, quick: 1)")
+    parser.add_argument("--soak-seconds", type=float, help="length of each soak (default: 100, quick: 1)")
     parser.add_argument("--upstream-delay-ms", type=float,
                         help="the fake upstream's delay in every phase but the CPU cost and the history sweep"
                              " (default: 50)")
