@@ -10,9 +10,9 @@ Reads see only committed data, from connections of their own. The indexed reads 
 (`Backend.lookup`) are answered on the event loop's thread: each is a few B-tree pages, some tens
 of microseconds, where a trip to a thread and back costs the loop about 0.2 ms, and a turn makes
 several. A WAL reader takes no lock a writer holds, so it does not wait on one; should it ever find
-the file busy (a crashed process's recovery, a connection in exclusive mode), it does not wait on
-the loop either: with no busy timeout it fails at once, and the read goes to the reader's thread,
-which waits there. Every other read (listings, usage, exports: as long as the data) goes to that
+the file busy (another process rebuilding the WAL index after a crash), it does not wait on the loop
+either: with no busy timeout it fails at once, and the read goes to the reader's thread, which waits
+there. Every other read (listings, usage, exports, long ranges: as long as the data) goes to that
 thread. The SQL itself is shared with PostgreSQL (`memproxy.store.sql`).
 """
 
