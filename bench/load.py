@@ -56,9 +56,8 @@ class Sample:
 
     latencies: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)  # streams: time to the first content
-    memory_ms: list[float] = field(default_factory=list)  # memproxy's Server-Timing
+    timing: dict[str, list[float]] = field(default_factory=dict)  # memproxy's Server-Timing, by entry
     context_tokens: list[int] = field(default_factory=list)  # memproxy: tokens it sent upstream
-    upstream_ms: list[float] = field(default_factory=list)
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
@@ -84,16 +83,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _server_timing(header: str | None, sample: Sample) -> None:
+    """Every `name;dur=ms` entry; a stream's `upstream-first-chunk` counts as its `upstream`."""
     if not header:
         return
     for part in header.split(","):
         name, _, rest = part.strip().partition(";dur=")
-        if not rest:
-            continue
-        if name == "memory":
-            sample.memory_ms.append(float(rest))
-        elif name.startswith("upstream"):
-            sample.upstream_ms.append(float(rest))
+        if rest:
+            name = "upstream" if name.startswith("upstream") else name
+            sample.timing.setdefault(name, []).append(float(rest))
 
 
 async def send(session: aiohttp.ClientSession, target: Target, body: bytes, conversation: str,

@@ -30,7 +30,8 @@ import load  # noqa: E402
 import seed  # noqa: E402
 import servers  # noqa: E402
 from memproxy.config import MemoryConfig  # noqa: E402
-from run import BENCH_MEMORY, ENCODING, MEMORY, PASS, TENANT, make_targets, memproxy_config, summarize  # noqa: E402
+from run import (BENCH_MEMORY, ENCODING, MEMORY, PASS, TENANT, WINDOW, make_targets, memproxy_config,  # noqa: E402
+                 summarize)
 
 
 async def profile(args: argparse.Namespace) -> Path:
@@ -43,7 +44,7 @@ async def profile(args: argparse.Namespace) -> Path:
         if args.history:
             await seed.seed_sessions(f"sqlite:///{db}", TENANT, [args.history], MemoryConfig(**BENCH_MEMORY), ENCODING)
         config = workdir / "memproxy.yaml"
-        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, 8192))
+        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
         memproxy = processes.start(
             "memproxy", [sys.executable, "-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(out),
                          "-m", "memproxy.cli", "serve", "-c", str(config), "--port", "0"],

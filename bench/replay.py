@@ -55,6 +55,16 @@ def data_path(explicit: str | None = None) -> Path:
     return Path(explicit) if explicit else DATA
 
 
+def licence(data: Path) -> str | None:
+    """The licence of the data as the licence file beside it names it (its first line), if there is one."""
+    for candidate in sorted(data.parent.glob("*LICEN[CS]E*")):
+        lines = [line.strip() for line in candidate.read_text(encoding="utf-8", errors="replace").splitlines()]
+        named = next((line for line in lines if line), None)
+        if named:
+            return f"{named} ({candidate.name})"
+    return None
+
+
 def load_conversations(path: Path, limit_exchanges: int | None = None,
                        limit_conversations: int | None = None) -> list[Conversation]:
     raw = json.loads(path.read_text(encoding="utf-8"))

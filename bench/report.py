@@ -20,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from memproxy.timing import PARTS as TIMING_PARTS  # noqa: E402
+
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
 VIA_LITELLM = "memproxy-litellm"
 LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass-through",
@@ -41,8 +43,26 @@ def stat(rounds: list[dict[str, Any]], key: str) -> float:
     return median([r.get(key, math.nan) for r in rounds])
 
 
+def added_per_round(rounds: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> list[float]:
+    return [r.get(key, math.nan) - d.get(key, math.nan) for r, d in zip(rounds, direct)]
+
+
 def added(rounds: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> float:
-    return median([r.get(key, math.nan) - d.get(key, math.nan) for r, d in zip(rounds, direct)])
+    return median(added_per_round(rounds, direct, key))
+
+
+def quotients(mine: list[float], theirs: list[float]) -> list[float]:
+    """Round by round, `mine / theirs`."""
+    return [m / t if t else math.inf for m, t in zip(mine, theirs)]
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """`min–max` over rounds, the range a target's median comes from."""
+    clean = [v for v in values if v is not None and not math.isnan(v) and not math.isinf(v)]
+    if not clean:
+        return "-"
+    low, high = min(clean), max(clean)
+    return f"{low:.{digits}f}–{high:.{digits}f}" if len(clean) > 1 else f"{low:.{digits}f} (one round)"
 
 
 def ms(value: float, digits: int = 1) -> str:
@@ -51,6 +71,9 @@ def ms(value: float, digits: int = 1) -> str:
 
 def ratio(value: float) -> str:
     return "-" if value is None or math.isnan(value) or math.isinf(value) else f"{value:.2f}"
+
+
+Target = tuple[str, str, str, str, bool | None]
 
 
 def verdict(ok: bool | None) -> str:
@@ -79,7 +102,7 @@ class Report:
     # --- computed figures ------------------------------------------------------------------
 
     def added_table(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """concurrency -> path -> (added p50, added p99), at 50 ms upstream."""
+        """concurrency -> path -> (added p50, added p99), at the upstream delay."""
         table: dict[str, dict[str, tuple[float, float]]] = {}
         for c, by_path in self.r["concurrency"].items():
             direct = by_path[DIRECT]
@@ -87,13 +110,14 @@ class Report:
                         for p, rows in by_path.items() if p != DIRECT}
         return table
 
-    def throughput(self) -> dict[str, tuple[float, float, bool]]:
-        """path -> (highest rate with p99 < 100 ms, requests per server CPU-second, hit the ladder's top)."""
+    def throughput(self) -> dict[str, tuple[dict[str, Any], list[float]]]:
+        """path -> (its median round of the ladder, every round's highest rate). With an odd number of
+        rounds the median round is one that was run: its rate is a step of the ladder, and its
+        requests per CPU-second were measured at that step."""
         out = {}
         for path, rounds in self.r["throughput"].items():
-            out[path] = (median([x["max_rate"] for x in rounds]),
-                         median([x["requests_per_cpu_s"] for x in rounds if x["requests_per_cpu_s"]]),
-                         all(x["ceiling"] for x in rounds))
+            ordered = sorted(rounds, key=lambda x: x["max_rate"])
+            out[path] = (ordered[len(ordered) // 2], [x["max_rate"] for x in rounds])
         return out
 
     def history(self) -> list[tuple[int, float, float, float, float]]:
@@ -103,41 +127,55 @@ class Report:
                          stat(rounds, "context_tokens_p50")))
         return rows
 
-    def targets(self) -> list[tuple[str, str, str, bool | None]]:
-        rows: list[tuple[str, str, str, bool | None]] = []
-        table = self.added_table()
+    def targets(self) -> list[Target]:
+        """Each target as (name, measured, ratio of the medians, ratio per round min–max, verdict)."""
+        rows: list[Target] = []
         have_litellm = LITELLM in self.paths
-        for c in table:
-            for i, name in ((0, "p50"), (1, "p99")):
-                mine = table[c][MEMORY][i]
-                if have_litellm:
-                    theirs = table[c][LITELLM][i]
-                    r = mine / theirs if theirs > 0 else math.inf
-                    rows.append((f"added {name} at {c} client{'s' if c != '1' else ''} below LiteLLM proxy's",
-                                 f"{ms(mine)} ms vs {ms(theirs)} ms", ratio(r), mine < theirs))
-                else:
-                    rows.append((f"added {name} at {c} client{'s' if c != '1' else ''} below LiteLLM proxy's",
-                                 f"{ms(mine)} ms vs -", "-", None))
-        memory = stat(self.r["cpu"][MEMORY], "memory_p50")
-        rows.append(("memory work under 1 ms at p50 (Server-Timing `memory`, 1 client)", f"{ms(memory, 2)} ms",
-                     ratio(memory / 1.0), memory < 1.0))
-        hist = self.history()
-        if len(hist) >= 2:
-            (small_n, small_p50, *_), (big_n, big_p50, *_) = hist[0], hist[-1]
-            r = big_p50 / small_p50
-            rows.append((f"latency at {big_n:,} stored messages within 1.2x of {small_n:,} (p50)",
-                         f"{ms(big_p50, 2)} ms vs {ms(small_p50, 2)} ms", ratio(r), r <= 1.2))
-        saturated = self.saturation()
+        for c, by_path in self.r["concurrency"].items():
+            direct = by_path[DIRECT]
+            for key in ("p50", "p99"):
+                name = f"added {key} at {c} client{'s' if c != '1' else ''} below LiteLLM proxy's"
+                mine = added_per_round(by_path[MEMORY], direct, key)
+                if not have_litellm:
+                    rows.append((name, f"{ms(median(mine))} ms vs -", "-", "-", None))
+                    continue
+                theirs = added_per_round(by_path[LITELLM], direct, key)
+                m, t = median(mine), median(theirs)
+                rows.append((name, f"{ms(m)} ms vs {ms(t)} ms", ratio(m / t if t > 0 else math.inf),
+                             spread(quotients(mine, theirs)), m < t))
+        memory = [r.get("memory_p50", math.nan) for r in self.r["cpu"][MEMORY]]
+        rows.append(("memory work under 1 ms at p50 (Server-Timing `memory`: all but the upstream call, 1 client, "
+                     "0 ms upstream)", f"{ms(median(memory), 2)} ms", ratio(median(memory) / 1.0), spread(memory),
+                     median(memory) < 1.0))
+        sizes = sorted(self.r["history"], key=int)
+        if len(sizes) >= 2:
+            small, big = (self.r["history"][size] for size in (sizes[0], sizes[-1]))
+            per_round = quotients([r["p50"] for r in big], [r["p50"] for r in small])
+            r = stat(big, "p50") / stat(small, "p50")
+            rows.append((f"latency at {int(sizes[-1]):,} stored messages within 1.2x of {int(sizes[0]):,} (p50)",
+                         f"{ms(stat(big, 'p50'), 2)} ms vs {ms(stat(small, 'p50'), 2)} ms", ratio(r),
+                         spread(per_round), r <= 1.2))
+        busiest = self.r["concurrency"][self.busiest()]
         name = (f"throughput per core at least LiteLLM proxy's (requests per server CPU-second, "
                 f"{self.busiest()} clients)")
-        mine_per_cpu = saturated[MEMORY][2]
+        mine_per_cpu = [r.get("requests_per_cpu_s") or math.nan for r in busiest[MEMORY]]
         if have_litellm:
-            theirs_per_cpu = saturated[LITELLM][2]
-            r = mine_per_cpu / theirs_per_cpu if theirs_per_cpu else math.nan
-            rows.append((name, f"{ms(mine_per_cpu, 0)} vs {ms(theirs_per_cpu, 0)}", ratio(r), r >= 1.0))
+            theirs_per_cpu = [r.get("requests_per_cpu_s") or math.nan for r in busiest[LITELLM]]
+            m, t = median(mine_per_cpu), median(theirs_per_cpu)
+            r = m / t if t else math.nan
+            rows.append((name, f"{ms(m, 0)} vs {ms(t, 0)}", ratio(r), spread(quotients(mine_per_cpu, theirs_per_cpu)),
+                         r >= 1.0))
         else:
-            rows.append((name, f"{ms(mine_per_cpu, 0)} vs -", "-", None))
+            rows.append((name, f"{ms(median(mine_per_cpu), 0)} vs -", "-", "-", None))
         return rows
+
+    def sweep_window(self) -> str:
+        window = self.r["meta"]["settings"]["memproxy"].get("sweep_window")
+        return f"{window:,}" if window else "small"
+
+    def plan(self) -> dict[str, Any]:
+        plan: dict[str, Any] = self.r["meta"]["settings"]["plan"]
+        return {"p99_limit_ms": 100.0, **plan}  # results saved before the limit was a setting
 
     def busiest(self) -> str:
         return str(max(self.r["concurrency"], key=int))
@@ -173,10 +211,11 @@ class Report:
                  "better, except throughput per core, where at least 1 passes). \"Memory on\" is memproxy "
                  "with a session header: the product; its pass-through figures are in section 1. Throughput "
                  "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
-                 "is one process, LiteLLM's proxy one worker per core (section 2).", "",
-                 "| target | measured | ratio | result |", "|---|---|---|---|")
-        for name, measured, r, ok in self.targets():
-            self.add(f"| {name} | {measured} | {r} | {verdict(ok)} |")
+                 "is one process, LiteLLM's proxy one worker per core (section 2). The verdict is on the "
+                 "medians over rounds; beside it, the range the ratio took round by round.", "",
+                 "| target | measured | ratio | ratio per round (min–max) | result |", "|---|---|---|---|---|")
+        for name, measured, r, per_round, ok in self.targets():
+            self.add(f"| {name} | {measured} | {r} | {per_round} | {verdict(ok)} |")
         self.add("")
 
     def section_machine(self) -> None:
@@ -197,12 +236,13 @@ class Report:
                  + ", ".join(f"`{k}={val}`" for k, val in s["litellm_proxy"]["env"].items()),
                  f"- client: {s['client']}",
                  f"- upstream: {s['upstream']}",
-                 f"- rounds: {plan['rounds']} (streams: {min(plan['rounds'], 3)}, throughput ladder: "
+                 f"- rounds: {plan['rounds']} (streams: {max(1, min(plan['rounds'], plan.get('stream_rounds', 3)))}, "
+                 "throughput ladder: "
                  f"{plan['throughput_rounds']}); requests per path and round: {plan['cpu_requests']} at 0 ms, "
                  + ", ".join(f"{n} at {c} client(s)" for c, n in plan["concurrency"].items())
-                 + f" at {plan['upstream_delay_ms']:.0f} ms; streams "
+                 + f" at {plan['upstream_delay_ms']:g} ms; streams "
                  + ", ".join(f"{n} at {c} client(s)" for c, n in plan["streams"].items())
-                 + f" ({plan['stream_chunks']} chunks, {plan['stream_pace_ms']:.0f} ms apart); ladder "
+                 + f" ({plan['stream_chunks']} chunks, {plan['stream_pace_ms']:g} ms apart); ladder "
                  + ", ".join(f"{r:g}" for r in plan["rates"]) + f" req/s, {plan['step_seconds']:g} s a step; "
                  f"soak {plan['soak_seconds']:g} s per server at {plan['soak_clients']} clients", "")
 
@@ -223,7 +263,8 @@ class Report:
                      f"{add99} | {ms(stat(rows, 'server_cpu_ms_per_request'), 2)} ms |")
         table = self.added_table()
         conc = list(table)
-        self.add("", f"**{self.r['meta']['settings']['plan']['upstream_delay_ms']:.0f} ms upstream**, added "
+        delay = self.plan()["upstream_delay_ms"]
+        self.add("", f"**{delay:g} ms upstream**, added "
                  "p50 / p99 (and raw p50 / p99) by number of concurrent clients:", "",
                  "| path | " + " | ".join(f"{c} client{'s' if c != '1' else ''}" for c in conc) + " |",
                  "|---|" + "---|" * len(conc))
@@ -257,30 +298,33 @@ class Report:
             ax.set_xticklabels([f"{c} client{'s' if c != '1' else ''}" for c in conc])
             ax.set_yscale("log")
             ax.set_ylabel(f"added {name} latency (ms, log)")
-            ax.set_title(f"added {name}, 50 ms upstream")
+            ax.set_title(f"added {name}, {delay:g} ms upstream")
             ax.grid(axis="y", alpha=0.3)
         axes[0].legend(fontsize="small")
         self.save(fig, "bench-latency.png")
 
     def section_throughput(self) -> None:
-        tp = self.throughput()
-        top = max(self.r["meta"]["settings"]["plan"]["rates"])
+        plan = self.plan()
+        rounds = len(next(iter(self.r["throughput"].values()), []))
         self.add("## 2. Throughput", "",
-                 "Open loop at 50 ms upstream: requests are due at a fixed rate and timed from when they were "
-                 "due, so a queue shows. The highest rate of the ladder at which p99 stayed under 100 ms with "
-                 "no error (a path stops climbing after two failed steps in a row), and the requests served per "
-                 "CPU-second of the path's own server processes at that rate. Median of rounds.", "",
-                 "| path | highest rate with p99 < 100 ms | requests per server CPU-second |", "|---|---|---|")
-        for path in self.paths:
-            rate, per_cpu, ceiling = tp[path]
+                 f"Open loop at {plan['upstream_delay_ms']:g} ms upstream: requests are due at a fixed rate and "
+                 "timed from when they were due, so a queue shows. The highest rate of the ladder at which p99 "
+                 f"stayed under {plan['p99_limit_ms']:g} ms with no error (a path stops climbing after two failed "
+                 "steps in a row), and the requests served per CPU-second of the path's own server processes at "
+                 f"that rate: the median round of {rounds}, with every round's highest rate beside it.", "",
+                 f"| path | highest rate with p99 < {plan['p99_limit_ms']:g} ms | per round | requests per server "
+                 "CPU-second |", "|---|---|---|---|")
+        for path, (best, rates) in self.throughput().items():
             note = ""
-            if ceiling:
-                note = f" (the ladder's top, {top:g}: the harness's limit)"
-            elif path == DIRECT:
-                note = " or more (not pushed past the proxies)"
-            self.add(f"| {LABELS[path]} | {rate:g} req/s{note} | {ms(per_cpu, 0)} |")
+            if best["ceiling"]:
+                note = " (the ladder's top: the harness's limit)"
+            elif best["steps"] and all(step["ok"] for step in best["steps"]):
+                note = " (every step it ran passed: the ladder ended with the proxies)"
+            self.add(f"| {LABELS[path]} | {best['max_rate']:g} req/s{note} | "
+                     f"{', '.join(f'{rate:g}' for rate in rates)} | {ms(best['requests_per_cpu_s'] or math.nan, 0)} |")
         busiest = self.busiest()
-        self.add("", f"Saturated: {busiest} clients back to back at 50 ms upstream (section 1), where each server "
+        self.add("", f"Saturated: {busiest} clients back to back at {plan['upstream_delay_ms']:g} ms upstream "
+                 "(section 1), where each server "
                  "runs as fast as the CPU it gets allows; requests per CPU-second of the server's own processes "
                  "is the throughput one core gives (the per-core target):", "",
                  "| path | req/s | server CPU used (cores) | requests per server CPU-second |", "|---|---|---|---|")
@@ -292,22 +336,23 @@ class Report:
             steps = self.r["throughput"][path][0]["steps"]
             ax.plot([s["rate"] for s in steps], [s.get("p99", math.nan) for s in steps], "o-",
                     label=LABELS[path], color=COLORS[path])
-        ax.axhline(100, color="black", linestyle="--", linewidth=1)
+        ax.axhline(plan["p99_limit_ms"], color="black", linestyle="--", linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("offered rate (requests/s, log)")
         ax.set_ylabel("p99 latency (ms, log)")
-        ax.set_title("p99 against offered rate, 50 ms upstream (first round)")
+        ax.set_title(f"p99 against offered rate, {plan['upstream_delay_ms']:g} ms upstream (first round)")
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
         self.save(fig, "bench-throughput.png")
 
     def section_streams(self) -> None:
+        plan = self.plan()
         streams = self.r["streams"]
         conc = list(streams)
         self.add("## 3. Streams", "",
-                 "Time to the first content chunk of a paced SSE stream (first content at 50 ms, then "
-                 f"{self.r['meta']['settings']['plan']['stream_chunks'] - 1} more 5 ms apart), added to the "
+                 f"Time to the first content chunk of a paced SSE stream (first content at {plan['upstream_delay_ms']:g}"
+                 f" ms, then {plan['stream_chunks'] - 1} more {plan['stream_pace_ms']:g} ms apart), added to the "
                  "direct path's; median of rounds (ms).", "",
                  "| path | " + " | ".join(f"{c} client{'s' if c != '1' else ''}: TTFT p50, added p50 / p99"
                                           for c in conc) + " |",
@@ -345,7 +390,7 @@ class Report:
         self.add("## 4. History sweep", "",
                  "One client, 0 ms upstream, memory on, on sessions seeded through the Store API "
                  "(`record_turn`) with the given number of messages of ~400 tokens each, so that even the "
-                 "smallest fills the sweep model's 4,096-token window: every request sends the same amount "
+                 f"smallest fills the sweep model's {self.sweep_window()}-token window: every request sends the same amount "
                  "upstream and only the stored history differs. The sessions take the same requests in turn "
                  "(a new ~400-token user message each), so each also gains the sweep's own turns (2 messages "
                  "per request). Median of rounds.", "",
@@ -372,24 +417,29 @@ class Report:
 
     def section_rss(self) -> None:
         rss, soak = self.r["rss"], self.r["soak"]
+        warmed = rss["marks"][1][0] if len(rss["marks"]) > 1 else 0.0  # the first phase after the warm-up
         self.add("## 5. Resident memory", "",
-                 "RSS sampled twice a second through the whole run (a server's workers summed). Steady: the "
-                 "median over the last third of its soak; growth: the median of the soak's last fifth minus "
-                 "its first fifth.", "",
-                 "| server | after start | peak (whole run) | steady | growth over the soak | soak requests |",
-                 "|---|---|---|---|---|---|")
+                 "RSS sampled twice a second through the whole run (a server's workers summed). Over the run: "
+                 "the median of its last 5 s minus that of the 5 s after the warm-up. Over the soak (a steady "
+                 "load on that server alone): steady is the median over its last third, growth the median of "
+                 "its last fifth minus its first fifth.", "",
+                 "| server | after start | after warm-up | end of run | growth over the run | peak | steady in the soak "
+                 "| growth over the soak | soak requests |", "|---|---|---|---|---|---|---|---|---|")
         for path, info in soak.items():
             series = rss["series"].get(info["server"], [])
             if not series:
                 continue
             values = [v for _, v in series]
+            warm = median([v for t, v in series if warmed <= t <= warmed + 5]) if warmed else values[0]
+            end = median([v for t, v in series if t >= series[-1][0] - 5])
             window = [v for t, v in series if info["start_s"] <= t <= info["end_s"]]
             steady = median(window[-max(1, len(window) // 3):]) if window else math.nan
             fifth = max(1, len(window) // 5)
             growth = median(window[-fifth:]) - median(window[:fifth]) if window else math.nan
             per = f" ({growth / info['requests'] * 10000:+.1f} MiB per 10k requests)" if info["requests"] else ""
-            self.add(f"| {LABELS[path].split(',')[0]} | {values[0]:.0f} MiB | {max(values):.0f} MiB | "
-                     f"{ms(steady, 0)} MiB | {growth:+.1f} MiB{per} | {info['requests']:,} |")
+            self.add(f"| {LABELS[path].split(',')[0]} | {values[0]:.0f} MiB | {ms(warm, 0)} MiB | {ms(end, 0)} MiB | "
+                     f"{end - warm:+.1f} MiB | {max(values):.0f} MiB | {ms(steady, 0)} MiB | {growth:+.1f} MiB{per} | "
+                     f"{info['requests']:,} |")
         self.add("", "![resident memory over the run](bench-rss.png)", "")
         fig, ax = self.figure(9, 4)
         for name, series in rss["series"].items():
@@ -409,43 +459,51 @@ class Report:
     def section_timing(self) -> None:
         cpu, conc = self.r["cpu"], self.r["concurrency"]
         self.add("## 6. Where the time goes", "",
-                 "memproxy's `Server-Timing` header splits each request: `memory` is everything before the "
-                 "upstream call (parsing, auth, session lock, reconcile, budget, store reads); `upstream` is "
-                 "the call (memproxy's OpenAI client, or litellm on the \"via litellm\" path, plus the fake "
-                 "upstream's answer). The direct path's latency is the fake upstream and client alone, so "
-                 "`upstream - direct` is roughly the client's share, and `total - memory - upstream` the HTTP server, JSON and recording the "
-                 "turn. Medians of per-round p50s (ms).", "",
-                 "| setting | path | total | memory | upstream | of which direct | rest |", "|---|---|---|---|---|---|---|")
+                 "memproxy's `Server-Timing` header splits each request (README, \"What each response tells "
+                 "you\"): `memory` is everything but the upstream call, from reading the body to the response, "
+                 "in parts that do not overlap: `parse` (the body), `reconcile` (the session's lock and lookup, "
+                 "matching the client's messages), `budget` (counting the new messages, building the context), "
+                 "`store` (the store's reads and the turn's write) and `record` (describing the turn after the "
+                 "call). `upstream` is the call (memproxy's OpenAI client, or litellm on the \"via litellm\" "
+                 "path, plus the fake upstream's answer). The direct path's latency is the fake upstream and the "
+                 "load generator alone, so `upstream - direct` is roughly the share of memproxy's client, and "
+                 "`total - memory - upstream` the HTTP server's own work and the load generator's. Medians of "
+                 "per-round p50s (ms); the p50s of the parts need not add up to that of `memory`.", "",
+                 "| setting | path | total | memory | " + " | ".join(TIMING_PARTS) + " | upstream | of which direct "
+                 "| rest |", "|---|---|---|---|" + "---|" * len(TIMING_PARTS) + "---|---|---|")
         bars = []
+        delay = self.plan()["upstream_delay_ms"]
         settings = [("0 ms upstream, 1 client", cpu)]
         for c in conc:
-            settings.append((f"50 ms upstream, {c} client{'s' if c != '1' else ''}", conc[c]))
+            settings.append((f"{delay:g} ms upstream, {c} client{'s' if c != '1' else ''}", conc[c]))
         for label, by_path in settings:
             direct = stat(by_path[DIRECT], "p50")
             for path in (p for p in (MEMORY, PASS, VIA_LITELLM) if p in by_path):
                 rows = by_path[path]
                 total, memory, upstream = stat(rows, "p50"), stat(rows, "memory_p50"), stat(rows, "upstream_p50")
+                parts = [stat(rows, f"{part}_p50") for part in TIMING_PARTS]
                 rest = total - memory - upstream
-                self.add(f"| {label} | {LABELS[path]} | {ms(total, 2)} | {ms(memory, 2)} | {ms(upstream, 2)} | "
-                         f"{ms(direct, 2)} | {ms(rest, 2)} |")
-                if label.startswith("0 ms"):
-                    bars.append((LABELS[path], memory, upstream - direct, direct, rest))
+                self.add(f"| {label} | {LABELS[path]} | {ms(total, 2)} | {ms(memory, 2)} | "
+                         + " | ".join(ms(part, 2) for part in parts)
+                         + f" | {ms(upstream, 2)} | {ms(direct, 2)} | {ms(rest, 2)} |")
+                if by_path is cpu:
+                    bars.append((LABELS[path], *parts, upstream - direct, direct, rest))
         self.add("", "![Server-Timing split](bench-timing.png)", "")
         fig, ax = self.figure(8, 3.4)
-        parts = ("memory work", "upstream client (upstream - direct)", "fake upstream + client (direct)",
-                 "HTTP, JSON, recording (rest)")
-        colors = ("#2ca02c", "#ff7f0e", "#bbbbbb", "#9467bd")
+        names = (*(f"memory: {part}" for part in TIMING_PARTS), "upstream client (upstream - direct)",
+                 "fake upstream + load generator (direct)", "HTTP servers (rest)")
+        colors = ("#98df8a", "#2ca02c", "#17becf", "#1f77b4", "#bcbd22", "#ff7f0e", "#bbbbbb", "#9467bd")
         for i, (name, *values) in enumerate(bars):
             left = 0.0
             for k, value in enumerate(values):
-                value = max(0.0, value)
-                ax.barh(i, value, left=left, color=colors[k], label=parts[k] if i == 0 else None)
+                value = 0.0 if math.isnan(value) else max(0.0, value)
+                ax.barh(i, value, left=left, color=colors[k], label=names[k] if i == 0 else None)
                 left += value
         ax.set_yticks(range(len(bars)))
         ax.set_yticklabels([b[0] for b in bars])
         ax.set_xlabel("ms at p50, 0 ms upstream, 1 client")
         ax.set_title("where a request's time goes")
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
         self.save(fig, "bench-timing.png")
 
     def section_replay(self) -> None:
@@ -460,8 +518,9 @@ class Report:
             return
         convs = rep["conversations"]
         up = rep["upstream"]
-        self.add(f"LoCoMo's conversations (`{'../shared/data/locomo5.json'}`, CC BY-NC 4.0, read in place) replayed "
-                 f"through a memproxy with a {rep['window']:,}-token window ({rep['output_reserve']} reserved for "
+        licence = rep.get("licence") or "no licence file beside it"
+        self.add(f"The conversations of `{rep.get('data', '-')}` (LoCoMo's format; licence: {licence}; read in "
+                 f"place) replayed through a memproxy with a {rep['window']:,}-token window ({rep['output_reserve']} reserved for "
                  f"the answer) and {rep['memory']}: the user is speaker A, and the fake upstream answers with "
                  "speaker B's recorded reply. Against a client that resends the whole conversation every time "
                  "(same tokenizer). \"Overflowed\": full requests that would not fit the window at all.", "",
@@ -508,8 +567,9 @@ class Report:
                  "- Each round visits every path in turn, in an order rotated from round to round, at the same "
                  "settings; a figure is the median over rounds of that round's percentile, and \"added\" is "
                  "taken round by round against the direct path.",
-                 "- Memory-on clients send only their new message and start a new session every 10 requests, "
-                 "so a request carries 0-18 stored messages upstream besides what the other paths send; the "
+                 "- Memory-on clients send only their new message and start a new session every few requests "
+                 "(the client settings above), so a request carries a few stored messages upstream besides what "
+                 "the other paths send; the "
                  "history sweep covers long sessions.",
                  "- Latency and CPU figures on a 2-core machine are shaped by the load generator and the fake "
                  "upstream competing with the proxy for the same cores; the ratios between paths measured "
@@ -537,6 +597,7 @@ class Report:
 
 
 def write(results: dict[str, Any], out: Path, small: bool = False) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     return Report(results, out, small).write()
 
 

@@ -45,7 +45,9 @@ import replay  # noqa: E402
 import report  # noqa: E402
 import seed  # noqa: E402
 import servers  # noqa: E402
+import upstream  # noqa: E402
 from memproxy.config import MemoryConfig  # noqa: E402
+from memproxy.tokens import TiktokenCounter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TENANT = "bench"
@@ -59,6 +61,7 @@ VIA_LITELLM = "memproxy-litellm"  # memory on, through `transport: litellm`
 # 100,000-message sessions would otherwise be summarised in the background during the run); turns
 # that do not fit get the marker instead.
 BENCH_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "marker"}
+WINDOW = 8192
 SWEEP_WINDOW = 4096
 REPLAY_WINDOW = 4000
 REPLAY_OUTPUT = 256
@@ -68,27 +71,34 @@ REPLAY_OUTPUT = 256
 class Plan:
     rounds: int
     cpu_requests: int  # 0 ms upstream, one client: per path and round
-    concurrency: dict[int, int]  # 50 ms upstream: clients -> requests per path and round
+    concurrency: dict[int, int]  # at the upstream delay: clients -> requests per path and round
     streams: dict[int, int]
     rates: tuple[float, ...]  # the throughput ladder, requests/s
     step_seconds: float
-    throughput_rounds: int
+    throughput_rounds: int  # odd: the median round is one that was run
     history_sizes: tuple[int, ...]
     history_requests: int  # per session size and round
     soak_seconds: float
     replay_exchanges: int | None
     replay_conversations: int | None
     warmup: int
-    upstream_delay_ms: float = 50.0
+    upstream_delay_ms: float = 50.0  # a fast model; every phase but the CPU cost and the history sweep
+    p99_limit_ms: float = 100.0  # the throughput ladder's bar
     stream_chunks: int = 10
     stream_pace_ms: float = 5.0
-    soak_clients: int = 10
+    stream_rounds: int = 3  # at most: streams vary less than closed loops
+    soak_clients: int = 20
+
+    def __post_init__(self) -> None:
+        if self.throughput_rounds % 2 == 0:
+            raise ValueError("throughput_rounds must be odd, so that the median round is one that was run")
 
 
+# About 15 minutes on 2 cores: the ladder's three rounds take about 6, the two soaks 3.5.
 FULL = Plan(rounds=5, cpu_requests=200, concurrency={1: 40, 10: 200, 100: 500}, streams={1: 30, 10: 100},
-            rates=(10, 20, 30, 40, 50, 60, 80, 100, 125, 150, 200, 300, 400, 600, 800), step_seconds=3.0,
-            throughput_rounds=2,
-            history_sizes=(10, 1_000, 10_000, 100_000), history_requests=30, soak_seconds=45.0,
+            rates=(20, 40, 50, 60, 80, 100, 125, 150, 200, 300, 400, 600, 800), step_seconds=2.0,
+            throughput_rounds=3,
+            history_sizes=(10, 1_000, 10_000, 100_000), history_requests=30, soak_seconds=100.0,
             replay_exchanges=None, replay_conversations=None, warmup=100)
 QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, streams={1: 3, 10: 10},
              rates=(50, 200), step_seconds=0.4, throughput_rounds=1, history_sizes=(10, 1_000),
@@ -182,8 +192,8 @@ def summarize(sample: load.Sample) -> dict[str, Any]:
     out: dict[str, Any] = {"n": sample.completed, "errors": sample.errors, "wall_s": round(sample.wall, 3)}
     if sample.error_kinds:
         out["error_kinds"] = sample.error_kinds
-    for name, values in (("", sample.latencies), ("ttft_", sample.ttft), ("memory_", sample.memory_ms),
-                         ("upstream_", sample.upstream_ms)):
+    series = {"": sample.latencies, "ttft_": sample.ttft, **{f"{k}_": v for k, v in sample.timing.items()}}
+    for name, values in series.items():
         if values:
             out[f"{name}p50"] = round(p(values, 50), 3)
             out[f"{name}p99"] = round(p(values, 99), 3)
@@ -306,7 +316,7 @@ async def phase_streams(bench: Bench) -> dict[str, dict[str, list[dict[str, Any]
     await bench.control(delay_ms=plan.upstream_delay_ms, chunks=plan.stream_chunks, pace_ms=plan.stream_pace_ms)
     out: dict[str, dict[str, list[dict[str, Any]]]] = {str(c): {n: [] for n in bench.targets}
                                                        for c in plan.streams}
-    for r in range(max(1, min(plan.rounds, 3))):
+    for r in range(max(1, min(plan.rounds, plan.stream_rounds))):
         for c, count in plan.streams.items():
             for name in bench.rotated(r):
                 sample = await load.closed_loop(bench.sessions[name], bench.targets[name], c, count,
@@ -316,8 +326,8 @@ async def phase_streams(bench: Bench) -> dict[str, dict[str, list[dict[str, Any]
 
 
 async def phase_throughput(bench: Bench) -> dict[str, list[dict[str, Any]]]:
-    """Open-loop rate ladder at 50 ms upstream: the highest rate whose p99 stays under 100 ms with
-    no error, and requests per CPU-second of the path's server at that rate."""
+    """Open-loop rate ladder at the upstream delay: the highest rate whose p99 stays under the plan's
+    limit with no error, and requests per CPU-second of the path's server at that rate."""
     plan = bench.plan
     await bench.control(delay_ms=plan.upstream_delay_ms)
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in bench.targets}
@@ -335,7 +345,7 @@ async def phase_throughput(bench: Bench) -> dict[str, list[dict[str, Any]]]:
                 row: dict[str, Any] = {"rate": rate, **summarize(sample), **cpu,
                        "achieved_rps": round(sample.completed / max(sample.wall, 1e-9), 1)}
                 row["ok"] = (sample.errors == 0 and sample.completed >= 0.98 * sample.scheduled
-                             and row.get("p99", 1e9) < 100.0)
+                             and row.get("p99", 1e9) < plan.p99_limit_ms)
                 row["requests_per_cpu_s"] = round(sample.completed / cpu["server_cpu_s"], 1) if cpu["server_cpu_s"] else None
                 steps[name].append(row)
                 failures[name] = 0 if row["ok"] else failures[name] + 1
@@ -420,6 +430,7 @@ async def phase_replay(processes: servers.Processes, upstream: servers.Server, w
             pass
     server.stop()
     return {
+        "data": os.path.relpath(data, ROOT), "licence": replay.licence(data),
         "window": REPLAY_WINDOW, "output_reserve": REPLAY_OUTPUT, "seconds": round(elapsed, 1),
         "conversations": [asdict(r) for r in results], "upstream": stats,
         "memory": "memproxy defaults (summaries on, overflow: summarize)",
@@ -472,24 +483,23 @@ def settings(plan: Plan, litellm_workers: int) -> dict[str, Any]:
         "plan": asdict(plan),
         "memproxy": {"process": "one process (`memproxy serve`), SQLite store in a temp dir, log level INFO",
                      "model": "openai/bench-model through memproxy's own OpenAI client (`transport: auto`), context"
-                              " window 8192 (sweep model: 4096); the \"via litellm\" path: the same model with"
-                              " `transport: litellm`",
-                     "memory": BENCH_MEMORY, "auth": "one proxy key"},
+                              f" window {WINDOW} (sweep model: {SWEEP_WINDOW}); the \"via litellm\" path: the same model"
+                              " with `transport: litellm`",
+                     "memory": BENCH_MEMORY, "auth": "one proxy key", "sweep_window": SWEEP_WINDOW},
         "litellm_proxy": {"workers": litellm_workers, "env": servers.LITELLM_ENV,
-                          "config": "master key, proxy_batch_write_at 60, disable_error_logs, request_timeout 600,"
-                                    " set_verbose false, json_logs true; no database"},
+                          "config": servers.litellm_settings_text()},
         "client": "aiohttp in the bench process, keep-alive connections; memory-on clients send only their new "
-                  "message (X-Memproxy-History: new) and start a new session every 10 requests",
-        "upstream": "bench/upstream.py, one aiohttp process; answers ~20 tokens",
+                  f"message (X-Memproxy-History: new) and start a new session every {load.TURN_LENGTH} requests",
+        "upstream": "bench/upstream.py, one aiohttp process; answers with one sentence of "
+                    f"{TiktokenCounter(ENCODING).text(upstream.ANSWER)} tokens ({ENCODING})",
     }
 
 
 async def run(args: argparse.Namespace) -> Path:
     plan = QUICK if args.quick else FULL
-    if args.rounds:
-        plan = Plan(**{**asdict(plan), "rounds": args.rounds})
-    if args.soak_seconds is not None:
-        plan = Plan(**{**asdict(plan), "soak_seconds": args.soak_seconds})
+    for option in ("rounds", "soak_seconds", "upstream_delay_ms"):
+        if getattr(args, option) is not None:
+            plan = Plan(**{**asdict(plan), option: getattr(args, option)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="memproxy-bench-"))
@@ -507,7 +517,7 @@ async def run(args: argparse.Namespace) -> Path:
         results["history_seed_s"] = await seed.seed_sessions(
             f"sqlite:///{db}", TENANT, plan.history_sizes, MemoryConfig(**BENCH_MEMORY), ENCODING)
         config = workdir / "memproxy.yaml"
-        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, 8192))
+        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
         memproxy = servers.start_memproxy(processes, "memproxy", config)
         litellm = None
         if not args.no_litellm_proxy:
@@ -537,7 +547,7 @@ async def run(args: argparse.Namespace) -> Path:
                 await warm_up(bench)
                 sampler.mark("cpu cost (0 ms upstream)")
                 results["cpu"] = await phase_cpu(bench)
-                sampler.mark("concurrency (50 ms upstream)")
+                sampler.mark(f"concurrency ({plan.upstream_delay_ms:g} ms upstream)")
                 results["concurrency"] = await phase_concurrency(bench)
                 sampler.mark("streams")
                 results["streams"] = await phase_streams(bench)
@@ -574,7 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-litellm-proxy", action="store_true", help="leave LiteLLM's proxy out")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where benchmarks.md and the plots go")
     parser.add_argument("--rounds", type=int, help="rounds per phase (default: 5, quick: 1)")
-    parser.add_argument("--soak-seconds", type=float, help="length of each soak (default: 45, quick: 1)")
+    parser.add_argument("--soak-seconds", type=float, help="length of each soak (default: 100, quick: 1)")
+    parser.add_argument("--upstream-delay-ms", type=float,
+                        help="the fake upstream's delay in every phase but the CPU cost and the history sweep"
+                             " (default: 50)")
     parser.add_argument("--locomo", help=f"the LoCoMo file (default: {replay.DATA})")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
     args = parser.parse_args(argv)

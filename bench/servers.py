@@ -8,6 +8,7 @@ install is reported, never faked.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -209,23 +210,29 @@ LITELLM_ENV = {
 }
 
 
+# The proxy's settings besides its model and master key: written into its config and stated in the
+# report from this one place.
+LITELLM_SETTINGS: dict[str, dict[str, Any]] = {
+    "general_settings": {"proxy_batch_write_at": 60, "disable_error_logs": True},
+    "litellm_settings": {"request_timeout": 600, "set_verbose": False, "json_logs": True},
+}
+
+
 def litellm_config(upstream: str, master_key: str) -> str:
-    return f"""\
-model_list:
-  - model_name: bench
-    litellm_params:
-      model: openai/bench-model
-      api_base: {upstream}/v1
-      api_key: upstream-key
-general_settings:
-  master_key: {master_key}
-  proxy_batch_write_at: 60
-  disable_error_logs: true
-litellm_settings:
-  request_timeout: 600
-  set_verbose: false
-  json_logs: true
-"""
+    config = {
+        "model_list": [{"model_name": "bench", "litellm_params": {
+            "model": "openai/bench-model", "api_base": f"{upstream}/v1", "api_key": "upstream-key"}}],
+        "general_settings": {"master_key": master_key, **LITELLM_SETTINGS["general_settings"]},
+        "litellm_settings": LITELLM_SETTINGS["litellm_settings"],
+    }
+    return json.dumps(config, indent=2)  # YAML is a superset of JSON
+
+
+def litellm_settings_text() -> str:
+    """`master key, proxy_batch_write_at 60, ...; no database`: the settings as `litellm_config` writes them."""
+    settings = [f"{key} {json.dumps(value)}" for section in LITELLM_SETTINGS.values() for key, value in section.items()]
+    database = "a database" if "database_url" in LITELLM_SETTINGS["general_settings"] else "no database"
+    return f"master key, {', '.join(settings)}; {database}"
 
 
 def start_litellm(processes: Processes, exe: Path, config: Path, workers: int) -> Server:

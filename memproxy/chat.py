@@ -31,6 +31,7 @@ from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
 from .store import Store
 from .streaming import StreamAssembler
+from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy.chat")
@@ -46,9 +47,8 @@ class Exchange:
     model: ModelConfig
     messages: list[Message]
     params: dict[str, Any]
-    started: float = field(default_factory=time.perf_counter)
+    timings: Timings
     headers: dict[str, str] = field(default_factory=dict)
-    memory_ms: float = 0.0
     turn: PreparedTurn | None = None
     recorded: bool = False
 
@@ -58,9 +58,15 @@ class Exchange:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    with measured() as timings:
+        return await _chat(request, timings)
+
+
+async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     config = request.app[CONFIG]
     body = await json_object(request)
-    exchange = _parse(config, body)
+    exchange = _parse(config, body, timings)
+    timings.lap("parse")
     tenant = request[CALLER].tenant
     if tenant is None:
         raise Forbidden("An admin key manages sessions; chat with a tenant's key.")
@@ -73,7 +79,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _forward(request, exchange)
 
 
-def _parse(config: Config, body: dict[str, Any]) -> Exchange:
+def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise BadRequest("'model' is required", param="model")
@@ -88,7 +94,7 @@ def _parse(config: Config, body: dict[str, Any]) -> Exchange:
         if key in body and not isinstance(body[key], list):
             raise BadRequest(f"'{key}' must be an array", param=key)
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
-    return Exchange(model=model, messages=messages, params=params)
+    return Exchange(model=model, messages=messages, params=params, timings=timings)
 
 
 def _session_id(request: web.Request) -> str | None:
@@ -134,7 +140,6 @@ async def _prepare(
     )
     exchange.turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
-    exchange.memory_ms = (time.perf_counter() - exchange.started) * 1000
     context = turn.context
     exchange.headers.update({
         "X-Memproxy-Reconcile": turn.reconciled.kind,
@@ -148,6 +153,7 @@ async def _prepare(
         "X-Memproxy-Tool-Outputs-Trimmed": str(context.trimmed),
         "X-Memproxy-Deduplicated": str(context.deduplicated),
     })
+    exchange.timings.lap("budget")
 
 
 async def _forward(request: web.Request, exchange: Exchange) -> web.StreamResponse:
@@ -156,18 +162,18 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
     provider = request.app[PROVIDER]
     upstream_started = time.perf_counter()
     result = await provider.complete(exchange.model, exchange.messages, exchange.params)
-    upstream_ms = (time.perf_counter() - upstream_started) * 1000
+    upstream_ms = exchange.timings.upstream_ended(upstream_started)
     if exchange.turn is not None:
         choices = result.get("choices") or [{}]
         await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
-    exchange.headers["Server-Timing"] = _timing(exchange.memory_ms, "upstream", upstream_ms)
+    exchange.headers["Server-Timing"] = exchange.timings.header()
     response = web.json_response(result, headers=exchange.headers, dumps=_dumps)
     try:
         await response.prepare(request)
         await response.write_eof()
     finally:
         _after_response(request, exchange)
-    _log(exchange, response.status, upstream_ms)
+    _log(exchange, response.status)
     return response
 
 
@@ -175,8 +181,10 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
     provider = request.app[PROVIDER]
     upstream_started = time.perf_counter()
     chunks = await provider.stream(exchange.model, exchange.messages, exchange.params)
-    first_ms = (time.perf_counter() - upstream_started) * 1000
-    exchange.headers["Server-Timing"] = _timing(exchange.memory_ms, "upstream-first-chunk", first_ms)
+    exchange.timings.upstream_ended(upstream_started)
+    # The headers leave now, before the answer is complete and recorded: the whole split, `record`
+    # included, is in the request's log line.
+    exchange.headers["Server-Timing"] = exchange.timings.header(BEFORE_UPSTREAM, "upstream-first-chunk")
     response = web.StreamResponse(headers={
         **exchange.headers,
         "Content-Type": "text/event-stream",
@@ -185,33 +193,38 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
     await response.prepare(request)
     assembler = StreamAssembler()
     try:
-        await _relay(chunks, response, assembler)
+        upstream_ms = await _relay(chunks, response, assembler, exchange.timings, upstream_started)
         if not assembler.complete:
             raise ProxyError("the upstream stream ended before the answer was complete",
                              status=502, code="upstream_incomplete")
         if exchange.turn is not None:
-            upstream_ms = (time.perf_counter() - upstream_started) * 1000
             await _record(request, exchange, assembler.message(), assembler.usage, upstream_ms)
         await response.write(b"data: [DONE]\n\n")
     except ProxyError as exc:
         await _write_quietly(response, b"data: " + _dumps(exc.body()).encode() + b"\n\n")
-        _log(exchange, exc.status, first_ms)
+        _log(exchange, exc.status)
         return response
     except ConnectionError:
-        _log(exchange, 499, first_ms)  # the client went away before the answer was complete
+        _log(exchange, 499)  # the client went away before the answer was complete
         return response
     await _write_quietly_eof(response)
     _after_response(request, exchange)
-    _log(exchange, 200, first_ms)
+    _log(exchange, 200)
     return response
 
 
 async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
-                 assembler: StreamAssembler) -> None:
-    async with aclosing(chunks):  # a client that went away releases the upstream connection now
-        async for chunk in chunks:
-            assembler.add(chunk)
-            await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+                 assembler: StreamAssembler, timings: Timings, upstream_started: float) -> float:
+    """Relay the stream to the client; returns how long the upstream took (relaying included),
+    also when the stream or the client broke off."""
+    try:
+        async with aclosing(chunks):  # a client that went away releases the upstream connection now
+            async for chunk in chunks:
+                assembler.add(chunk)
+                await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+    finally:
+        upstream_ms = timings.upstream_ended(upstream_started)
+    return upstream_ms
 
 
 async def _record(request: web.Request, exchange: Exchange, reply: Message,
@@ -224,6 +237,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
                          exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.recorded = True
+    exchange.timings.lap("record")
 
 
 def _after_response(request: web.Request, exchange: Exchange) -> None:
@@ -259,24 +273,20 @@ async def _write_quietly_eof(response: web.StreamResponse) -> None:
         pass
 
 
-def _timing(memory_ms: float, upstream_name: str, upstream_ms: float) -> str:
-    return f"memory;dur={memory_ms:.2f}, {upstream_name};dur={upstream_ms:.2f}"
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _log(exchange: Exchange, status: int, upstream_ms: float) -> None:
+def _log(exchange: Exchange, status: int) -> None:
+    """One line per request; for a stream, the only place its `record` time shows."""
     turn = exchange.turn
+    timings = exchange.timings.log_fields()
     if turn is None:
-        log.info("chat status=%d model=%s session=- upstream_ms=%.1f", status, exchange.model.name,
-                 upstream_ms)
+        log.info("chat status=%d model=%s session=- %s", status, exchange.model.name, timings)
         return
     digest = session_digest(turn.tenant, turn.session_id)
     log.info(
-        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d"
-        " memory_ms=%.2f upstream_ms=%.1f",
+        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d %s",
         status, exchange.model.name, digest, turn.reconciled.kind, turn.context.tokens,
-        turn.context.included, turn.context.omitted, exchange.memory_ms, upstream_ms,
+        turn.context.included, turn.context.omitted, timings,
     )

@@ -10,6 +10,7 @@ when nobody holds or waits for it. Across processes the store's conflict check k
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -24,11 +25,14 @@ class BackgroundTasks:
         self._closing = False
 
     def spawn(self, work: Coroutine[Any, Any, T], optional: bool = False) -> asyncio.Task[T]:
-        """Own `work`; an `optional` task (a summary) is cancelled at shutdown instead of awaited."""
+        """Own `work`; an `optional` task (a summary) is cancelled at shutdown instead of awaited.
+        It also outlives the request that started it, so it runs in a context of its own: what it
+        does is not charged to that request's timings (`memproxy.timing`)."""
         if self._closing:
             work.close()
             raise RuntimeError("shutting down")
-        task = asyncio.get_running_loop().create_task(work)
+        context = contextvars.Context() if optional else None
+        task = asyncio.get_running_loop().create_task(work, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if optional:
@@ -49,6 +53,10 @@ class BackgroundTasks:
         except asyncio.CancelledError:
             await asyncio.wait([task])
             raise
+
+    def __len__(self) -> int:
+        """Work under way that shutdown waits for (a turn being written), optional work aside."""
+        return len(self._tasks - self._optional)
 
     async def close(self) -> None:
         self._closing = True

@@ -117,7 +117,8 @@ async def build_context(
     must_tokens = base_totals.full - (await store.totals_at(session, must_start)).full
     _check_fits(available, must_tokens, fixed, budget, model_name)
 
-    summary = await store.current_summary(session, must_start)
+    # A session never summarised needs no summary query (one round trip less on PostgreSQL).
+    summary = await store.current_summary(session, must_start) if session.summary_version else None
     covered = summary.covers if summary else 0  # whether or not the summary fits
     extra: list[Message] = []
     if summary is not None:

@@ -11,6 +11,7 @@ for the store to write in one transaction.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from .context import Budget, Context, Fixed, build_context
 from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
 from .reconcile import Reconciled, reconcile
 from .store import NewMessage, SentContext, SessionState, Store, TurnRecord, Usage
-from .summarize import Summarizer
+from .summarize import FoldResult, Summarizer
+from .timing import lap
 from .tokens import REPLY_PRIMING, TokenCounter
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
@@ -107,6 +109,7 @@ async def prepare_turn(
     if not system and session is not None and session.system:
         system = session.system
     reconciled = await reconcile(store, session, conversation, history_mode)
+    lap("reconcile")
     hashes = chain_hashes(reconciled.base_hash, reconciled.new)
     new = [new_message(m, h, counter, memory) for m, h in zip(reconciled.new, hashes)]
     fixed = Fixed(
@@ -116,11 +119,11 @@ async def prepare_turn(
         + counter.tools(schemas) + REPLY_PRIMING,
     )
 
-    async def build() -> Context:
+    async def build(session: SessionState | None) -> Context:
         return await build_context(store, session, reconciled.base, fixed, budget, model.name, counter,
                                    memory, use_marker=memory.overflow != "drop")
 
-    context = await build()
+    context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
@@ -129,7 +132,7 @@ async def prepare_turn(
 
 async def _fold_left_out(
     summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
-    memory: MemoryConfig, context: Context, build: Callable[[], Awaitable[Context]],
+    memory: MemoryConfig, context: Context, build: Callable[[SessionState], Awaitable[Context]],
 ) -> Context:
     """The overflow policy `summarize`: fold what was left out, and everything older than the
     verbatim tail, then plan again. The room the new summary takes can push more turns out, so
@@ -144,11 +147,14 @@ async def _fold_left_out(
         upto = min(max(context.first_sent, tail), context.mandatory_start)
         fold = summarizer.fold(session.tenant, session.session_id, model, upto=upto)
         try:
-            outcome = (await asyncio.wait_for(fold, max(deadline - loop.time(), 0))).outcome
+            result: FoldResult | None = await asyncio.wait_for(fold, max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
-            outcome = "timeout"
-        context = await build()
-        if outcome != "applied":
+            result = None
+        if result is not None and result.summary is not None:
+            # The session was read before this summary was saved; planning again must look for it.
+            session = dataclasses.replace(session, summary_version=result.summary.version)
+        context = await build(session)
+        if result is None or result.outcome != "applied":
             break
     return context
 

@@ -11,7 +11,8 @@ import asyncio
 import os
 import sqlite3
 import uuid
-from contextlib import closing
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,15 +65,34 @@ class StoreUnderTest:
                 found = [tuple(r) for r in db.execute(sql, params)]
                 db.commit()  # a statement that writes is committed, as on PostgreSQL
                 return found
-        schema = self.storage.schema
-        conn = await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": f'"{schema}"' if schema else ""})
+        conn = await self._postgres()
         try:
-            numbered = sql
-            for i in range(sql.count("?")):
-                numbered = numbered.replace("?", f"${i + 1}", 1)
-            return [tuple(r) for r in await conn.fetch(numbered, *params)]
+            return [tuple(r) for r in await conn.fetch(_numbered(sql), *params)]
         finally:
             await conn.close()
+
+    @asynccontextmanager
+    async def uncommitted(self, sql: str, *params: Any) -> AsyncIterator[None]:
+        """`sql` run in a write transaction left open for the block, then committed."""
+        if self.kind == "sqlite":
+            assert self.path is not None
+            with closing(sqlite3.connect(self.path, isolation_level=None)) as db:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute(sql, params)
+                yield
+                db.execute("COMMIT")
+            return
+        conn = await self._postgres()
+        try:
+            async with conn.transaction():
+                await conn.execute(_numbered(sql), *params)
+                yield
+        finally:
+            await conn.close()
+
+    async def _postgres(self) -> asyncpg.Connection:
+        schema = self.storage.schema
+        return await asyncpg.connect(POSTGRES_URL, server_settings={"search_path": f'"{schema}"' if schema else ""})
 
     async def drop(self) -> None:
         if self.kind == "postgres" and self.storage.schema:
@@ -81,6 +101,12 @@ class StoreUnderTest:
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{self.storage.schema}" CASCADE')
             finally:
                 await conn.close()
+
+
+def _numbered(sql: str) -> str:
+    for i in range(sql.count("?")):
+        sql = sql.replace("?", f"${i + 1}", 1)
+    return sql
 
 
 async def store_under_test(kind: str, tmp_path: Path) -> StoreUnderTest:

@@ -12,6 +12,7 @@ The helpers at the top are shared with `test_properties.py`.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ from conftest import Proxy
 from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.store.sqlite import sqlite_path
+from memproxy.timing import PARTS
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG
 
@@ -236,9 +238,10 @@ async def test_long_conversation_stays_in_budget_keeping_the_newest_turns(
         kept, headers = await chat.send([user])
         elapsed_ms = (time.perf_counter() - started) * 1000
         kept_per_turn.append(kept)
-        timing = re.fullmatch(r"memory;dur=(\d+\.\d+), upstream;dur=(\d+\.\d+)", headers["server-timing"])
-        assert timing is not None, headers["server-timing"]
-        assert float(timing[1]) + float(timing[2]) <= elapsed_ms  # two parts of what the client waited
+        timing = server_timing(headers)
+        assert list(timing) == [*PARTS, "memory", "upstream"]
+        assert_parts_within_memory(timing, PARTS)
+        assert timing["memory"] + timing["upstream"] <= elapsed_ms  # two parts of what the client waited
     assert kept_per_turn[:3] == [0, 2, 4]  # at first everything fits
     assert kept_per_turn[-1] < 2 * 15  # later the oldest turns are left out
     assert int(headers["x-memproxy-stored-omitted"]) > 0
@@ -247,7 +250,10 @@ async def test_long_conversation_stays_in_budget_keeping_the_newest_turns(
     assert last[-1]["content"].startswith("question 15:")
 
 
-async def test_stream_reports_context_tokens_and_timing(proxy: Proxy, upstream: FakeUpstream) -> None:
+async def test_stream_reports_context_tokens_and_timing(
+    proxy: Proxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="memproxy.chat")
     client = proxy.client(session="stream-headers")
     for turn in range(2):
         raw = await client.chat.completions.with_raw_response.create(
@@ -261,8 +267,38 @@ async def test_stream_reports_context_tokens_and_timing(proxy: Proxy, upstream: 
         assert int(raw.headers["x-memproxy-stored-included"]) == len(sent.messages) - 1 == 2 * turn
         assert raw.headers["x-memproxy-stored-omitted"] == "0"
         assert raw.headers["x-memproxy-input-budget"] == str(DEFAULT_BUDGET)
-        assert re.fullmatch(r"memory;dur=\d+\.\d+, upstream-first-chunk;dur=\d+\.\d+",
-                            raw.headers["server-timing"])
+        # The headers leave before the answer is recorded: no `record` yet.
+        timing = server_timing(raw.headers)
+        assert list(timing) == ["parse", "reconcile", "budget", "store", "memory", "upstream-first-chunk"]
+        assert_parts_within_memory(timing, ("parse", "reconcile", "budget", "store"))
+    # The log line has it, with the whole split.
+    [line] = [r.getMessage() for r in caplog.records if r.name == "memproxy.chat"][-1:]
+    assert re.findall(r"(\w+)_ms=\d+\.\d\d", line) == [*PARTS, "memory", "upstream"]
+
+
+async def test_pass_through_reports_timing(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="hello"))
+    raw = await proxy.client(session=None).chat.completions.with_raw_response.create(
+        model="small", messages=[{"role": "user", "content": "hi"}])
+    timing = server_timing(raw.headers)
+    assert list(timing) == [*PARTS, "memory", "upstream"]
+    assert_parts_within_memory(timing, PARTS)
+
+
+def server_timing(headers: Mapping[str, str]) -> dict[str, float]:
+    """`Server-Timing` as name -> ms, every entry parsed."""
+    timing = {}
+    for entry in headers["server-timing"].split(", "):
+        match = re.fullmatch(r"([a-z-]+);dur=(\d+\.\d\d)", entry)
+        assert match is not None, headers["server-timing"]
+        timing[match[1]] = float(match[2])
+    return timing
+
+
+def assert_parts_within_memory(timing: dict[str, float], parts: Sequence[str]) -> None:
+    """The parts do not overlap: together they are at most `memory` (each printed value is rounded
+    to 0.01 ms, hence the slack)."""
+    assert sum(timing[part] for part in parts) <= timing["memory"] + 0.005 * (len(parts) + 1)
 
 
 # --- the output reserve --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,20 @@ async def test_recorded_turn_is_committed_and_visible_to_another_store(open_stor
     stored = await reader.active_range(session, 0, 2)
     assert [m.body for m in stored] == [user("hi"), assistant("hello")]
     assert [(m.seq, m.tokens, m.cum_before) for m in stored] == [(0, 10, 0), (1, 10, 10)]
+
+
+async def test_reads_see_only_committed_data_and_do_not_wait_for_a_writer(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    """A write transaction left open (another process recording a turn) hides what it wrote, and
+    holds no read up: SQLite answers a turn's reads on the event loop, which must never wait."""
+    store = await open_store()
+    async with backend.uncommitted("INSERT INTO sessions (tenant, session_id, created_at, updated_at)"
+                                   " VALUES ('t', 's', 0, 0)"):
+        assert await asyncio.wait_for(store.get_session("t", "s"), 2) is None
+        assert (await asyncio.wait_for(store.usage("t"), 2)).sessions == 0
+    session = await store.get_session("t", "s")
+    assert session is not None and session.length == 0
 
 
 async def test_sessions_are_scoped_by_tenant(open_store: Opener) -> None:
@@ -312,9 +327,11 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     session = await store.get_session("t", "s")
     assert session is not None
     hashes = chain_hashes(ROOT_HASH, history)
-    assert await store.current_summary(session, 6) is None
+    assert await store.current_summary(session, 6) is None and session.summary_version == 0
     await store.save_summary(session, 0, summary(2, hashes[1], "first"))
     await store.save_summary(session, 1, summary(4, hashes[3], "second"))
+    summarised = await other.get_session("t", "s")
+    assert summarised is not None and summarised.summary_version == 2  # the session says it has some
     current = await other.current_summary(session, 6)
     assert current is not None and (current.version, current.text, current.covers) == (2, "second", 4)
     # A summary covering more than the messages kept is not used for them: the older one is.
@@ -450,3 +467,29 @@ async def test_a_turn_planned_on_an_expired_session_restarts_it_only_if_it_still
     assert session is not None and await store.get_metadata(session) == {"step": 1}
     assert [m.body for m in await store.active_range(session, 0, 9)] == [user("later"), assistant("c")]
     assert (await store.deleted_usage("t")).turns == 2
+
+
+def test_sessions_summarised_before_0007_know_their_summary_version(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    before = [(migration_id, sql) for migration_id, sql in migrations() if migration_id < "0007"]
+    with closing(sqlite3.connect(path)) as db:
+        for _, sql in before:
+            db.executescript(sql)
+        db.execute("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+        db.executemany("INSERT INTO schema_migrations VALUES (?, 0)", [(m,) for m, _ in before])
+        db.execute("INSERT INTO sessions (pk, tenant, session_id, created_at, updated_at)"
+                   " VALUES (1, 't', 'summarised', 0, 0), (2, 't', 'not', 0, 0)")
+        db.executemany("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
+                       " replaced_tokens, model, created_at) VALUES (1, ?, 'x', 1, 'h', 1, 2, 'm', 0)",
+                       [(1,), (2,)])
+        db.commit()
+
+    async def check() -> None:
+        store = await SQLiteStore.open(f"sqlite:///{path}")
+        try:
+            sessions = [await store.get_session("t", name) for name in ("summarised", "not")]
+            assert [s.summary_version if s else None for s in sessions] == [2, 0]
+        finally:
+            await store.close()
+
+    asyncio.run(check())

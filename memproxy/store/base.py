@@ -33,6 +33,7 @@ class SessionState:
     history_mode: str | None  # "full" or "new", as learned from the client
     created_at: float
     updated_at: float
+    summary_version: int  # the newest summary saved (0: none, so there is none to look for)
 
 
 @dataclass(frozen=True)

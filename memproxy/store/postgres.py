@@ -10,8 +10,7 @@ replicas starting together apply each one exactly once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -31,19 +30,6 @@ def numbered(sql: str) -> str:
     return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
 
 
-class _Transaction:
-    def __init__(self, conn: asyncpg.Connection) -> None:
-        self._conn = conn
-
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return [tuple(r) for r in await self._conn.fetch(numbered(sql), *params)]
-
-    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        status: str = await self._conn.execute(numbered(sql), *params)
-        last = status.rsplit(" ", 1)[-1]
-        return int(last) if last.isdigit() else 0
-
-
 class PostgresBackend:
     row_lock = " FOR UPDATE"
 
@@ -53,15 +39,14 @@ class PostgresBackend:
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[_Transaction]:
-        async with self._pool.acquire() as conn:
-            async with conn.transaction():
-                yield _Transaction(conn)
+    lookup = fetch  # a round trip to the server either way
 
     async def write(self, script: Script[T]) -> T:
-        async with self.transaction() as tx:
-            return await run_script_async(script, tx)
+        async with self._pool.acquire() as conn, conn.transaction():
+            async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
+                return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
+
+            return await run_script_async(script, fetch)
 
     async def close(self) -> None:
         await self._pool.close()

@@ -1,10 +1,12 @@
 """The Store, written once in the SQL that SQLite and PostgreSQL share.
 
-A `Backend` supplies four things: reads that see only committed data, write transactions, write
-scripts, and the dialect's row lock. A script is a write as a generator of statements, each `yield`
-answered with that statement's rows: the same code runs statement by statement on PostgreSQL and
-whole in one trip to SQLite's writer thread (`record_turn`, the write every turn makes). Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING`
-for new ids, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
+A `Backend` supplies reads that see only committed data, write scripts, and the dialect's row lock.
+Every write is a script: a generator of statements, each `yield` answered with that statement's
+rows, run in one transaction. The same code runs statement by statement on PostgreSQL and whole in
+one trip to SQLite's writer thread, so no write there holds the thread across trips to the event
+loop, and writes queue on the thread instead of on a lock. Statements use `?` placeholders (the
+PostgreSQL backend numbers them), `RETURNING` for new ids and for what a statement changed, and
+`CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
 
 Writes that must not interleave take the session's row lock first (`FOR UPDATE` on PostgreSQL; on
 SQLite the whole write transaction is exclusive): recording a turn, saving a summary, merging
@@ -19,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Conflict
 from ..messages import chain_hash
+from ..timing import charge_store
 from .base import (
     MessageRecord,
     SentContext,
@@ -43,13 +45,14 @@ Row = Sequence[Any]
 T = TypeVar("T")
 Step = tuple[str, Sequence[Any]]
 Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
+_LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) is no lookup
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
 # length of a session's history.
 QUERIES = {
     "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
-    " system_prompt, history_mode, created_at, updated_at FROM sessions"
+    " system_prompt, history_mode, created_at, updated_at, summary_version FROM sessions"
     " WHERE tenant = ? AND session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
     " AND chain_hash IN ({marks})",
@@ -106,14 +109,6 @@ _SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens,
 _JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body"})
 
 
-class Transaction(Protocol):
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
-
-    async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run a statement; returns the rows it affected."""
-        ...
-
-
 class Backend(Protocol):
     row_lock: str  # appended to a SELECT that must lock the rows it reads
 
@@ -121,7 +116,10 @@ class Backend(Protocol):
         """A read outside any transaction: it sees committed data only."""
         ...
 
-    def transaction(self) -> AbstractAsyncContextManager[Transaction]: ...
+    async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
+        by the request rather than the history, so a backend may answer it on the event loop."""
+        ...
 
     async def write(self, script: Script[T]) -> T:
         """Run a script in one write transaction, rolled back if it raises."""
@@ -141,12 +139,12 @@ def run_script(script: Script[T], fetch: Callable[[str, Sequence[Any]], list[Row
         return result
 
 
-async def run_script_async(script: Script[T], tx: Transaction) -> T:
-    """Drive a script statement by statement in a transaction."""
+async def run_script_async(script: Script[T], fetch: Callable[[str, Sequence[Any]], Awaitable[list[Row]]]) -> T:
+    """Drive a script statement by statement with an asynchronous `fetch` (in a transaction)."""
     try:
         step = next(script)
         while True:
-            step = script.send(await tx.fetch(*step))
+            step = script.send(await fetch(*step))
     except StopIteration as done:
         result: T = done.value
         return result
@@ -159,23 +157,31 @@ class SQLStore:
     async def close(self) -> None:
         await self._db.close()
 
-    async def _one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._db.fetch(sql, params)
+    async def _fetch(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> list[Row]:
+        """`lookup`: one of the `QUERIES` that serve a turn (`Backend.lookup`)."""
+        started = time.perf_counter()
+        try:
+            return await (self._db.lookup if lookup else self._db.fetch)(sql, params)
+        finally:
+            charge_store(started)
+
+    async def _one(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> Row | None:
+        rows = await self._fetch(sql, params, lookup)
         return rows[0] if rows else None
 
     async def ping(self) -> None:
-        await self._db.fetch("SELECT 1")
+        await self._fetch("SELECT 1")
 
     # --- serving a turn ------------------------------------------------------------------------
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
-        row = await self._one(QUERIES["get_session"], (tenant, session_id))
+        row = await self._one(QUERIES["get_session"], (tenant, session_id), lookup=True)
         if row is None:
             return None
         return SessionState(
             pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
             head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
-            history_mode=row[8], created_at=row[9], updated_at=row[10],
+            history_mode=row[8], created_at=row[9], updated_at=row[10], summary_version=row[11],
         )
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
@@ -183,7 +189,7 @@ class SQLStore:
         for i in range(0, len(hashes), _CHUNK):
             chunk = list(hashes[i : i + _CHUNK])
             sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
-            row = await self._one(sql, (session.pk, *chunk))
+            row = await self._one(sql, (session.pk, *chunk), lookup=True)
             if row is not None and row[0] is not None:
                 best = max(best, int(row[0]))
         return best + 1
@@ -191,30 +197,31 @@ class SQLStore:
     async def totals_at(self, session: SessionState, seq: int) -> Totals:
         if seq >= session.length:
             return Totals(session.head_cum, session.head_compact_cum)
-        row = await self._one(QUERIES["totals_at"], (session.pk, seq))
+        row = await self._one(QUERIES["totals_at"], (session.pk, seq), lookup=True)
         if row is None:
             raise LookupError(f"no active message at position {seq}")
         return Totals(int(row[0]), int(row[1]))
 
     async def last_unit_start(self, session: SessionState, before: int) -> int:
-        row = await self._one(QUERIES["last_unit_start"], (session.pk, before))
+        row = await self._one(QUERIES["last_unit_start"], (session.pk, before), lookup=True)
         return before if row is None else int(row[0])
 
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
-        rows = await self._db.fetch(QUERIES["user_positions"], (session.pk, before, limit))
+        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit), lookup=True)
         return [int(row[0]) for row in rows]
 
     async def first_fitting_unit_start(
         self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
     ) -> int | None:
         query = QUERIES["first_fitting_compact_unit_start" if compact else "first_fitting_unit_start"]
-        row = await self._one(query, (session.pk, min_cum_before, floor))
+        row = await self._one(query, (session.pk, min_cum_before, floor), lookup=True)
         return None if row is None else int(row[0])
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
         if start >= stop:
             return []
-        rows = await self._db.fetch(QUERIES["active_range"], (session.pk, start, stop))
+        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop),
+                                 lookup=stop - start <= _LOOKUP_ROWS)
         return [
             StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
                           unit_start=bool(r[4]), chain_hash=r[5],
@@ -224,11 +231,11 @@ class SQLStore:
         ]
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
-        row = await self._one(QUERIES["current_summary"], (session.pk, upto))
+        row = await self._one(QUERIES["current_summary"], (session.pk, upto), lookup=True)
         return None if row is None else _summary(row)
 
     async def summary_history(self, session: SessionState) -> list[Summary]:
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,))
         return [_summary(row) for row in rows]
 
@@ -245,9 +252,6 @@ class SQLStore:
             yield from self._forget("pk = ?", (rows[0][0],))
             return (yield from self._new_session(tenant, session_id))
         return rows[0][:5]
-
-    async def _lock_session(self, tx: Transaction, tenant: str, session_id: str) -> Row | None:
-        return await run_script_async(self._locked(tenant, session_id), tx)
 
     def _forget(self, where: str, params: Sequence[Any]) -> Script[int]:
         """Delete the sessions `where` selects, first adding what they spent to their tenants'
@@ -277,48 +281,82 @@ class SQLStore:
             raise Conflict("the session was deleted while it was being written; retry")
         return row
 
+    async def _write_one(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """One statement in a write of its own; the rows it returns."""
+        return await self._db.write(_statement(sql, params))
+
     async def record_turn(self, turn: TurnRecord) -> None:
-        await self._db.write(self._record_turn(turn, time.time()))
+        started = time.perf_counter()
+        try:
+            await self._db.write(self._record_turn(turn, time.time()))
+        finally:
+            charge_store(started)
 
     def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
-        if row is None:
-            if turn.expected_length != 0:
-                raise Conflict("the session was deleted while this turn was in flight")
-            # Empty, as this turn expects; or another replica created it meanwhile: continue theirs.
-            row = yield from self._new_session(turn.tenant, turn.session_id)
-        pk = int(row[0])
-        if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
-            turn = yield from self._rebased(turn, pk, row)
+        """A turn in as few statements as it takes (each is a round trip on PostgreSQL). Usually the
+        session is where the turn was planned, and one statement both checks that and moves its row to
+        the new head (a new session: inserts it with its head). Otherwise (the session moved
+        meanwhile, was created by another writer, or idled past its TTL) its row is locked and read
+        first, and the turn continues it, rebased (`_rebased`), or is refused."""
+        placement = _placement(turn)
+        pk = None
+        if turn.expired_before is None:
+            pk = yield from (self._insert_head(turn, placement[1], now) if turn.expected_length == 0
+                             else self._move_head(turn, placement[1], now))
+        if pk is None:
+            row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
+            if row is None:
+                if turn.expected_length != 0:
+                    raise Conflict("the session was deleted while this turn was in flight")
+                row = yield from self._new_session(turn.tenant, turn.session_id)
+            pk = int(row[0])
+            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+                turn = yield from self._rebased(turn, pk, row)
+                placement = _placement(turn)
+            yield from self._move_head(turn, placement[1], now, pk)
         if turn.base < turn.expected_length:
             yield QUERIES["supersede"], (pk, turn.base)
-        parents = (yield QUERIES["message_id"], (pk, turn.base - 1)) if turn.base else []
-        parent_id = parents[0][0] if parents else None
         [(turn_id,)] = yield (
             f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)}) RETURNING id",
             (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
              turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens,
              *_sent_values(turn.sent)))
-        seq, head_hash = turn.base, turn.base_hash
-        cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
-        for message in turn.messages:
-            compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        parent_id = None  # the first message's parent, the message before `base`, is looked up in its insert
+        for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement[0]):
             [(parent_id,)] = yield (
                 "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
                 " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
-                " compact_cum_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                (pk, turn_id, parent_id, seq, message.body.get("role"), _dumps(message.body),
-                 message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                f" compact_cum_before) VALUES (?, ?, coalesce(?, ({QUERIES['message_id']})),"
+                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (pk, turn_id, parent_id, pk, turn.base - 1, seq, message.body.get("role"),
+                 _dumps(message.body), message.tokens, cum, int(message.unit_start), message.chain_hash, now,
                  None if message.compact_body is None else _dumps(message.compact_body),
                  compact_tokens, compact_cum))
-            seq, head_hash = seq + 1, message.chain_hash
-            cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
-        yield (
+
+    def _insert_head(self, turn: TurnRecord, head: Head, now: float) -> Script[int | None]:
+        """A new session inserted with the turn's head; None if one exists already."""
+        created = yield (
+            "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
+            " head_compact_cum, system_prompt, history_mode, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+            (turn.tenant, turn.session_id, now, now, *head, _dumps(turn.system) if turn.system else None,
+             turn.history_mode, turn.title))
+        return int(created[0][0]) if created else None
+
+    def _move_head(self, turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Script[int | None]:
+        """The session's row moved to `head` (length, hash, running totals), with the turn's system
+        prompt, history mode and title: the row `pk` (locked already), or without one, the session
+        only if it is still where the turn was planned (the statement checks it, and on PostgreSQL
+        locks it). The session's key, or None if it had moved."""
+        where, params = ("pk = ?", [pk]) if pk is not None else (
+            "tenant = ? AND session_id = ? AND length = ? AND head_hash = ?",
+            [turn.tenant, turn.session_id, turn.expected_length, turn.expected_head_hash])
+        moved = yield (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-            " history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE pk = ?",
-            (seq, head_hash, cum, compact_cum, now, _dumps(turn.system) if turn.system else None,
-             turn.history_mode, turn.title, pk))
+            f" history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE {where} RETURNING pk",
+            (*head, now, _dumps(turn.system) if turn.system else None, turn.history_mode, turn.title, *params))
+        return int(moved[0][0]) if moved else None
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
         """A turn planned on a history that another writer has since extended. If it only continued
@@ -341,48 +379,45 @@ class SQLStore:
                                    base_totals=Totals(head_cum, head_compact_cum), messages=messages)
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
-                " completion_tokens, latency_ms, cost, full_tokens)"
-                " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
-                (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
-                 call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+        await self._write_one(
+            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+            " completion_tokens, latency_ms, cost, full_tokens)"
+            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
+            (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
+             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
-        async with self._db.transaction() as tx:
-            await self._lock_session(tx, session.tenant, session.session_id)
-            [(version,)] = await tx.fetch(
-                "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,))
-            if version != expected_version:
-                raise Conflict("another summary of this session was saved meanwhile")
-            covered = await tx.fetch(
-                "SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
-                (session.pk, summary.covers - 1, summary.covers_hash))
-            if not covered:
-                raise Conflict("the history this summary covers has changed since it was read")
-            await tx.execute(
-                "INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens,"
-                " replaced_tokens, model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
-                 summary.tokens, summary.replaced_tokens, summary.model, time.time()))
+        await self._db.write(self._save_summary(session, expected_version, summary, time.time()))
+
+    def _save_summary(self, session: SessionState, expected_version: int, summary: Summary,
+                      now: float) -> Script[None]:
+        yield from self._locked(session.tenant, session.session_id)
+        [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
+        if version != expected_version:
+            raise Conflict("another summary of this session was saved meanwhile")
+        covered = yield ("SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
+                         (session.pk, summary.covers - 1, summary.covers_hash))
+        if not covered:
+            raise Conflict("the history this summary covers has changed since it was read")
+        yield ("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens, replaced_tokens,"
+               " model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
+                summary.tokens, summary.replaced_tokens, summary.model, now))
+        yield "UPDATE sessions SET summary_version = ? WHERE pk = ?", (expected_version + 1, session.pk)
 
     async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
         now = time.time()
-        async with self._db.transaction() as tx:
-            taken = await tx.fetch(
-                "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
-                " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
-                " expires_at = excluded.expires_at"
-                " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
-                " RETURNING holder",
-                (session.pk, holder, now + seconds, now))
+        taken = await self._write_one(
+            "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
+            " expires_at = excluded.expires_at"
+            " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
+            " RETURNING holder",
+            (session.pk, holder, now + seconds, now))
         return bool(taken)
 
     async def release_summary_lease(self, session: SessionState, holder: str) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?",
-                             (session.pk, holder))
+        await self._write_one("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?", (session.pk, holder))
 
     # --- managing sessions ---------------------------------------------------------------------
 
@@ -405,7 +440,7 @@ class SQLStore:
 
     async def _infos(self, where: str, params: list[Any], limit: int) -> list[tuple[SessionInfo, int]]:
         columns = "pk, tenant, session_id, title, created_at, updated_at, length, head_cum"
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             f"WITH page AS (SELECT {columns} FROM sessions WHERE {where}"
             " ORDER BY updated_at DESC, pk DESC LIMIT ?)"
             f" SELECT page.*, {_CHAT_TURNS}, coalesce(sum(t.prompt_tokens), 0),"
@@ -426,14 +461,14 @@ class SQLStore:
         ]
 
     async def all_messages(self, session: SessionState) -> list[MessageRecord]:
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             "SELECT id, seq, active, parent_id, role, body, tokens, created_at FROM messages"
             " WHERE session_pk = ? ORDER BY id", (session.pk,))
         return [MessageRecord(id=r[0], seq=r[1], active=bool(r[2]), parent_id=r[3], role=r[4],
                               body=json.loads(r[5]), tokens=r[6], created_at=r[7]) for r in rows]
 
     async def turns(self, session: SessionState) -> list[TurnInfo]:
-        rows = await self._db.fetch(
+        rows = await self._fetch(
             "SELECT t.kind, t.model, t.created_at, t.context_tokens, t.prompt_tokens, t.completion_tokens,"
             f" t.cost, min(m.seq), count(m.id), {', '.join('t.' + c for c in _SENT_COLUMNS.split(', '))}"
             " FROM turns t LEFT JOIN messages m ON m.turn_id = t.id WHERE t.session_pk = ?"
@@ -517,16 +552,14 @@ class SQLStore:
         return _usage_totals(row)
 
     async def tenant_rollups(self) -> dict[str, UsageTotals]:
-        rows = await self._db.fetch(f"SELECT tenant, {_USAGE_COLUMNS} FROM tenant_usage ORDER BY tenant")
+        rows = await self._fetch(f"SELECT tenant, {_USAGE_COLUMNS} FROM tenant_usage ORDER BY tenant")
         return {row[0]: _usage_totals(row[1:]) for row in rows}
 
     async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
-        async with self._db.transaction() as tx:
-            await tx.execute(
-                f"INSERT INTO tenant_usage (tenant, {_USAGE_COLUMNS}) VALUES (?, {_marks(_USAGE_COLUMNS)})"
-                f" {_ADD_TO_ROLLUP}",
-                (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
-                 usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
+        await self._write_one(
+            f"INSERT INTO tenant_usage (tenant, {_USAGE_COLUMNS}) VALUES (?, {_marks(_USAGE_COLUMNS)}) {_ADD_TO_ROLLUP}",
+            (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
+             usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
         head = await self._one(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))
@@ -534,76 +567,78 @@ class SQLStore:
         records: list[dict[str, Any]] = [{"type": "session", "format": 1, "session_id": session.session_id,
                                           **_record(_SESSION_COLUMNS, head)}]
         turn_ids: dict[int, int] = {}
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT id, {_TURN_COLUMNS} FROM turns WHERE session_pk = ? ORDER BY id", (session.pk,)):
             turn_ids[row[0]] = len(turn_ids) + 1
             records.append({"type": "turn", "id": turn_ids[row[0]], **_record(_TURN_COLUMNS, row[1:])})
         message_ids: dict[int, int] = {}
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT id, turn_id, parent_id, {_MESSAGE_COLUMNS} FROM messages WHERE session_pk = ?"
                 " ORDER BY id", (session.pk,)):
             message_ids[row[0]] = len(message_ids) + 1
             records.append({"type": "message", "id": message_ids[row[0]], "turn": turn_ids[row[1]],
                             "parent": message_ids.get(row[2]) if row[2] is not None else None,
                             **_record(_MESSAGE_COLUMNS, row[3:])})
-        for row in await self._db.fetch(
+        for row in await self._fetch(
                 f"SELECT {_SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,)):
             records.append({"type": "summary", **_record(_SUMMARY_COLUMNS, row)})
         return records
 
     async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:
-        async with self._db.transaction() as tx:
-            [head] = [r for r in records if r["type"] == "session"]
-            created = await tx.fetch(
-                f"INSERT INTO sessions (tenant, session_id, {_SESSION_COLUMNS})"
-                f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
-                " RETURNING pk",
-                (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
-            if not created:
-                raise Conflict(f"a session '{session_id}' already exists")
-            pk = created[0][0]
-            turn_ids: dict[int, int] = {}
-            for record in (r for r in records if r["type"] == "turn"):
-                [(turn_ids[record["id"]],)] = await tx.fetch(
-                    f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)})"
-                    " RETURNING id", (pk, *_values(_TURN_COLUMNS, record)))
-            message_ids: dict[int, int] = {}
-            for record in (r for r in records if r["type"] == "message"):
-                parent = message_ids[record["parent"]] if record.get("parent") is not None else None
-                [(message_ids[record["id"]],)] = await tx.fetch(
-                    f"INSERT INTO messages (session_pk, turn_id, parent_id, {_MESSAGE_COLUMNS})"
-                    f" VALUES (?, ?, ?, {_marks(_MESSAGE_COLUMNS)}) RETURNING id",
-                    (pk, turn_ids[record["turn"]], parent, *_values(_MESSAGE_COLUMNS, record)))
-            for record in (r for r in records if r["type"] == "summary"):
-                await tx.execute(
-                    f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
-                    (pk, *_values(_SUMMARY_COLUMNS, record)))
+        await self._db.write(self._import_session(tenant, session_id, records))
+
+    def _import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> Script[None]:
+        [head] = [r for r in records if r["type"] == "session"]
+        created = yield (f"INSERT INTO sessions (tenant, session_id, {_SESSION_COLUMNS})"
+                         f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
+                         " RETURNING pk", (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
+        if not created:
+            raise Conflict(f"a session '{session_id}' already exists")
+        pk = created[0][0]
+        turn_ids: dict[int, int] = {}
+        for record in (r for r in records if r["type"] == "turn"):
+            [(turn_ids[record["id"]],)] = yield (
+                f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)}) RETURNING id",
+                (pk, *_values(_TURN_COLUMNS, record)))
+        message_ids: dict[int, int] = {}
+        for record in (r for r in records if r["type"] == "message"):
+            parent = message_ids[record["parent"]] if record.get("parent") is not None else None
+            [(message_ids[record["id"]],)] = yield (
+                f"INSERT INTO messages (session_pk, turn_id, parent_id, {_MESSAGE_COLUMNS})"
+                f" VALUES (?, ?, ?, {_marks(_MESSAGE_COLUMNS)}) RETURNING id",
+                (pk, turn_ids[record["turn"]], parent, *_values(_MESSAGE_COLUMNS, record)))
+        for record in (r for r in records if r["type"] == "summary"):
+            yield (f"INSERT INTO summaries (session_pk, {_SUMMARY_COLUMNS}) VALUES (?, {_marks(_SUMMARY_COLUMNS)})",
+                   (pk, *_values(_SUMMARY_COLUMNS, record)))
+        yield ("UPDATE sessions SET summary_version = (SELECT coalesce(max(version), 0) FROM summaries"
+               " WHERE session_pk = ?) WHERE pk = ?", (pk, pk))
 
     async def cap_messages(self, session: SessionState, keep: int) -> int:
-        async with self._db.transaction() as tx:
-            locked = await self._lock_session(tx, session.tenant, session.session_id)
-            if locked is None or locked[0] != session.pk:
-                return 0
-            # The summary in use is read under the lock: read before it, an edit recorded meanwhile
-            # could make it stale and its `covers` would reach into the new branch, still to be sent.
-            summary = await tx.fetch(QUERIES["current_summary"], (session.pk, locked[1]))
-            covers = _summary(summary[0]).covers if summary else 0
-            [(count,)] = await tx.fetch("SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,))
-            excess = int(count) - keep
-            if excess <= 0:
-                return 0
-            # Superseded messages first, then what the summary in use stands for (its last message
-            # stays: it proves the summary still matches the history).
-            rows = await tx.fetch(
-                "SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
-                " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
-            ids = [r[0] for r in rows]
-            if not ids:
-                return 0
-            marks = ",".join("?" * len(ids))
-            await tx.execute(f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids)
-            await tx.execute(f"DELETE FROM messages WHERE id IN ({marks})", ids)
-            return len(ids)
+        return await self._db.write(self._cap_messages(session, keep))
+
+    def _cap_messages(self, session: SessionState, keep: int) -> Script[int]:
+        locked = yield from self._locked(session.tenant, session.session_id)
+        if locked is None or locked[0] != session.pk:
+            return 0
+        # The summary in use is read under the lock: read before it, an edit recorded meanwhile
+        # could make it stale and its `covers` would reach into the new branch, still to be sent.
+        summary = yield QUERIES["current_summary"], (session.pk, locked[1])
+        covers = _summary(summary[0]).covers if summary else 0
+        [(count,)] = yield "SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,)
+        excess = int(count) - keep
+        if excess <= 0:
+            return 0
+        # Superseded messages first, then what the summary in use stands for (its last message
+        # stays: it proves the summary still matches the history).
+        rows = yield ("SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
+                      " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
+        ids = [r[0] for r in rows]
+        if not ids:
+            return 0
+        marks = ",".join("?" * len(ids))
+        yield f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids
+        yield f"DELETE FROM messages WHERE id IN ({marks})", ids
+        return len(ids)
 
     async def last_model(self, session: SessionState) -> str | None:
         row = await self._one("SELECT model FROM turns WHERE session_pk = ? AND kind NOT IN ('summary', 'fork')"
@@ -612,8 +647,30 @@ class SQLStore:
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id), for copying a whole store."""
-        rows = await self._db.fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
+        rows = await self._fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
         return [(r[0], r[1]) for r in rows]
+
+
+Head = tuple[int, str, int, int]  # a session's length, head hash and running totals (full, compact)
+
+
+def _placement(turn: TurnRecord) -> tuple[list[tuple[int, int, int, int]], Head]:
+    """Where each of the turn's messages goes (seq, running total before it, its compact tokens and
+    compact running total), and the session's head after them (length, hash, running totals)."""
+    seq, head_hash = turn.base, turn.base_hash
+    cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
+    placed = []
+    for message in turn.messages:
+        compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        placed.append((seq, cum, compact_tokens, compact_cum))
+        seq, head_hash = seq + 1, message.chain_hash
+        cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
+    return placed, (seq, head_hash, cum, compact_cum)
+
+
+def _statement(sql: str, params: Sequence[Any]) -> Script[list[Row]]:
+    rows = yield sql, params
+    return rows
 
 
 def _marks(columns: str) -> str:
