@@ -131,7 +131,15 @@ async def build_context(
     floor = summary.covers if summary else 0
     newest = await _newest_exchange(store, session, base, fixed.new, floor, must_start)
     trim = memory.tool_output_max_tokens > 0
-    start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
+    stored: list[StoredMessage] = []
+    if floor == 0 and base_totals.full <= available:
+        # The whole history fits as stored (most sessions): no cut to look for, unless the session
+        # opens on a tool result, which no cut may keep without its call.
+        stored = await store.active_range(session, 0, base)
+    if stored and stored[0].unit_start:
+        start = 0
+    else:
+        start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
     marker = False
     if start > floor and use_marker:
         marker_tokens = counter.message(marker_message(base))  # at least the real marker's count
@@ -140,7 +148,7 @@ async def build_context(
             start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
             extra.append(marker_message(start - floor, summarised=covered > 0))
             marker = True
-    stored = await store.active_range(session, start, base)
+    stored = [m for m in stored if m.seq >= start] if stored else await store.active_range(session, start, base)
     history, tokens_sent, trimmed, deduplicated = _history(stored, newest, fixed.new, counter, memory)
     return Context(
         messages=fixed.system + extra + history + fixed.new,

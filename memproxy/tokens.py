@@ -59,6 +59,10 @@ def load_encoding(name: str) -> tiktoken.Encoding:
     return tiktoken.get_encoding(name)
 
 
+_SHORT_TEXT = 4096  # characters: texts up to this long are remembered...
+_SHORT_TEXTS = 2048  # ...this many at a time (at most some tens of MB)
+
+
 def encoding_name_for(model: str) -> str:
     """The tiktoken encoding of a model name such as `openai/gpt-4o-mini`; o200k_base if unknown."""
     bare = model.rsplit("/", 1)[-1]
@@ -71,9 +75,18 @@ def encoding_name_for(model: str) -> str:
 class TiktokenCounter:
     def __init__(self, encoding_name: str) -> None:
         self.encoding = load_encoding(encoding_name)
+        # Short texts recur on every request (roles, names, a session's system prompt): counted once.
+        self._short: dict[str, int] = {}
 
     def text(self, text: str) -> int:
-        return len(self.encoding.encode(text, disallowed_special=()))
+        if len(text) > _SHORT_TEXT:
+            return len(self.encoding.encode(text, disallowed_special=()))
+        count = self._short.get(text)
+        if count is None:
+            if len(self._short) >= _SHORT_TEXTS:
+                self._short.clear()  # a bounded cache; what recurs is counted again soon enough
+            count = self._short[text] = len(self.encoding.encode(text, disallowed_special=()))
+        return count
 
     def message(self, message: Message) -> int:
         total = TOKENS_PER_MESSAGE

@@ -508,6 +508,21 @@ async def test_a_call_the_client_abandoned_is_not_sent_unanswered(proxy: Proxy, 
     assert stored_roles(proxy) == ["user", "assistant", "user", "assistant"]
 
 
+async def test_a_session_that_opens_on_a_tool_result_never_sends_it_without_its_call(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    """A client whose first message is a tool result (its call lived elsewhere): however short the
+    history, the result is never sent again without the call it answers."""
+    client = proxy.client(session="opens-on-a-result")
+    orphan = {"role": "tool", "tool_call_id": "call_elsewhere", "content": "42"}
+    await client.chat.completions.create(model="small", messages=[orphan])  # type: ignore[list-item]
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=[{"role": "user", "content": "and then?"}])
+    assert upstream.last().messages == [{"role": "assistant", "content": "reply 1"},
+                                        {"role": "user", "content": "and then?"}]
+    assert raw.headers["X-Memproxy-Stored-Omitted"] == raw.headers["X-Memproxy-Unsummarized-Omitted"] == "1"
+
+
 async def test_function_and_output_schemas_count_against_the_budget(proxy: Proxy, upstream: FakeUpstream) -> None:
     schema = {"name": "answer", "schema": {"type": "object", "properties": {"text": {"type": "string"}}}}
     functions = [{"name": "lookup", "parameters": {"type": "object", "properties": {}}}]

@@ -22,7 +22,7 @@ from memproxy.errors import Conflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
                             Usage)
-from memproxy.store.sqlite import QUERIES, migrations, statements
+from memproxy.store.sqlite import _CHECKPOINT_EVERY, QUERIES, migrations, statements
 from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]
@@ -126,6 +126,49 @@ async def test_reads_see_only_committed_data_and_do_not_wait_for_a_writer(
         assert (await asyncio.wait_for(store.usage("t"), 2)).sessions == 0
     session = await store.get_session("t", "s")
     assert session is not None and session.length == 0
+
+
+async def test_a_write_waits_for_another_writer_without_holding_up_the_loop(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    """Another process in the middle of a write (here: creating the same session): the turn's write
+    waits for it, off the event loop (SQLite writes on the loop only when the file is free), and
+    lands once it commits."""
+    store = await open_store()
+    async with backend.uncommitted("INSERT INTO sessions (tenant, session_id, created_at, updated_at)"
+                                   " VALUES ('t', 's', 0, 0)"):
+        recording = asyncio.create_task(store.record_turn(turn(None, [user("1"), assistant("a")])))
+        assert await asyncio.wait_for(store.get_session("t", "other"), 2) is None  # the loop runs on
+        done, _ = await asyncio.wait([recording], timeout=0.2)
+        assert not done  # it waits for the other writer
+    await asyncio.wait_for(recording, 10)
+    session = await store.get_session("t", "s")
+    assert session is not None and session.length == 2
+
+
+async def test_sqlite_checkpoints_its_log_off_the_loop(tmp_path: Path) -> None:
+    """The loop's connection never checkpoints on commit; the writer thread does, every so many
+    writes, so the log stops growing. Measured: the log's growth per write before the first
+    checkpoint, against its size after many."""
+    path = tmp_path / "log.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    wal = tmp_path / "log.db-wal"
+    try:
+        async def turns(first: int, count: int) -> None:
+            for k in range(first, first + count):
+                await store.record_turn(turn(None, [user(f"q{k}"), assistant(f"a{k}")], session_id=f"s{k}"))
+
+        await turns(0, 1)
+        start = wal.stat().st_size
+        await turns(1, 16)
+        per_write = (wal.stat().st_size - start) / 16
+        assert per_write > 0
+        await turns(17, 40 * _CHECKPOINT_EVERY)
+        backend: Any = getattr(store, "_db")
+        await backend._writer.call(lambda conn: None)  # every checkpoint queued so far has run
+        assert wal.stat().st_size < per_write * 4 * _CHECKPOINT_EVERY
+    finally:
+        await store.close()
 
 
 async def test_sessions_are_scoped_by_tenant(open_store: Opener) -> None:

@@ -707,7 +707,8 @@ def _sent_values(sent: SentContext | None) -> list[int | None]:
     """A `SentContext` as `_SENT_COLUMNS` store it (nulls for a turn that is not a chat turn)."""
     if sent is None:
         return [None] * len(_SENT_COLUMNS.split(", "))
-    return [int(value) for value in dataclasses.astuple(sent)]
+    return [sent.summary_version, sent.first_sent, sent.included, sent.omitted, sent.unsummarised_omitted,
+            int(sent.marker), sent.trimmed, sent.deduplicated]  # not `astuple`: it deep-copies, 0.1 ms a turn
 
 
 def _sent(row: Row) -> SentContext | None:

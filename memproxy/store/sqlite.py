@@ -1,25 +1,28 @@
 """The embedded default store: one SQLite file in WAL mode (SQLite 3.35 or newer).
 
-Writes go to a connection on a thread of its own (sqlite3 blocks; the event loop must not), one
-transaction at a time, `BEGIN IMMEDIATE`, so a reader never sees half a turn and another process
-(the CLI, a second server) waits on the busy timeout instead of failing. Every write is a script
-(`memproxy.store.sql`) run whole in one trip to the writer's thread: writes queue there, none waits
-on another's trip back to a busy event loop.
+Every write is a script (`memproxy.store.sql`) run whole as one `BEGIN IMMEDIATE` transaction, so a
+reader never sees half a turn. A turn's write is small (a few rows, some tens of B-tree pages) and,
+in WAL mode with `synchronous = NORMAL`, its commit appends to the log without waiting for the disk:
+about 0.2 ms. So a write runs on the event loop's own connection when the file is free, where a trip
+to a thread and back would cost the loop as much again, and waiting for the thread under load far
+more. It never waits there: that connection has no busy timeout, so when another process (the CLI,
+a second server) holds the write lock, `BEGIN` fails at once and the same script goes to the writer
+thread, which waits on the busy timeout instead. Checkpoints, which do wait for the disk, never run
+on the loop: its connection does not checkpoint on commit; after every `_CHECKPOINT_EVERY` writes it
+made, the writer thread checkpoints the log, and writes queue on that thread until it is done.
 
-Reads see only committed data, from connections of their own. The indexed reads that serve a turn
-(`Backend.lookup`) are answered on the event loop's thread: each is a few B-tree pages, some tens
-of microseconds, where a trip to a thread and back costs the loop about 0.2 ms, and a turn makes
-several. A WAL reader takes no lock a writer holds, so it does not wait on one; should it ever find
-the file busy (another process rebuilding the WAL index after a crash), it does not wait on the loop
-either: with no busy timeout it fails at once, and the read goes to the reader's thread, which waits
-there. Every other read (listings, usage, exports, long ranges: as long as the data) goes to that
-thread. The SQL itself is shared with PostgreSQL (`memproxy.store.sql`).
+Reads see only committed data. The indexed reads that serve a turn (`Backend.lookup`) are answered
+on the event loop's connection too: a few B-tree pages each, some tens of microseconds. A WAL reader
+takes no lock a writer holds; should it ever find the file busy (another process rebuilding the WAL
+index after a crash), it fails at once and the read goes to the reader's thread, which waits there.
+Every other read (listings, usage, exports, long ranges: as long as the data) goes to that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import sqlite3
 import threading
@@ -33,6 +36,7 @@ from .sql import QUERIES, Row, Script, SQLStore, run_script
 __all__ = ["QUERIES", "SQLiteStore", "migrations", "sqlite_path"]
 
 T = TypeVar("T")
+log = logging.getLogger("memproxy.store")
 
 
 def sqlite_path(url: str) -> str:
@@ -54,6 +58,7 @@ def statements(sql: str) -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
+_CHECKPOINT_EVERY = 64  # writes on the loop's connection between two checkpoints on the writer thread
 _Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
 
 
@@ -129,43 +134,83 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 def _in_transaction(script: Script[T]) -> Callable[[sqlite3.Connection], T]:
     def run(conn: sqlite3.Connection) -> T:
         conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = run_script(script, lambda sql, params: conn.execute(sql, params).fetchall())
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
+        return _finish(conn, script)
     return run
+
+
+def _finish(conn: sqlite3.Connection, script: Script[T]) -> T:
+    """Run `script` in the transaction `conn` has begun, and commit it (or roll it back)."""
+    try:
+        result = run_script(script, lambda sql, params: conn.execute(sql, params).fetchall())
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+def _restart_log(conn: sqlite3.Connection) -> None:
+    """Copy the log into the database and have the next write start the log afresh. RESTART, not
+    PASSIVE: under a steady stream of writes a passive checkpoint never catches up with the log's end,
+    so the log would never restart and would grow without bound."""
+    conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
 
-    def __init__(self, reader: _Connection, writer: _Connection, lookups: sqlite3.Connection | None) -> None:
+    def __init__(self, reader: _Connection, writer: _Connection, local: sqlite3.Connection | None) -> None:
         self._reader = reader
         self._writer = writer
-        self._lookups = lookups  # on the loop's thread; None for `:memory:`, where one connection holds it all
+        self._local = local  # on the loop's thread; None for `:memory:`, where one connection holds it all
+        self._local_writes = 0
+        # While a checkpoint runs, writes queue behind it on the writer's thread: written on the loop
+        # meanwhile, they would keep the log busy and the checkpoint waiting.
+        self._checkpointing: asyncio.Task[None] | None = None
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return await self._reader.fetch(sql, params)
 
     async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        if self._lookups is not None:
+        if self._local is not None:
             try:
-                return self._lookups.execute(sql, params).fetchall()
+                return self._local.execute(sql, params).fetchall()
             except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                if not _busy(exc):
                     raise
         return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
 
     async def write(self, script: Script[T]) -> T:
-        return await self._writer.call(_in_transaction(script))
+        if self._local is not None and (self._checkpointing is None or self._checkpointing.done()):
+            try:
+                self._local.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    raise
+            else:  # the write lock is ours: in WAL mode nothing after this waits for another process
+                result = _finish(self._local, script)
+                self._local_writes += 1
+                if self._local_writes % _CHECKPOINT_EVERY == 0:
+                    self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint())
+                return result
+        return await self._writer.call(_in_transaction(script))  # busy: the writer's thread waits
+
+    async def _checkpoint(self) -> None:
+        try:
+            await self._writer.call(_restart_log)
+        except sqlite3.Error as exc:  # the next one tries again
+            log.warning("sqlite checkpoint failed: %s", type(exc).__name__)
 
     async def close(self) -> None:
-        if self._lookups is not None:
-            self._lookups.close()
-            self._lookups = None
+        if self._checkpointing is not None:
+            await self._checkpointing
+        if self._local is not None:
+            self._local.close()
+            self._local = None
         if self._reader is not self._writer:
             await self._reader.close()
         await self._writer.close()
@@ -181,15 +226,15 @@ class SQLiteStore(SQLStore):
         await writer.fetch("SELECT 1")  # opens the file (in WAL mode) before the reader does
         in_memory = path == ":memory:"
         reader = writer if in_memory else _Connection(path, busy_timeout_ms, wal=False)
-        backend = SQLiteBackend(reader, writer, None if in_memory else _lookups(path))
+        backend = SQLiteBackend(reader, writer, None if in_memory else _local(path))
         await _migrate(backend)
         return cls(backend)
 
 
-def _lookups(path: str) -> sqlite3.Connection:
-    """The connection the event loop reads from: read-only, and never waiting on a busy file."""
+def _local(path: str) -> sqlite3.Connection:
+    """The event loop's connection: never waiting on a busy file, never checkpointing on commit."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    for pragma in ("busy_timeout = 0", "query_only = ON"):
+    for pragma in ("busy_timeout = 0", "foreign_keys = ON", "synchronous = NORMAL", "wal_autocheckpoint = 0"):
         conn.execute(f"PRAGMA {pragma}").fetchall()
     return conn
 
