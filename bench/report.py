@@ -96,7 +96,7 @@ class Report:
 
     def save(self, fig: Any, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(self.out / name, dpi=50 if self.small else 110)
+        fig.savefig(self.out / name, dpi=50 if self.small else 110, bbox_inches="tight")  # legends below the axes too
         plt.close(fig)
 
     # --- computed figures ------------------------------------------------------------------
