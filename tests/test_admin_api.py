@@ -901,6 +901,7 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     exported = await exported_session(proxy, upstream, api)
     records = [json.loads(line) for line in exported.splitlines()]
     later = time.time() + 30 * 86400
+    records[0]["history_mode"] = "full"  # what memproxy learned of a client before it stopped learning
     for record in records:
         record.update({t: later for t in ("created_at", "updated_at") if t in record})
         if record["type"] == "turn":
@@ -915,6 +916,7 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     times = [r[t] for r in copy for t in ("created_at", "updated_at") if t in r]
     assert len(times) == len(records) + 1 and all(started <= t <= finished for t in times)
     assert all(r["summary_version"] is None for r in copy if r["type"] == "turn")
+    assert "history_mode" not in copy[0]  # imported, ignored, and no longer exported
     def bodies(detail: Any) -> list[Any]:
         return [(m["position"], m["message"]) for m in detail["messages"]]
 
