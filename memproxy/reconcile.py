@@ -59,25 +59,27 @@ async def reconcile(
         return Reconciled("new", 0, ROOT_HASH, conversation)
     stored = session.length
     head = session.head_hash
+    if not conversation:  # a system prompt alone: nothing to match, and nothing to forget
+        return Reconciled("append", stored, head, conversation)
     if requested == "new":
         echoed = await _echoed_tail(store, session, conversation)
         return Reconciled("window" if echoed else "append", stored, head, conversation[echoed:])
     hashes = chain_hashes(ROOT_HASH, conversation)
     if len(hashes) >= stored and hashes[stored - 1] == head:
         return Reconciled("continue", stored, head, conversation[stored:])
-    matched = await store.matched_prefix(session, hashes)
     # An echoed tail first: where a request reads both as an echo and as an edit, keep the memory.
     echoed = await _echoed_tail(store, session, conversation)
     if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
         return Reconciled("continue", stored, head, conversation[stored:])
     if echoed:
         return Reconciled("window", stored, head, conversation[echoed:])
-    if matched == 0:
-        if requested == "full":
-            # The client says its messages are the whole history: its first message changed.
-            return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
+    matched = await store.matched_prefix(session, hashes)
+    if matched == 0 and requested != "full":
         return Reconciled("append", stored, head, conversation)
-    fork, fork_hash = await _loose_fork(store, session, conversation, matched, hashes[matched - 1])
+    # `full` with nothing matched: the client says its messages are the whole history, so its first
+    # message changed (an edit at 0), unless it only spelt the stored ones differently.
+    fork, fork_hash = await _loose_fork(store, session, conversation, matched,
+                                        hashes[matched - 1] if matched else ROOT_HASH)
     shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork])
     if not shows_history:
         # A client sending new messages only, whose message happens to equal the session's first
