@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .messages import ROOT_HASH, Message, chain_hashes, loose_json
+from .messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
 from .store import SessionState, Store
 
 HistoryMode = Literal["auto", "full", "new"]
@@ -102,9 +102,9 @@ async def _echoed_tail(store: Store, session: SessionState, conversation: Sequen
     last = await store.active_range(session, session.length - 1, session.length)
     if not last:
         return 0
-    head = loose_json(last[0].body)
+    head = last[0].body
     candidates = [j for j in range(min(len(conversation), session.length) - 1, -1, -1)
-                  if loose_json(conversation[j]) == head][:_WINDOW_CANDIDATES]
+                  if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
     if not candidates:
         return 0
     tail = [loose_json(m.body) for m in

@@ -316,6 +316,7 @@ async def test_show_lists_messages_in_order_and_superseded_branches_apart(
     detail = await api.get("/sessions/s1")
     assert detail["id"] == "s1" and detail["tenant"] == "a"
     assert detail["system"] == [SYSTEM]
+    assert "history_mode" not in detail  # no longer learned (issue 11)
     assert [m["message"] for m in detail["messages"]] == [
         user("q1"), assistant("reply 1"), user("q2, edited"), assistant("reply 4"), user("q5"),
         assistant("reply 5")]

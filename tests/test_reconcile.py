@@ -237,3 +237,17 @@ async def test_superseding_is_in_a_header_and_one_log_line_without_content(
                      " (once the turn is recorded)"]
     assert all("secret" not in r.getMessage() and "s1 " not in r.getMessage() for r in caplog.records)
     assert stored(config, active=0) == history[2:]
+
+
+async def test_a_system_prompt_alone_forgets_nothing_even_said_full(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client(**{"X-Memproxy-History": "full"})
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    system = {"role": "system", "content": "be brief"}
+    reply, headers = await chat(client, [system])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("append", "0")
+    assert upstream.last().messages == [system, *history]
+    assert stored(config) == [*history, assistant(reply)] and stored(config, active=0) == []
+
