@@ -17,15 +17,18 @@ already stored and where the new ones continue:
   stops short (regenerate). The stored tail after the fork point is superseded when the turn is
   recorded, never before, so a failed upstream call changes nothing.
 
-Forgetting is the worst failure, so superseding needs proof: the matched prefix must hold an
-assistant message (the client is resending its history, not repeating a first "hi"), or the client
-says `X-Memproxy-History: full`. Anything ambiguous is appended. Each request is read on its own: no
-earlier request changes how a later one is read, so no single odd request can make a later one wipe
-the history. `X-Memproxy-History: new` says the client never resends history: only an echoed stored
-tail is stripped and the rest appended.
+Forgetting is the worst failure, so superseding needs proof, and where a request reads two ways the
+one that forgets nothing wins: an echoed tail is looked for before a prefix that diverges, and a
+prefix supersedes only if it holds an assistant message (the client is resending its history, not
+repeating a first "hi") or the client says `X-Memproxy-History: full` (then a request that matches
+nothing stored is an edit from the start). Anything else is appended. Each request is read on its
+own: no earlier request changes how a later one is read, so no single odd request (a window, a tool
+echo) can make a later one wipe the history. `X-Memproxy-History: new` says the client never resends
+history: an echoed stored tail is stripped and the rest appended.
 
-Stored forms are compared loosely (`loose_json`) when recognising an echo or a resent tail, so a
-client that re-serialises tool-call arguments is not taken for one that edited them.
+Messages are compared loosely (`loose_json`) when recognising an echo, a resent tail or where a
+resent history leaves the stored one, so a client that re-serialises tool-call arguments is not
+taken for one that edited them; the stored forms and their hashes stay.
 """
 
 from __future__ import annotations
