@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import openai
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import Proxy, make_config
@@ -218,6 +218,8 @@ class Session:
         completion = raw.parse()
         assert (raw.headers["X-Memproxy-Reconcile"], int(raw.headers["X-Memproxy-Superseded"])) == \
             (expected.kind, expected.superseded), f"{header}: {[m['role'] for m in sent]}"
+        event(f"{expected.kind}{' after a failed call' if fail_first else ''}"
+              f"{', superseding' if expected.superseded else ''}")
 
         answer: Message = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
@@ -244,7 +246,7 @@ def proxies() -> dict[str, Proxy]:
     return {}
 
 
-@settings(max_examples=100, deadline=None, database=None,
+@settings(max_examples=200, deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(script=st.lists(steps, min_size=1, max_size=10))
