@@ -20,6 +20,7 @@ import pytest
 from conftest import Proxy
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
+from memproxy.messages import ROOT_HASH, chain_hash, loosely_equal
 from memproxy.redact import session_digest
 from test_sessions import assert_chain_consistent, assistant, chat, complete, stored, user
 
@@ -250,4 +251,33 @@ async def test_a_system_prompt_alone_forgets_nothing_even_said_full(
     assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("append", "0")
     assert upstream.last().messages == [system, *history]
     assert stored(config) == [*history, assistant(reply)] and stored(config, active=0) == []
+
+
+async def test_a_stale_full_history_client_forks_visibly(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The one fork mixing styles can cause (README, Client patterns): a full-history client resends
+    its own, older history (lacking a script's turn) and a new message. Its history shows a stored
+    prefix with an answer, then a divergence: an edit, reported, the script's turn kept apart."""
+    ui, script = proxy.client(), proxy.client(**{"X-Memproxy-History": "new"})
+    history = [user("from the UI")]
+    history.append(assistant((await chat(ui, history))[0]))
+    script_reply, _ = await chat(script, [user("from the script")])
+    reply, headers = await chat(ui, [*history, user("from the UI again")])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("edit", "2")
+    assert stored(config) == [*history, user("from the UI again"), assistant(reply)]
+    assert stored(config, active=0) == [user("from the script"), assistant(script_reply)]
+
+
+def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
+    spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
+    assert loosely_equal(*spelt)
+    assert chain_hash(ROOT_HASH, spelt[0]) != chain_hash(ROOT_HASH, spelt[1])  # stored hashes stay valid
+    assert not loosely_equal(spelt[0], calls_message(call("call_1", "Oslo")))
+    unparsable = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}]} for text in ("{a", "{a ")]
+    assert not loosely_equal(*unparsable)  # text that is not JSON compares as it is spelt
+    assert loosely_equal({"role": "assistant", "content": "", "refusal": None, "annotations": []},
+                         {"role": "assistant", "content": None})
+    assert not loosely_equal(user("hi"), assistant("hi"))
 
