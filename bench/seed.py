@@ -60,7 +60,7 @@ async def seed_sessions(db_url: str, tenant: str, sizes: Sequence[int], memory: 
                     tenant=tenant, session_id=f"hist-{size}", expected_length=length,
                     expected_head_hash=head, base=length, base_totals=totals, base_hash=head,
                     messages=new, system=[{"role": "system", "content": SYSTEM}],
-                    history_mode="new", model="bench-sweep", kind="append", context_tokens=0,
+                    model="bench-sweep", kind="append", context_tokens=0,
                     latency_ms=0.0,
                 ))
                 added = sum(m.tokens for m in new)

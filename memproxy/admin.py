@@ -106,7 +106,6 @@ async def show(store: Store, session: SessionState) -> dict[str, Any]:
     return {
         **info_json(await store.session_info(session)),
         "system": session.system,
-        "history_mode": session.history_mode,
         "messages": [_message_json(m) for m in sorted((m for m in messages if m.active), key=lambda m: m.seq)],
         "superseded": branches(messages),
         "summary": summary_json(summary) if summary else None,

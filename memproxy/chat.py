@@ -140,9 +140,15 @@ async def _prepare(
     )
     exchange.turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
-    context = turn.context
+    context, reconciled = turn.context, turn.reconciled
+    if reconciled.superseded:
+        # Forgetting must never pass unseen: counts and positions, never content.
+        log.info("supersede session=%s kind=%s superseded=%d positions=%d..%d (once the turn is recorded)",
+                 session_digest(tenant, session_id), reconciled.kind, reconciled.superseded,
+                 reconciled.base, reconciled.base + reconciled.superseded - 1)
     exchange.headers.update({
-        "X-Memproxy-Reconcile": turn.reconciled.kind,
+        "X-Memproxy-Reconcile": reconciled.kind,
+        "X-Memproxy-Superseded": str(reconciled.superseded),
         "X-Memproxy-Context-Tokens": str(context.tokens),
         "X-Memproxy-Input-Budget": str(budget.input_tokens),
         "X-Memproxy-Stored-Included": str(context.included),

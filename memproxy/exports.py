@@ -129,7 +129,9 @@ FIELDS: dict[str, dict[str, Check]] = {
         "tokens": _integer(), "replaced_tokens": _integer(), "model": _text(), "created_at": _number(),
     },
 }
-# Fields an export from before they existed lacks: absent reads as null.
+# Fields an export from before they existed lacks: absent reads as null. `history_mode` is the other
+# way round: exports written before memproxy stopped learning a client's kind carry it; it is checked
+# and then ignored (the store has no place for it any more).
 _OPTIONAL = {"session_id", "format", "system_prompt", "history_mode", "title", "metadata", "prompt_tokens",
              "completion_tokens", "cost", "full_tokens", "parent", "compact_body", *_SENT}
 _TIMES = ("created_at", "updated_at")

@@ -95,7 +95,7 @@ async def prepare_turn(
     session_id: str,
     messages: list[Message],
     schemas: list[Any],
-    history_mode: str,
+    requested_history: str,  # the X-Memproxy-History header: auto, full or new
     idle_ttl: float | None = None,
     preview: bool = False,
 ) -> PreparedTurn:
@@ -108,7 +108,7 @@ async def prepare_turn(
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
         system = session.system
-    reconciled = await reconcile(store, session, conversation, history_mode)
+    reconciled = await reconcile(store, session, conversation, requested_history)
     lap("reconcile")
     hashes = chain_hashes(reconciled.base_hash, reconciled.new)
     new = [new_message(m, h, counter, memory) for m, h in zip(reconciled.new, hashes)]
@@ -183,7 +183,6 @@ def turn_record(
         base_hash=turn.reconciled.base_hash,
         messages=[*turn.new, answer],
         system=turn.system if turn.system_changed else None,
-        history_mode=turn.reconciled.history_mode,
         model=model,
         kind=turn.reconciled.kind,
         context_tokens=turn.context.tokens,

@@ -8,6 +8,10 @@ lookup by hash, whatever the length of the stored history.
 The canonical form keeps what changes meaning (role, content, name, tool calls, tool_call_id) and drops
 what SDKs add or omit when they echo an assistant message back (`refusal: null`, `annotations: []`,
 text-only content given as a list of parts), so the same message always hashes the same.
+
+`loose_json` is a looser key used only to recognise a message a client sends back, never for hashing
+(stored hashes must stay valid): tool-call arguments that parse as JSON compare by their value, since
+some clients (LangChain) re-serialise them with other spacing.
 """
 
 from __future__ import annotations
@@ -125,6 +129,38 @@ def _canonical_content(content: Any) -> Any:
 
 def canonical_json(message: Message) -> str:
     return json.dumps(canonical(message), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def loose_json(message: Message) -> str:
+    """The canonical form with tool-call arguments that parse as JSON re-serialised canonically: two
+    messages that differ only in how their arguments are spelt have the same loose form."""
+    form = canonical(message)
+    for call in form.get("tool_calls") or ():
+        call["arguments"] = _loose_arguments(call["arguments"])
+    return json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def loosely_equal(a: Message, b: Message) -> bool:
+    """Whether two messages have the same loose form; role and text are compared first, so telling
+    most messages apart serialises nothing."""
+    if a.get("role") != b.get("role") or _content_key(a) != _content_key(b):
+        return False
+    return loose_json(a) == loose_json(b)
+
+
+def _content_key(message: Message) -> Any:
+    content = _canonical_content(message.get("content"))
+    return None if content in (None, "") else content
+
+
+def _loose_arguments(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def chain_hash(parent: str, message: Message) -> str:

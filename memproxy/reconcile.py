@@ -1,89 +1,135 @@
 """Reconciling what a client sends with what the session has stored.
 
 Clients differ: some resend the whole conversation every time, some send only the new turn, some trim
-their own history to a window, and people edit and regenerate. `reconcile` decides, from a few indexed
-lookups, which of the client's messages are already stored and where the new ones continue:
+their own history to a window or echo the last answer before their tool results, and people edit and
+regenerate. `reconcile` decides, from a few indexed lookups, which of the client's messages are
+already stored and where the new ones continue:
 
 - `new`: the session has nothing stored yet; everything is new.
 - `continue`: the client resent the stored history (its hash at the stored length is the head's);
-  only what follows is new. This is a full-history client.
-- `window`: the client's messages start inside the stored history and reach its head (a client that
-  trims its own history); only what follows the head is new.
-- `append`: nothing the client sent is stored; it sends only new turns, which follow the head.
+  only what follows is new.
+- `window`: the client's messages start with a tail of the stored history, up to its head (a client
+  that trims its history, or echoes the last answer before its tool results); only what follows the
+  head is new.
+- `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
+  they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
   stops short (regenerate). The stored tail after the fork point is superseded when the turn is
   recorded, never before, so a failed upstream call changes nothing.
 
-A prefix match that stops short is ambiguous for a client that sends only new turns and happens to
-repeat its first message; the session remembers which kind of client it has (`history_mode`) and a
-client can say so with `X-Memproxy-History: full|new`.
+Forgetting is the worst failure, so superseding needs proof, and where a request reads two ways the
+one that forgets nothing wins: an echoed tail is looked for before a prefix that diverges, and a
+prefix supersedes only if it holds an assistant message (the client is resending its history, not
+repeating a first "hi") or the client says `X-Memproxy-History: full` (then a request that matches
+nothing stored is an edit from the start). Anything else is appended. Each request is read on its
+own: no earlier request changes how a later one is read, so no single odd request (a window, a tool
+echo) can make a later one wipe the history. `X-Memproxy-History: new` says the client never resends
+history: an echoed stored tail is stripped and the rest appended.
+
+Messages are compared loosely (`loose_json`) when recognising an echo, a resent tail or where a
+resent history leaves the stored one, so a client that re-serialises tool-call arguments is not
+taken for one that edited them; the stored forms and their hashes stay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from .messages import ROOT_HASH, Message, canonical_json, chain_hashes
+from .messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
 from .store import SessionState, Store
 
-HISTORY_MODES = ("auto", "full", "new")
+HistoryMode = Literal["auto", "full", "new"]
+HISTORY_MODES: tuple[HistoryMode, ...] = ("auto", "full", "new")
+Kind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
 _WINDOW_CANDIDATES = 3
 
 
 @dataclass(frozen=True)
 class Reconciled:
-    kind: str
+    kind: Kind
     base: int  # active stored messages that stay, before the new ones
     base_hash: str  # chained hash of the message at base - 1
     new: list[Message]  # the client's messages that are not stored yet
-    history_mode: str | None  # what was learned about the client, to remember
+    superseded: int = 0  # stored messages after `base` that the turn supersedes (edit, regenerate)
 
 
 async def reconcile(
     store: Store, session: SessionState | None, conversation: list[Message], requested: str = "auto"
 ) -> Reconciled:
     if session is None or session.length == 0:
-        return Reconciled("new", 0, ROOT_HASH, conversation, None)
+        return Reconciled("new", 0, ROOT_HASH, conversation)
     stored = session.length
     head = session.head_hash
+    if not conversation:  # a system prompt alone: nothing to match, and nothing to forget
+        return Reconciled("append", stored, head, conversation)
     if requested == "new":
-        return Reconciled("append", stored, head, conversation, "new")
+        echoed = await _echoed_tail(store, session, conversation)
+        return Reconciled("window" if echoed else "append", stored, head, conversation[echoed:])
     hashes = chain_hashes(ROOT_HASH, conversation)
     if len(hashes) >= stored and hashes[stored - 1] == head:
-        return Reconciled("continue", stored, head, conversation[stored:], "full")
+        return Reconciled("continue", stored, head, conversation[stored:])
+    # An echoed tail first: where a request reads both as an echo and as an edit, keep the memory.
+    echoed = await _echoed_tail(store, session, conversation)
+    if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
+        return Reconciled("continue", stored, head, conversation[stored:])
+    if echoed:
+        return Reconciled("window", stored, head, conversation[echoed:])
     matched = await store.matched_prefix(session, hashes)
-    if matched == 0:
-        overlap = await _window_overlap(store, session, conversation)
-        if overlap:
-            return Reconciled("window", stored, head, conversation[overlap:], "full")
-        if requested == "full" or (requested == "auto" and session.history_mode == "full"):
-            # A client known to resend everything changed its very first message.
-            return Reconciled("edit", 0, ROOT_HASH, conversation, "full")
-        return Reconciled("append", stored, head, conversation, "new")
-    if session.history_mode == "new" and requested != "full":
-        return Reconciled("append", stored, head, conversation, "new")
-    kind = "regenerate" if matched == len(conversation) else "edit"
-    return Reconciled(kind, matched, hashes[matched - 1], conversation[matched:], "full")
+    if matched == 0 and requested != "full":
+        return Reconciled("append", stored, head, conversation)
+    # `full` with nothing matched: the client says its messages are the whole history, so its first
+    # message changed (an edit at 0), unless it only spelt the stored ones differently.
+    fork, fork_hash = await _loose_fork(store, session, conversation, matched,
+                                        hashes[matched - 1] if matched else ROOT_HASH)
+    shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork])
+    if not shows_history:
+        # A client sending new messages only, whose message happens to equal the session's first
+        # ("hi", "continue"): nothing proves it resent history, so nothing is superseded.
+        return Reconciled("append", stored, head, conversation)
+    if fork == stored:
+        return Reconciled("continue", stored, head, conversation[stored:])
+    kind: Kind = "regenerate" if fork == len(conversation) else "edit"
+    return Reconciled(kind, fork, fork_hash, conversation[fork:], superseded=stored - fork)
 
 
-async def _window_overlap(store: Store, session: SessionState, conversation: Sequence[Message]) -> int:
-    """How many leading client messages repeat the newest stored ones, up to the head; 0 if none.
+async def _echoed_tail(store: Store, session: SessionState, conversation: Sequence[Message]) -> int:
+    """The longest k such that the client's first k messages repeat the newest k stored ones, up to
+    the head (loosely compared); 0 if none.
 
-    Only the few client positions that equal the stored head are tried, and each try reads as many
-    stored messages as the client sent, so the cost follows the request, not the history.
+    Only the few client positions that equal the stored head are tried, and one read covers them
+    all (as many stored messages as the client sent at most), so the cost follows the request, not
+    the history.
     """
     last = await store.active_range(session, session.length - 1, session.length)
     if not last:
         return 0
-    head = canonical_json(last[0].body)
-    candidates = [j for j in range(len(conversation) - 1, -1, -1)
-                  if canonical_json(conversation[j]) == head][:_WINDOW_CANDIDATES]
-    for j in candidates:
-        start = session.length - 1 - j
-        if start <= 0:
-            continue  # a full match from the start would have been found by hash
-        stored = await store.active_range(session, start, session.length)
-        if [canonical_json(m.body) for m in stored] == [canonical_json(m) for m in conversation[: j + 1]]:
+    head = last[0].body
+    candidates = [j for j in range(min(len(conversation), session.length) - 1, -1, -1)
+                  if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
+    if not candidates:
+        return 0
+    tail = [loose_json(m.body) for m in
+            await store.active_range(session, session.length - 1 - candidates[0], session.length)]
+    for j in candidates:  # longest first; a capped session may hold fewer than were asked for
+        if j < len(tail) and tail[len(tail) - 1 - j:] == [loose_json(m) for m in conversation[: j + 1]]:
             return j + 1
     return 0
+
+
+async def _loose_fork(
+    store: Store, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str
+) -> tuple[int, str]:
+    """Where the client's history really leaves the stored one: past the hash-matched prefix, the
+    messages that equal the stored ones loosely (tool arguments spelt differently) still match. The
+    position and the stored chain hash before it (the stored forms stay)."""
+    stop = min(len(conversation), session.length)
+    if matched >= stop:
+        return matched, matched_hash
+    fork, fork_hash = matched, matched_hash
+    for message in await store.active_range(session, matched, stop):
+        if message.seq != fork or loose_json(message.body) != loose_json(conversation[fork]):
+            break
+        fork, fork_hash = fork + 1, message.chain_hash
+    return fork, fork_hash

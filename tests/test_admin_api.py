@@ -316,6 +316,7 @@ async def test_show_lists_messages_in_order_and_superseded_branches_apart(
     detail = await api.get("/sessions/s1")
     assert detail["id"] == "s1" and detail["tenant"] == "a"
     assert detail["system"] == [SYSTEM]
+    assert "history_mode" not in detail  # no longer learned (issue 11)
     assert [m["message"] for m in detail["messages"]] == [
         user("q1"), assistant("reply 1"), user("q2, edited"), assistant("reply 4"), user("q5"),
         assistant("reply 5")]
@@ -901,6 +902,7 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     exported = await exported_session(proxy, upstream, api)
     records = [json.loads(line) for line in exported.splitlines()]
     later = time.time() + 30 * 86400
+    records[0]["history_mode"] = "full"  # what memproxy learned of a client before it stopped learning
     for record in records:
         record.update({t: later for t in ("created_at", "updated_at") if t in record})
         if record["type"] == "turn":
@@ -915,6 +917,7 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     times = [r[t] for r in copy for t in ("created_at", "updated_at") if t in r]
     assert len(times) == len(records) + 1 and all(started <= t <= finished for t in times)
     assert all(r["summary_version"] is None for r in copy if r["type"] == "turn")
+    assert "history_mode" not in copy[0]  # imported, ignored, and no longer exported
     def bodies(detail: Any) -> list[Any]:
         return [(m["position"], m["message"]) for m in detail["messages"]]
 

@@ -238,12 +238,35 @@ async def test_edit_supersedes_the_stored_tail_and_continues_the_new_branch(
     assert_chain_consistent(config)
 
 
-@pytest.mark.parametrize("headers", [{"X-Memproxy-History": "full"}, {}], ids=["header", "learned"])
-async def test_edit_of_the_first_message_by_a_full_history_client(
-    proxy: Proxy, upstream: FakeUpstream, config: Config, headers: dict[str, str]
+async def test_edit_of_the_first_message_by_a_client_that_says_it_sends_full_history(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:
-    """Said by the header, or learned from the client resending everything (`continue`)."""
-    client = proxy.client(**headers)
+    """`X-Memproxy-History: full`: the client's messages are the whole history, so a changed first
+    message is an edit from the start, and the response says how much it supersedes."""
+    client = proxy.client(**{"X-Memproxy-History": "full"})
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("q2"))
+    reply, response_headers = await chat(client, history)
+    assert response_headers["X-Memproxy-Reconcile"] == "continue"
+    assert response_headers["X-Memproxy-Superseded"] == "0"
+    history.append(assistant(reply))
+
+    reply, response_headers = await chat(client, [user("q1, edited")])
+    assert response_headers["X-Memproxy-Reconcile"] == "edit"
+    assert response_headers["X-Memproxy-Superseded"] == "4"
+    assert upstream.last().messages == [user("q1, edited")]
+    assert stored(config) == [user("q1, edited"), assistant(reply)]
+    assert stored(config, active=0) == history
+    assert_chain_consistent(config)
+
+
+async def test_a_full_history_client_sending_one_new_message_supersedes_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Issue 11: nothing a client did before (here: resending everything) turns a message that
+    matches nothing stored into an edit. Without the header it is a new message, appended."""
+    client = proxy.client()
     history = [user("q1")]
     history.append(assistant((await chat(client, history))[0]))
     history.append(user("q2"))
@@ -251,12 +274,12 @@ async def test_edit_of_the_first_message_by_a_full_history_client(
     assert response_headers["X-Memproxy-Reconcile"] == "continue"
     history.append(assistant(reply))
 
-    # Nothing the client sends is stored: that is an edit from the start, not new turns.
-    reply, response_headers = await chat(client, [user("q1, edited")])
-    assert response_headers["X-Memproxy-Reconcile"] == "edit"
-    assert upstream.last().messages == [user("q1, edited")]
-    assert stored(config) == [user("q1, edited"), assistant(reply)]
-    assert stored(config, active=0) == history
+    reply, response_headers = await chat(client, [user("q3")])
+    assert response_headers["X-Memproxy-Reconcile"] == "append"
+    assert response_headers["X-Memproxy-Superseded"] == "0"
+    assert upstream.last().messages == history + [user("q3")]
+    assert stored(config) == history + [user("q3"), assistant(reply)]
+    assert stored(config, active=0) == []
     assert_chain_consistent(config)
 
 

@@ -80,7 +80,7 @@ def turn(
         expected_head_hash=session.head_hash if session else "",
         base=base, base_totals=Totals(base * tokens, base * tokens), base_hash=base_hash,
         messages=[NewMessage(m, tokens, starts_unit(m), h) for m, h in zip(messages, hashes)],
-        system=system, history_mode=extra.pop("history_mode", None), model="small", kind="test",
+        system=system, model="small", kind="test",
         context_tokens=123, latency_ms=1.5, usage=Usage(7, 3),
     )
 
@@ -104,10 +104,10 @@ async def test_unknown_session_is_none(open_store: Opener) -> None:
 async def test_recorded_turn_is_committed_and_visible_to_another_store(open_store: Opener) -> None:
     writer, reader = await open_store(), await open_store()
     system = [{"role": "system", "content": "be brief"}]
-    await writer.record_turn(turn(None, [user("hi"), assistant("hello")], system=system, history_mode="full"))
+    await writer.record_turn(turn(None, [user("hi"), assistant("hello")], system=system))
     session = await reader.get_session("t", "s")
     assert session is not None
-    assert (session.length, session.head_cum, session.system, session.history_mode) == (2, 20, system, "full")
+    assert (session.length, session.head_cum, session.system) == (2, 20, system)
     assert session.head_hash == chain_hashes(ROOT_HASH, [user("hi"), assistant("hello")])[-1]
     stored = await reader.active_range(session, 0, 2)
     assert [m.body for m in stored] == [user("hi"), assistant("hello")]

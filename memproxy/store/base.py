@@ -30,7 +30,6 @@ class SessionState:
     head_cum: int  # tokens of the whole active chain
     head_compact_cum: int  # the same, with older messages in their compact form
     system: list[Message] | None  # the last system prompt the client sent
-    history_mode: str | None  # "full" or "new", as learned from the client
     created_at: float
     updated_at: float
     summary_version: int  # the newest summary saved (0: none, so there is none to look for)
@@ -141,7 +140,6 @@ class TurnRecord:
     base_hash: str
     messages: Sequence[NewMessage]
     system: list[Message] | None
-    history_mode: str | None
     model: str
     kind: str
     context_tokens: int

@@ -52,7 +52,7 @@ _LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) 
 # length of a session's history.
 QUERIES = {
     "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
-    " system_prompt, history_mode, created_at, updated_at, summary_version FROM sessions"
+    " system_prompt, created_at, updated_at, summary_version FROM sessions"
     " WHERE tenant = ? AND session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
     " AND chain_hash IN ({marks})",
@@ -81,7 +81,7 @@ QUERIES = {
 
 # The columns an export carries, as they are named in the tables and in the export records.
 _SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
-                    " history_mode, title, metadata")
+                    " title, metadata")
 # Turns of chat, not summariser calls (`turns` rows of kind `summary`), in a LEFT JOIN on turns `t`.
 _CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind <> 'summary' THEN 1 ELSE 0 END), 0)"
 # What a chat turn's request was made of (`SentContext`), in the order of its fields.
@@ -181,7 +181,7 @@ class SQLStore:
         return SessionState(
             pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
             head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
-            history_mode=row[8], created_at=row[9], updated_at=row[10], summary_version=row[11],
+            created_at=row[8], updated_at=row[9], summary_version=row[10],
         )
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
@@ -337,15 +337,15 @@ class SQLStore:
         """A new session inserted with the turn's head; None if one exists already."""
         created = yield (
             "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
-            " head_compact_cum, system_prompt, history_mode, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " head_compact_cum, system_prompt, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, _dumps(turn.system) if turn.system else None,
-             turn.history_mode, turn.title))
+             turn.title))
         return int(created[0][0]) if created else None
 
     def _move_head(self, turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Script[int | None]:
         """The session's row moved to `head` (length, hash, running totals), with the turn's system
-        prompt, history mode and title: the row `pk` (locked already), or without one, the session
+        prompt and title: the row `pk` (locked already), or without one, the session
         only if it is still where the turn was planned (the statement checks it, and on PostgreSQL
         locks it). The session's key, or None if it had moved."""
         where, params = ("pk = ?", [pk]) if pk is not None else (
@@ -354,8 +354,8 @@ class SQLStore:
         moved = yield (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-            f" history_mode = coalesce(?, history_mode), title = coalesce(title, ?) WHERE {where} RETURNING pk",
-            (*head, now, _dumps(turn.system) if turn.system else None, turn.history_mode, turn.title, *params))
+            f" title = coalesce(title, ?) WHERE {where} RETURNING pk",
+            (*head, now, _dumps(turn.system) if turn.system else None, turn.title, *params))
         return int(moved[0][0]) if moved else None
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
@@ -498,7 +498,7 @@ class SQLStore:
             return False
         yield "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1", (row[0],)
         yield ("UPDATE sessions SET length = 0, head_hash = '', head_cum = 0, head_compact_cum = 0,"
-               " system_prompt = NULL, history_mode = NULL, updated_at = ? WHERE pk = ?", (time.time(), row[0]))
+               " system_prompt = NULL, updated_at = ? WHERE pk = ?", (time.time(), row[0]))
         return True
 
     async def get_metadata(self, session: SessionState) -> Any:

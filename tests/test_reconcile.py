@@ -1,0 +1,283 @@
+"""Issue 11: memory never vanishes on a guess.
+
+The two reproductions from the issue (a new-messages client whose tool loop echoes the assistant's
+call before its results, then sends a plain message; simonw's `llm` resending its log with `-c`, then a
+fresh one-message prompt), echoes and resent tails recognised (SDK echo artefacts, tool arguments
+re-serialised as LangChain does), ambiguous prefixes appended, and the superseding that does happen
+made visible (header, one log line without content). The real proxy, the official SDK as the client,
+the fake provider; each test on SQLite and on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import Proxy
+from fake_upstream import FakeUpstream, Reply
+from memproxy.config import Config
+from memproxy.messages import ROOT_HASH, chain_hash, loosely_equal
+from memproxy.redact import session_digest
+from test_sessions import assert_chain_consistent, assistant, chat, complete, stored, user
+
+pytestmark = pytest.mark.both_stores
+
+Message = dict[str, Any]
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}]
+
+
+def call(call_id: str, city: str, spacing: tuple[str, str] = (",", ":")) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city}, separators=spacing)}}
+
+
+def result(call_id: str, text: str) -> Message:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def calls_message(*calls: dict[str, Any]) -> Message:
+    return {"role": "assistant", "content": None, "tool_calls": list(calls)}
+
+
+def assert_no_duplicates(messages: list[Message]) -> None:
+    """No message sent or stored twice: every tool call id once, every user text once (the tests
+    below never repeat one on purpose)."""
+    texts = [json.dumps(m, sort_keys=True) for m in messages]
+    assert len(texts) == len(set(texts)), messages
+
+
+# --- the two reproductions ------------------------------------------------------------------------
+
+
+async def test_new_messages_tool_loop_with_the_call_echoed_then_a_plain_message_keeps_everything(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    completion, headers = await complete(client, [user("weather in Paris?")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "new"
+    # The natural shape: the assistant's message as the SDK returned it (with its echo artefacts:
+    # `refusal: None`, `annotations`, ...), then the tool result.
+    echoed = completion.choices[0].message.model_dump(exclude_unset=False)
+    reply, headers = await chat(client, [echoed, result("call_1", "18C")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    first = [user("weather in Paris?"), calls_message(call("call_1", "Paris")), result("call_1", "18C"),
+             assistant(reply)]
+    assert stored(config, active=None) == first
+
+    # Then a plain new message: before issue 11 this read as an edit at 0 and superseded everything.
+    reply, headers = await chat(client, [user("and tomorrow?")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert headers["X-Memproxy-Superseded"] == "0"
+    history = first + [user("and tomorrow?"), assistant(reply)]
+    assert stored(config) == history and stored(config, active=0) == []
+    sent = upstream.last().messages
+    assert sent[0] == user("weather in Paris?") and sent[-1] == user("and tomorrow?")
+    assert len(sent) == len(history) - 1
+    assert_no_duplicates(sent)
+    assert_chain_consistent(config)
+
+
+async def test_llm_cli_continuation_then_a_fresh_prompt_keeps_everything(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`llm -c` resends the conversation from its own log; a plain `llm` prompt sends one message."""
+    client = proxy.client()
+    log: list[Message] = []
+    for prompt in ("My name is Ada.", "I like tea."):  # `llm -c`: everything so far, then the prompt
+        reply, _ = await chat(client, [*log, user(prompt)])
+        log += [user(prompt), assistant(reply)]
+    reply, headers = await chat(client, [user("What is my name?")])  # a fresh `llm` prompt
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert upstream.last().messages == [*log, user("What is my name?")]
+    assert headers["X-Memproxy-Superseded"] == "0"
+    # `llm -c` now continues the fresh conversation of its log: that one exchange, then the prompt.
+    reply2, headers = await chat(client, [user("What is my name?"), assistant(reply), user("And what do I like?")])
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    history = [*log, user("What is my name?"), assistant(reply), user("And what do I like?"), assistant(reply2)]
+    assert upstream.last().messages == history[:-1]
+    assert stored(config) == history and stored(config, active=0) == []
+    assert_chain_consistent(config)
+
+
+# --- echoes and resent tails ----------------------------------------------------------------------
+
+
+async def test_resent_tail_with_new_history_header_is_stored_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`X-Memproxy-History: new` used to store a resent tail twice; an echoed stored tail is stripped."""
+    client = proxy.client(**{"X-Memproxy-History": "new"})
+    reply1, _ = await chat(client, [user("q1")])
+    reply2, headers = await chat(client, [assistant(reply1), user("q2")])
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert upstream.last().messages == [user("q1"), assistant(reply1), user("q2")]
+    reply3, headers = await chat(client, [user("q1")])  # the header: a repeated first message is new
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert stored(config) == [user("q1"), assistant(reply1), user("q2"), assistant(reply2), user("q1"),
+                              assistant(reply3)]
+    assert_chain_consistent(config)
+
+
+async def test_tool_arguments_reserialised_by_the_client_are_not_an_edit(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """LangChain sends tool-call arguments back through `json.dumps` (spaces after `,` and `:`): the
+    same call, not an edit; the stored form stays (stored hashes must stay valid)."""
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    await chat(client, [user("weather in Paris?")], tools=TOOLS)
+    spaced = calls_message(call("call_1", "Paris", spacing=(", ", ": ")))
+    history = [user("weather in Paris?"), spaced, result("call_1", "18C")]
+    reply, headers = await chat(client, history, tools=TOOLS)  # a full resend, spelt differently
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert headers["X-Memproxy-Superseded"] == "0"
+    history += [assistant(reply), user("thanks")]
+    reply, headers = await chat(client, history, tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert stored(config, active=0) == []
+    assert stored(config) == [user("weather in Paris?"), calls_message(call("call_1", "Paris")),
+                              result("call_1", "18C"), *history[3:], assistant(reply)]
+    # An echo of the call alone, re-serialised, before a second result: recognised too.
+    upstream.enqueue(Reply(tool_calls=[call("call_2", "Oslo")]))
+    await chat(client, [user("and Oslo?")], tools=TOOLS)
+    reply, headers = await chat(client, [calls_message(call("call_2", "Oslo", spacing=(", ", ": "))),
+                                         result("call_2", "-3C")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert_no_duplicates(stored(config, active=None))
+    assert_chain_consistent(config)
+
+
+async def test_edit_behind_reserialised_arguments_forks_where_the_text_changed(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    await chat(client, [user("weather in Paris?")], tools=TOOLS)
+    history = [user("weather in Paris?"), calls_message(call("call_1", "Paris")), result("call_1", "18C")]
+    reply, _ = await chat(client, history, tools=TOOLS)
+    history += [assistant(reply), user("q2")]
+    reply2, _ = await chat(client, history, tools=TOOLS)
+    spaced = [history[0], calls_message(call("call_1", "Paris", spacing=(", ", ": "))), *history[2:4]]
+    reply3, headers = await chat(client, [*spaced, user("q2, edited")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert headers["X-Memproxy-Superseded"] == "2"  # q2 and its answer; the call kept as stored
+    assert stored(config) == [*history[:4], user("q2, edited"), assistant(reply3)]
+    assert stored(config, active=0) == [user("q2"), assistant(reply2)]
+    assert_chain_consistent(config)
+
+
+# --- ambiguity keeps the memory ---------------------------------------------------------------------
+
+
+async def test_a_new_message_equal_to_the_first_one_is_appended(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A prefix match without an assistant message in it proves no resent history: "continue" sent
+    again by a new-messages client is a new message, not a regenerate of the first answer."""
+    client = proxy.client()
+    reply1, _ = await chat(client, [user("continue")])
+    reply2, _ = await chat(client, [user("more")])
+    reply3, headers = await chat(client, [user("continue")])
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert headers["X-Memproxy-Superseded"] == "0"
+    assert stored(config, active=0) == []
+    assert stored(config) == [user("continue"), assistant(reply1), user("more"), assistant(reply2),
+                              user("continue"), assistant(reply3)]
+    # Said by the client, the same request is a regenerate of the first answer.
+    reply4, headers = await chat(proxy.client(**{"X-Memproxy-History": "full"}), [user("continue")])
+    assert headers["X-Memproxy-Reconcile"] == "regenerate"
+    assert headers["X-Memproxy-Superseded"] == "5"
+    assert stored(config) == [user("continue"), assistant(reply4)]
+    assert_chain_consistent(config)
+
+
+async def test_an_echo_that_could_also_be_an_edit_keeps_the_memory(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """History [q, ok, q, ok]: [q, ok, x] is a resent tail then x, or an edit at position 2. The
+    reading that forgets nothing wins."""
+    client = proxy.client()
+    upstream.enqueue(Reply(content="ok"), Reply(content="ok"))
+    await chat(client, [user("q")])
+    await chat(client, [user("q")])
+    assert stored(config) == [user("q"), assistant("ok"), user("q"), assistant("ok")]
+    reply, headers = await chat(client, [user("q"), assistant("ok"), user("x")])
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert stored(config) == [user("q"), assistant("ok"), user("q"), assistant("ok"), user("x"), assistant(reply)]
+    assert_chain_consistent(config)
+
+
+# --- superseding is visible ---------------------------------------------------------------------------
+
+
+async def test_superseding_is_in_a_header_and_one_log_line_without_content(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="memproxy.chat")
+    client = proxy.client()
+    history = [user("secret question one")]
+    history.append(assistant((await chat(client, history))[0]))
+    history.append(user("secret question two"))
+    history.append(assistant((await chat(client, history))[0]))
+    assert not [r for r in caplog.records if "supersede" in r.getMessage()]
+
+    reply, headers = await chat(client, [*history[:2], user("secret question two, edited")])
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert headers["X-Memproxy-Superseded"] == "2"
+    lines = [r.getMessage() for r in caplog.records if "supersede" in r.getMessage()]
+    assert lines == [f"supersede session={session_digest('a', 's1')} kind=edit superseded=2 positions=2..3"
+                     " (once the turn is recorded)"]
+    assert all("secret" not in r.getMessage() and "s1 " not in r.getMessage() for r in caplog.records)
+    assert stored(config, active=0) == history[2:]
+
+
+async def test_a_system_prompt_alone_forgets_nothing_even_said_full(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client(**{"X-Memproxy-History": "full"})
+    history = [user("q1")]
+    history.append(assistant((await chat(client, history))[0]))
+    system = {"role": "system", "content": "be brief"}
+    reply, headers = await chat(client, [system])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("append", "0")
+    assert upstream.last().messages == [system, *history]
+    assert stored(config) == [*history, assistant(reply)] and stored(config, active=0) == []
+
+
+async def test_a_stale_full_history_client_forks_visibly(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The one fork mixing styles can cause (README, Client patterns): a full-history client resends
+    its own, older history (lacking a script's turn) and a new message. Its history shows a stored
+    prefix with an answer, then a divergence: an edit, reported, the script's turn kept apart."""
+    ui, script = proxy.client(), proxy.client(**{"X-Memproxy-History": "new"})
+    history = [user("from the UI")]
+    history.append(assistant((await chat(ui, history))[0]))
+    script_reply, _ = await chat(script, [user("from the script")])
+    reply, headers = await chat(ui, [*history, user("from the UI again")])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("edit", "2")
+    assert stored(config) == [*history, user("from the UI again"), assistant(reply)]
+    assert stored(config, active=0) == [user("from the script"), assistant(script_reply)]
+
+
+def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
+    spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
+    assert loosely_equal(*spelt)
+    assert chain_hash(ROOT_HASH, spelt[0]) != chain_hash(ROOT_HASH, spelt[1])  # stored hashes stay valid
+    assert not loosely_equal(spelt[0], calls_message(call("call_1", "Oslo")))
+    unparsable = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}]} for text in ("{a", "{a ")]
+    assert not loosely_equal(*unparsable)  # text that is not JSON compares as it is spelt
+    assert loosely_equal({"role": "assistant", "content": "", "refusal": None, "annotations": []},
+                         {"role": "assistant", "content": None})
+    assert not loosely_equal(user("hi"), assistant("hi"))
+
