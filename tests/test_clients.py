@@ -312,3 +312,146 @@ async def test_openai_node(
     out = await run_command([shutil.which("node") or "node", str(NODE_SCRIPT), json.dumps(plan)], env)
     assert json.loads(out) == answers
     check_conversation(upstream, config, session, script)
+
+
+# --- LangChain ChatOpenAI --------------------------------------------------------------------------
+
+
+def langchain_conversation(base_url: str, session: str, turns: list[Turn]) -> list[str]:
+    """A LangChain app: `ChatOpenAI` with the session id in `default_headers`, `bind_tools`, the whole
+    message list sent each time (`invoke`, or `.stream()` with the chunks added up), the tool results as
+    `ToolMessage`s."""
+    chat_models = need("langchain_openai")
+    messages = need("langchain_core.messages")
+    tools = need("langchain_core.tools")
+
+    @tools.tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return get_weather(city)
+
+    weather.name = "get_weather"
+    model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
+                                   default_headers={"X-Session-Id": session}).bind_tools([weather])
+    history: list[Any] = [messages.SystemMessage(SYSTEM)]
+    answers = []
+
+    def ask(stream: bool) -> Any:
+        if not stream:
+            return model.invoke(history)
+        total = None
+        for chunk in model.stream(history):
+            total = chunk if total is None else total + chunk
+        return total
+
+    for turn in turns:
+        history.append(messages.HumanMessage(turn.text))
+        reply = ask(turn.stream)
+        while reply.tool_calls:
+            history.append(reply)
+            history += [messages.ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
+                        for call in reply.tool_calls]
+            reply = ask(turn.stream)
+        history.append(reply)
+        answers.append(reply.content)
+    return answers
+
+
+async def test_langchain_chat_openai(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    session = "langchain"
+    assert await asyncio.to_thread(langchain_conversation, proxy.url, session, TURNS) == answers
+    check_conversation(upstream, config, session, script)
+
+
+# --- simonw's llm CLI ------------------------------------------------------------------------------
+
+LLM_FUNCTIONS = '''
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"{city}: 18C and sunny"
+'''
+
+
+def llm_user_dir(path: Path, base_url: str, session: str) -> Path:
+    """An `LLM_USER_PATH` with memproxy as an extra OpenAI-compatible model, the session id as a header,
+    the proxy key in llm's key store."""
+    path.mkdir()
+    (path / "extra-openai-models.yaml").write_text(
+        f"- model_id: memproxy\n"
+        f"  model_name: {MODEL}\n"
+        f"  api_base: {base_url}\n"
+        f"  api_key_name: memproxy\n"
+        f"  supports_tools: true\n"
+        f"  headers:\n"
+        f"    X-Session-Id: {session}\n")
+    (path / "keys.json").write_text(json.dumps({"memproxy": PROXY_KEY}))
+    return path
+
+
+async def test_llm_cli_mixes_continuations_and_fresh_prompts(
+    tmp_path: Path, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`llm -c` resends the conversation from llm's own log, a fresh `llm -m` sends one message: on one
+    session id both keep the whole conversation. The fresh prompt after a `-c` is issue 11's reproduction."""
+    need("llm")
+    executable = Path(sys.executable).parent / "llm"
+    session = "llm-cli"
+    env = {**os.environ, "LLM_USER_PATH": str(llm_user_dir(tmp_path / "llm", proxy.url, session))}
+    script = Script(system=None)
+    steps = [  # (arguments, what the user says, the city the model asks the weather of)
+        (["-m", "memproxy"], "My name is Ada.", None),
+        (["-c"], "I like tea.", None),
+        (["-m", "memproxy", "--no-stream"], "What is my name?", None),
+        (["-c", "--functions", LLM_FUNCTIONS], "What is the weather in Paris?", "Paris"),
+        (["-m", "memproxy", "--no-stream", "--functions", LLM_FUNCTIONS], "And in Tokyo?", "Tokyo"),
+        (["-c"], "What do I like?", None),
+    ]
+    answers = [script.turn(text, city) for _, text, city in steps]
+    upstream.enqueue(*script.replies)
+    for (arguments, text, _), answer in zip(steps, answers):
+        out = await run_command([str(executable), *arguments, text], env)
+        assert out.strip() == answer
+    check_conversation(upstream, config, session, script)
+
+
+# --- the OpenAI Agents SDK -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_agents_sdk(history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    """An agent with a function tool on `OpenAIChatCompletionsModel`, run turn after turn with
+    `Runner.run` (`run_streamed` for the streamed turns), given either the previous run's
+    `to_input_list()` plus the new message (full history) or only the new message (memory from the
+    proxy)."""
+    agents = need("agents")
+    agents.set_tracing_disabled(True)
+    session = f"agents-{history_kind}"
+
+    @agents.function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return get_weather(city)
+
+    weather.name = "get_weather"
+    agent = agents.Agent(name="assistant", instructions=SYSTEM, tools=[weather],
+                         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=proxy.client(session)))
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    items: list[Any] = []
+    got = []
+    for turn in TURNS:
+        given: Any = [*items, {"role": "user", "content": turn.text}] if history_kind == "full" else turn.text
+        if turn.stream:
+            result = agents.Runner.run_streamed(agent, given)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await agents.Runner.run(agent, given)
+        got.append(result.final_output)
+        items = result.to_input_list()
+    assert got == answers
+    check_conversation(upstream, config, session, script)
