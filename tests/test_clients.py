@@ -99,24 +99,28 @@ class Script:
     system: str | None = SYSTEM
     conversation: list[Message] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
+    streamed: list[bool] = field(default_factory=list)  # whether the request of each reply streams
 
-    def turn(self, text: str, tool_city: str | None = None) -> str:
-        """The user says `text`; the model answers (after a tool loop if `tool_city`); its answer."""
+    def turn(self, text: str, tool_city: str | None = None, stream: bool = False) -> str:
+        """The user says `text`; the model answers (after a tool loop if `tool_city`); its answer.
+        The client asks for a stream (`stream`) on each request of the turn."""
         n = len(self.replies)
         self.conversation.append({"role": "user", "content": text})
         if tool_city is not None:
             call = {"id": f"call_{n}", "type": "function",
                     "function": {"name": "get_weather", "arguments": json.dumps({"city": tool_city})}}
             self.replies.append(Reply(tool_calls=[call]))
+            self.streamed.append(stream)
             self.conversation += [{"role": "assistant", "content": None, "tool_calls": [call]},
                                   {"role": "tool", "tool_call_id": call["id"], "content": get_weather(tool_city)}]
         answer = f"Answer {len(self.replies)} to: {text}"
         self.replies.append(Reply(content=answer))
+        self.streamed.append(stream)
         self.conversation.append({"role": "assistant", "content": answer})
         return answer
 
     def play(self, turns: list[Turn]) -> list[str]:
-        return [self.turn(t.text, t.tool_city) for t in turns]
+        return [self.turn(t.text, t.tool_city, t.stream) for t in turns]
 
     def expected_requests(self) -> list[list[Message]]:
         """What request k must carry: everything before the model's k-th reply (system prompt first)."""
@@ -134,7 +138,8 @@ def check_conversation(upstream: FakeUpstream, config: Config, session: str, scr
     requests = upstream.chat_requests()
     expected = script.expected_requests()
     assert len(requests) == len(expected), f"{len(requests)} requests reached the provider, not {len(expected)}"
-    for k, (received, wanted) in enumerate(zip(requests, expected)):
+    for k, (received, wanted, stream) in enumerate(zip(requests, expected, script.streamed)):
+        assert bool(received.body.get("stream")) == stream, f"request {k + 1} should {'' if stream else 'not '}stream"
         sent = received.messages
         assert canon(sent) == canon(wanted), f"request {k + 1} of {len(expected)} did not carry the conversation"
         assert len({canonical_json(m) for m in sent}) == len(sent), f"request {k + 1} sent a message twice"
@@ -366,6 +371,21 @@ async def test_langchain_chat_openai(proxy: Proxy, upstream: FakeUpstream, confi
     check_conversation(upstream, config, session, script)
 
 
+async def test_a_full_history_app_and_a_new_messages_script_share_a_session(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A LangChain app resends its history; a script then sends only its new messages on the same
+    session id (openai-python), tool loop with the echo included: the script's model sees it all."""
+    script = Script()
+    app_turns, script_turns = TURNS[:3], TURNS[3:]
+    answers = script.play(app_turns + script_turns)
+    upstream.enqueue(*script.replies)
+    session = "shared"
+    assert await asyncio.to_thread(langchain_conversation, proxy.url, session, app_turns) == answers[:3]
+    assert await async_conversation(proxy, session, "new", script_turns) == answers[3:]
+    check_conversation(upstream, config, session, script)
+
+
 # --- simonw's llm CLI ------------------------------------------------------------------------------
 
 LLM_FUNCTIONS = '''
@@ -409,12 +429,18 @@ async def test_llm_cli_mixes_continuations_and_fresh_prompts(
         (["-m", "memproxy", "--no-stream", "--functions", LLM_FUNCTIONS], "And in Tokyo?", "Tokyo"),
         (["-c"], "What do I like?", None),
     ]
-    answers = [script.turn(text, city) for _, text, city in steps]
+    answers = [script.turn(text, city, stream="--no-stream" not in arguments) for arguments, text, city in steps]
     upstream.enqueue(*script.replies)
     for (arguments, text, _), answer in zip(steps, answers):
         out = await run_command([str(executable), *arguments, text], env)
         assert out.strip() == answer
     check_conversation(upstream, config, session, script)
+    # The premise, from llm's own log (one entry per request): -c continued llm's newest conversation,
+    # each -m started a new one.
+    log = json.loads(await run_command([str(executable), "logs", "--json", "-n", "0"], env))
+    conversations = [entry["conversation_id"] for entry in log]
+    labels = [sorted(set(conversations), key=conversations.index).index(c) for c in conversations]
+    assert labels == [0, 0, 1, 1, 1, 2, 2, 2]
 
 
 # --- the OpenAI Agents SDK -------------------------------------------------------------------------
