@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -290,10 +291,17 @@ def node_sdk() -> Path:
     prefix = Path(os.environ.get("MEMPROXY_TEST_NODE_DIR", Path.home() / ".cache" / "memproxy-tests" / "node"))
     prefix = prefix / f"openai-{NODE_SDK_MAJOR}"
     if not (prefix / "node_modules" / "openai" / "package.json").exists():
-        prefix.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+        # Installed beside, then renamed into place: a run cut short or a concurrent run leaves no half
+        # install where the next run would take it for a whole one.
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{prefix.name}.", dir=prefix.parent))
+        result = subprocess.run([npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
                                  f"openai@{NODE_SDK_MAJOR}"], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"npm install openai@{NODE_SDK_MAJOR} failed: {result.stderr[-2000:]}"
+        try:
+            partial.rename(prefix)
+        except OSError:  # another run got there first
+            shutil.rmtree(partial)
     return prefix
 
 
