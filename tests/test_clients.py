@@ -1,0 +1,486 @@
+"""Real client libraries holding real conversations through memproxy.
+
+Each test lets one client library people use (openai-python sync and async, openai-node, LangChain's
+`ChatOpenAI`, simonw's `llm` CLI, the OpenAI Agents SDK) hold a multi-turn conversation through a real
+proxy against the fake provider, with at least one tool loop (the model asks for `get_weather`, the
+client runs it and sends the result, the model answers) and one streamed turn, in the way that client
+sends its history: resending everything, sending only what is new, echoing the assistant's tool-call
+message before its results, or, for `llm`, mixing `-c` continuations with fresh prompts.
+
+What is checked is what matters to a person: every request the provider received carried the whole
+conversation so far, nothing twice, the newest user message last and verbatim; and the store holds the
+conversation once, nothing superseded. The expected conversation is built with the provider's script
+(`Script`), so the check does not depend on how a client spells its messages: they are compared in
+memproxy's canonical form (null fields and SDK echo artefacts ignored, text parts joined).
+
+The CLIs run as subprocesses against the in-process proxy on a real 127.0.0.1 port, with
+`asyncio.create_subprocess_exec` and a timeout (the proxy runs on the test's event loop); synchronous
+clients run on a worker thread for the same reason. The `openai` npm package is installed by the
+tests themselves into a cache outside the repo (`MEMPROXY_TEST_NODE_DIR`, default
+~/.cache/memproxy-tests/node); where node or npm is missing the node tests skip with the reason,
+except under CI=true, where they fail. The Python client libraries are in the `test` extra; one that
+cannot be imported fails under CI and skips elsewhere (the shared development venv may lack them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import PROXY_KEY, Proxy
+from db import rows
+from fake_upstream import FakeUpstream, Reply
+from memproxy.config import Config
+from memproxy.messages import canonical, canonical_json
+
+pytestmark = pytest.mark.both_stores
+
+Message = dict[str, Any]
+
+MODEL = "big"  # a 100k window: every request fits whole, so what is missing was forgotten, not budgeted
+SYSTEM = "You are a terse assistant."
+COMMAND_TIMEOUT = 60.0
+NODE_SDK_MAJOR = "6"  # 7 needs node 22; Debian's node is 20
+IN_CI = os.environ.get("CI") == "true"
+
+WEATHER_TOOL: Any = {  # the SDKs type tools as TypedDicts; the JSON is what matters
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False},
+        "strict": True,  # the SDK's stream helper parses only strict tools
+    },
+}
+
+
+def get_weather(city: str) -> str:
+    """What every client's tool answers (the node script and the `llm` function say the same)."""
+    return f"{city}: 18C and sunny"
+
+
+def need(module: str) -> ModuleType:
+    """A client library of the `test` extra: missing, it fails under CI and skips elsewhere."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if IN_CI:
+            pytest.fail(f"{module} is not installed: pip install '.[test]' ({exc})")
+        pytest.skip(f"{module} is not installed (pip install '.[test]')")
+
+
+# --- the conversation: the provider's script and what every request must have carried ------------
+
+
+@dataclass
+class Turn:
+    text: str
+    stream: bool = False
+    tool_city: str | None = None  # the model first asks for the weather there
+
+
+@dataclass
+class Script:
+    """The provider's replies, and the conversation they make when the client plays its part."""
+
+    system: str | None = SYSTEM
+    conversation: list[Message] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+    streamed: list[bool] = field(default_factory=list)  # whether the request of each reply streams
+
+    def turn(self, text: str, tool_city: str | None = None, stream: bool = False) -> str:
+        """The user says `text`; the model answers (after a tool loop if `tool_city`); its answer.
+        The client asks for a stream (`stream`) on each request of the turn."""
+        n = len(self.replies)
+        self.conversation.append({"role": "user", "content": text})
+        if tool_city is not None:
+            call = {"id": f"call_{n}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": tool_city})}}
+            self.replies.append(Reply(tool_calls=[call]))
+            self.streamed.append(stream)
+            self.conversation += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                  {"role": "tool", "tool_call_id": call["id"], "content": get_weather(tool_city)}]
+        answer = f"Answer {len(self.replies)} to: {text}"
+        self.replies.append(Reply(content=answer))
+        self.streamed.append(stream)
+        self.conversation.append({"role": "assistant", "content": answer})
+        return answer
+
+    def play(self, turns: list[Turn]) -> list[str]:
+        return [self.turn(t.text, t.tool_city, t.stream) for t in turns]
+
+    def expected_requests(self) -> list[list[Message]]:
+        """What request k must carry: everything before the model's k-th reply (system prompt first)."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [head + self.conversation[:i] for i, m in enumerate(self.conversation) if m["role"] == "assistant"]
+
+
+def canon(messages: list[Message]) -> list[Message]:
+    return [canonical(m) for m in messages]
+
+
+def check_conversation(upstream: FakeUpstream, config: Config, session: str, script: Script) -> None:
+    """The provider got the whole conversation on every request, nothing twice, the newest user message
+    last and verbatim; the store holds the conversation once and has superseded nothing."""
+    requests = upstream.chat_requests()
+    expected = script.expected_requests()
+    assert len(requests) == len(expected), f"{len(requests)} requests reached the provider, not {len(expected)}"
+    for k, (received, wanted, stream) in enumerate(zip(requests, expected, script.streamed)):
+        assert bool(received.body.get("stream")) == stream, f"request {k + 1} should {'' if stream else 'not '}stream"
+        sent = received.messages
+        assert canon(sent) == canon(wanted), f"request {k + 1} of {len(expected)} did not carry the conversation"
+        assert len({canonical_json(m) for m in sent}) == len(sent), f"request {k + 1} sent a message twice"
+        if wanted[-1]["role"] == "user":
+            assert sent[-1] == wanted[-1], f"request {k + 1}: the newest user message is not last and verbatim"
+    assert canon(stored(config, session)) == canon(script.conversation)
+    assert stored(config, session, active=0) == []
+    if script.system is not None:
+        [(prompt,)] = rows(config, "SELECT system_prompt FROM sessions WHERE tenant = ? AND session_id = ?",
+                           "a", session)
+        assert canon(json.loads(prompt)) == [{"role": "system", "content": script.system}]
+
+
+def stored(config: Config, session: str, active: int = 1) -> list[Message]:
+    """The session's active (or superseded, `active=0`) messages, in order."""
+    found = rows(config, "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                 " WHERE s.tenant = ? AND s.session_id = ? AND m.active = ? ORDER BY m.id", "a", session, active)
+    return [json.loads(body) for (body,) in found]
+
+
+async def run_command(argv: list[str], env: dict[str, str], timeout: float = COMMAND_TIMEOUT) -> str:
+    """A client CLI as a subprocess, without blocking the proxy's event loop; its stdout."""
+    process = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"{Path(argv[0]).name} did not finish in {timeout:.0f} s") from None
+    assert process.returncode == 0, f"{Path(argv[0]).name} exited {process.returncode}: {err.decode()[-2000:]}"
+    return out.decode()
+
+
+# --- openai-python: sync and async, full history and new messages only ----------------------------
+
+TURNS = [
+    Turn("My name is Ada."),
+    Turn("What is the weather in Paris?", tool_city="Paris"),
+    Turn("I like tea.", stream=True),
+    Turn("And the weather in Tokyo?", stream=True, tool_city="Tokyo"),
+    Turn("What is my name?"),
+]
+
+
+def sync_conversation(base_url: str, session: str, history_kind: str, turns: list[Turn]) -> list[str]:
+    """openai.OpenAI as a chat app uses it; the assistant message is echoed as the SDK object itself
+    (the cookbook's `messages.append(response.choices[0].message)`)."""
+    client = openai.OpenAI(base_url=base_url, api_key=PROXY_KEY, default_headers={"X-Session-Id": session},
+                           max_retries=0, timeout=30)
+    history: list[Any] = [{"role": "system", "content": SYSTEM}]
+    sent = 1
+    answers = []
+
+    def ask(stream: bool) -> Any:
+        nonlocal sent
+        messages = history if history_kind == "full" else [history[0], *history[sent:]]
+        sent = len(history)
+        if stream:
+            with client.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER_TOOL]) as events:
+                return events.get_final_completion().choices[0].message
+        return client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL]).choices[0].message
+
+    with client:
+        for turn in turns:
+            history.append({"role": "user", "content": turn.text})
+            message = ask(turn.stream)
+            while message.tool_calls:
+                history.append(message)
+                history += [{"role": "tool", "tool_call_id": call.id,
+                             "content": get_weather(json.loads(call.function.arguments)["city"])}
+                            for call in message.tool_calls]
+                message = ask(turn.stream)
+            history.append(message)
+            sent = len(history)  # the answer came from the server: a new-messages client never resends it
+            answers.append(message.content or "")
+    return answers
+
+
+async def async_conversation(proxy: Proxy, session: str, history_kind: str, turns: list[Turn]) -> list[str]:
+    """openai.AsyncOpenAI; the assistant message is echoed as `message.model_dump()`, nulls and all."""
+    client = proxy.client(session)
+    history: list[Any] = [{"role": "system", "content": SYSTEM}]
+    sent = 1
+    answers = []
+
+    async def ask(stream: bool) -> Any:
+        nonlocal sent
+        messages = history if history_kind == "full" else [history[0], *history[sent:]]
+        sent = len(history)
+        if stream:
+            async with client.chat.completions.stream(model=MODEL, messages=messages,
+                                                      tools=[WEATHER_TOOL]) as events:
+                return (await events.get_final_completion()).choices[0].message
+        completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+        return completion.choices[0].message
+
+    for turn in turns:
+        history.append({"role": "user", "content": turn.text})
+        message = await ask(turn.stream)
+        while message.tool_calls:
+            history.append(message.model_dump())
+            history += [{"role": "tool", "tool_call_id": call.id,
+                         "content": get_weather(json.loads(call.function.arguments)["city"])}
+                        for call in message.tool_calls]
+            message = await ask(turn.stream)
+        history.append(message.model_dump())
+        sent = len(history)
+        answers.append(message.content or "")
+    return answers
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_python_sync(history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    session = f"py-sync-{history_kind}"
+    got = await asyncio.to_thread(sync_conversation, proxy.url, session, history_kind, TURNS)
+    assert got == answers
+    check_conversation(upstream, config, session, script)
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_python_async(history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    session = f"py-async-{history_kind}"
+    assert await async_conversation(proxy, session, history_kind, TURNS) == answers
+    check_conversation(upstream, config, session, script)
+
+
+# --- openai-node ----------------------------------------------------------------------------------
+
+NODE_SCRIPT = Path(__file__).parent / "clients" / "node_chat.mjs"
+
+
+@pytest.fixture(scope="session")
+def node_sdk() -> Path:
+    """The npm prefix holding the `openai` package, installed on first use and reused after."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        reason = f"the openai-node tests need node and npm on PATH (node: {node}, npm: {npm})"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    prefix = Path(os.environ.get("MEMPROXY_TEST_NODE_DIR", Path.home() / ".cache" / "memproxy-tests" / "node"))
+    prefix = prefix / f"openai-{NODE_SDK_MAJOR}"
+    if not (prefix / "node_modules" / "openai" / "package.json").exists():
+        # Installed beside, then renamed into place: a run cut short or a concurrent run leaves no half
+        # install where the next run would take it for a whole one.
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{prefix.name}.", dir=prefix.parent))
+        result = subprocess.run([npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
+                                 f"openai@{NODE_SDK_MAJOR}"], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"npm install openai@{NODE_SDK_MAJOR} failed: {result.stderr[-2000:]}"
+        try:
+            partial.rename(prefix)
+        except OSError:  # another run got there first
+            shutil.rmtree(partial)
+    return prefix
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_node(
+    history_kind: str, node_sdk: Path, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    session = f"node-{history_kind}"
+    plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
+            "turns": [{"text": t.text, "stream": t.stream} for t in TURNS]}
+    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
+           "OPENAI_NODE_PREFIX": str(node_sdk)}
+    out = await run_command([shutil.which("node") or "node", str(NODE_SCRIPT), json.dumps(plan)], env)
+    assert json.loads(out) == answers
+    check_conversation(upstream, config, session, script)
+
+
+# --- LangChain ChatOpenAI --------------------------------------------------------------------------
+
+
+def langchain_conversation(base_url: str, session: str, turns: list[Turn]) -> list[str]:
+    """A LangChain app: `ChatOpenAI` with the session id in `default_headers`, `bind_tools`, the whole
+    message list sent each time (`invoke`, or `.stream()` with the chunks added up), the tool results as
+    `ToolMessage`s."""
+    chat_models = need("langchain_openai")
+    messages = need("langchain_core.messages")
+    tools = need("langchain_core.tools")
+
+    @tools.tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return get_weather(city)
+
+    weather.name = "get_weather"
+    model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
+                                   default_headers={"X-Session-Id": session}).bind_tools([weather])
+    history: list[Any] = [messages.SystemMessage(SYSTEM)]
+    answers = []
+
+    def ask(stream: bool) -> Any:
+        if not stream:
+            return model.invoke(history)
+        total = None
+        for chunk in model.stream(history):
+            total = chunk if total is None else total + chunk
+        return total
+
+    for turn in turns:
+        history.append(messages.HumanMessage(turn.text))
+        reply = ask(turn.stream)
+        while reply.tool_calls:
+            history.append(reply)
+            history += [messages.ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
+                        for call in reply.tool_calls]
+            reply = ask(turn.stream)
+        history.append(reply)
+        answers.append(reply.content)
+    return answers
+
+
+async def test_langchain_chat_openai(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    session = "langchain"
+    assert await asyncio.to_thread(langchain_conversation, proxy.url, session, TURNS) == answers
+    check_conversation(upstream, config, session, script)
+
+
+async def test_a_full_history_app_and_a_new_messages_script_share_a_session(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A LangChain app resends its history; a script then sends only its new messages on the same
+    session id (openai-python), tool loop with the echo included: the script's model sees it all."""
+    script = Script()
+    app_turns, script_turns = TURNS[:3], TURNS[3:]
+    answers = script.play(app_turns + script_turns)
+    upstream.enqueue(*script.replies)
+    session = "shared"
+    assert await asyncio.to_thread(langchain_conversation, proxy.url, session, app_turns) == answers[:3]
+    assert await async_conversation(proxy, session, "new", script_turns) == answers[3:]
+    check_conversation(upstream, config, session, script)
+
+
+# --- simonw's llm CLI ------------------------------------------------------------------------------
+
+LLM_FUNCTIONS = '''
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"{city}: 18C and sunny"
+'''
+
+
+def llm_user_dir(path: Path, base_url: str, session: str) -> Path:
+    """An `LLM_USER_PATH` with memproxy as an extra OpenAI-compatible model, the session id as a header,
+    the proxy key in llm's key store."""
+    path.mkdir()
+    (path / "extra-openai-models.yaml").write_text(
+        f"- model_id: memproxy\n"
+        f"  model_name: {MODEL}\n"
+        f"  api_base: {base_url}\n"
+        f"  api_key_name: memproxy\n"
+        f"  supports_tools: true\n"
+        f"  headers:\n"
+        f"    X-Session-Id: {session}\n")
+    (path / "keys.json").write_text(json.dumps({"memproxy": PROXY_KEY}))
+    return path
+
+
+async def test_llm_cli_mixes_continuations_and_fresh_prompts(
+    tmp_path: Path, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`llm -c` resends the conversation from llm's own log, a fresh `llm -m` sends one message: on one
+    session id both keep the whole conversation. The fresh prompt after a `-c` is issue 11's reproduction."""
+    need("llm")
+    executable = Path(sys.executable).parent / "llm"
+    session = "llm-cli"
+    env = {**os.environ, "LLM_USER_PATH": str(llm_user_dir(tmp_path / "llm", proxy.url, session))}
+    script = Script(system=None)
+    steps = [  # (arguments, what the user says, the city the model asks the weather of)
+        (["-m", "memproxy"], "My name is Ada.", None),
+        (["-c"], "I like tea.", None),
+        (["-m", "memproxy", "--no-stream"], "What is my name?", None),
+        (["-c", "--functions", LLM_FUNCTIONS], "What is the weather in Paris?", "Paris"),
+        (["-m", "memproxy", "--no-stream", "--functions", LLM_FUNCTIONS], "And in Tokyo?", "Tokyo"),
+        (["-c"], "What do I like?", None),
+    ]
+    answers = [script.turn(text, city, stream="--no-stream" not in arguments) for arguments, text, city in steps]
+    upstream.enqueue(*script.replies)
+    for (arguments, text, _), answer in zip(steps, answers):
+        out = await run_command([str(executable), *arguments, text], env)
+        assert out.strip() == answer
+    check_conversation(upstream, config, session, script)
+    # The premise, from llm's own log (one entry per request): -c continued llm's newest conversation,
+    # each -m started a new one.
+    log = json.loads(await run_command([str(executable), "logs", "--json", "-n", "0"], env))
+    conversations = [entry["conversation_id"] for entry in log]
+    labels = [sorted(set(conversations), key=conversations.index).index(c) for c in conversations]
+    assert labels == [0, 0, 1, 1, 1, 2, 2, 2]
+
+
+# --- the OpenAI Agents SDK -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_agents_sdk(history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    """An agent with a function tool on `OpenAIChatCompletionsModel`, run turn after turn with
+    `Runner.run` (`run_streamed` for the streamed turns), given either the previous run's
+    `to_input_list()` plus the new message (full history) or only the new message (memory from the
+    proxy)."""
+    agents = need("agents")
+    agents.set_tracing_disabled(True)
+    session = f"agents-{history_kind}"
+
+    @agents.function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return get_weather(city)
+
+    weather.name = "get_weather"
+    agent = agents.Agent(name="assistant", instructions=SYSTEM, tools=[weather],
+                         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=proxy.client(session)))
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    items: list[Any] = []
+    got = []
+    for turn in TURNS:
+        given: Any = [*items, {"role": "user", "content": turn.text}] if history_kind == "full" else turn.text
+        if turn.stream:
+            result = agents.Runner.run_streamed(agent, given)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await agents.Runner.run(agent, given)
+        got.append(result.final_output)
+        items = result.to_input_list()
+    assert got == answers
+    check_conversation(upstream, config, session, script)
