@@ -271,6 +271,7 @@ class CrashRun:
     async def verify(self) -> Summary:
         if self.storage.is_postgres:
             await self._settled()
+        await self._restart()
         for conversation in self.conversations:
             self._verify(conversation)
         if not self.storage.is_postgres:
@@ -279,6 +280,47 @@ class CrashRun:
         self.summary.conversations = len(self.conversations)
         self.summary.cut_turns = sum(1 for c in self.conversations if c.over)
         return self.summary
+
+    async def _restart(self) -> None:
+        """After the last kill: a server starts on the store, every conversation the clients can go
+        on with takes one more turn (with `history: new`, rebuilt from the store), and the session API
+        reports each stored session's totals as its rows add them up."""
+        served = await asyncio.to_thread(serve_one, self.config, self.folder / "serve-last.log")
+        self.upstream.reset()
+        live = [c for c in self.conversations if not c.over]
+        clients = {c.session: self._client(served, c) for c in live}
+        try:
+            self._script(len(live) + 1)
+            await asyncio.gather(*(self._turns(clients[c.session], c, 1) for c in live))
+            async with httpx.AsyncClient(base_url=served.url, timeout=WAIT,
+                                         headers={"Authorization": f"Bearer {PROXY_KEY}"}) as http:
+                for conversation in self.conversations:
+                    await self._check_totals(http, conversation.session)
+        finally:
+            served.stop()
+            for client in clients.values():
+                await client.close()
+
+    async def _check_totals(self, http: httpx.AsyncClient, name: str) -> None:
+        response = await http.get(f"/v1/sessions/{name}")
+        stored = rows(self.storage, "SELECT count(*), coalesce(sum(m.tokens), 0) FROM messages m"
+                                    " JOIN sessions s ON s.pk = m.session_pk WHERE s.tenant = 'a'"
+                                    " AND s.session_id = ? AND m.active = 1", name)
+        [(messages, tokens)] = stored
+        if messages == 0:
+            assert response.status_code == 404, f"{name}: {response.status_code}"
+            return
+        assert response.status_code == 200, f"{name}: {response.status_code}"
+        shown = response.json()
+        [(turns, prompt, completion)] = rows(
+            self.storage, "SELECT count(*), coalesce(sum(t.prompt_tokens), 0), coalesce(sum(t.completion_tokens), 0)"
+                          " FROM turns t JOIN sessions s ON s.pk = t.session_pk WHERE s.tenant = 'a'"
+                          " AND s.session_id = ?", name)
+        assert (shown["message_count"], len(shown["messages"]), shown["tokens_stored"]) == (messages, messages, tokens), \
+            f"{name}: the session API's counts disagree with the store"
+        usage = shown["usage"]
+        assert (usage["turns"], usage["prompt_tokens"], usage["completion_tokens"]) == (turns, prompt, completion), \
+            f"{name}: the session API's totals disagree with the store"
 
     async def _settled(self) -> None:
         """A killed server's PostgreSQL backends end their transactions (rolled back) on their own
