@@ -184,5 +184,6 @@ async def _serve(config: Config) -> None:
         listener.close()  # no new connections; the runner then closes idle ones and drains the rest
         await runner.cleanup()
 
+
 if __name__ == "__main__":
     sys.exit(main())

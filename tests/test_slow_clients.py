@@ -19,6 +19,7 @@ import pytest
 
 from conftest import PROXY_KEY
 from fake_upstream import FakeUpstream, Reply
+from memproxy.config import ConfigError, ServerConfig, parse_config
 from processes import Served, serve_one, sqlite_storage, write_config
 
 HEADER, BODY, KEEPALIVE = 1.0, 1.6, 2.4  # seconds, far enough apart to tell which one fired
@@ -166,3 +167,15 @@ async def test_a_slow_answer_is_not_cut_and_the_connection_serves_again(
     finally:
         gate.set()
         await client.close()
+
+
+def test_the_limits_are_read_from_the_config_and_must_be_positive() -> None:
+    assert (ServerConfig().header_timeout_seconds, ServerConfig().body_timeout_seconds,
+            ServerConfig().keepalive_timeout_seconds) == (10.0, 60.0, 75.0)
+    config = parse_config("server:\n  header_timeout_seconds: 2.5\n  body_timeout_seconds: 30\n"
+                          "  keepalive_timeout_seconds: 5\n")
+    assert (config.server.header_timeout_seconds, config.server.body_timeout_seconds,
+            config.server.keepalive_timeout_seconds) == (2.5, 30.0, 5.0)
+    for key in ("header_timeout_seconds", "body_timeout_seconds", "keepalive_timeout_seconds"):
+        with pytest.raises(ConfigError, match=f"server.{key}: must be a positive number"):
+            parse_config(f"server:\n  {key}: 0\n")
