@@ -9,6 +9,7 @@ stay far below the busy timeout, and once the reader lets go the log must be emp
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from conftest import Proxy, make_config
 from fake_upstream import FakeUpstream
-from memproxy.store.sqlite import _CHECKPOINT_EVERY, _TRUNCATE_AT_FRAMES
+from memproxy.store.sqlite import _CHECKPOINT_EVERY, _TRUNCATE_AT_FRAMES, checkpoint_log
 
 BUSY_TIMEOUT_MS = 2000
 TURN_BOUND = 1.0  # seconds: half the busy timeout; a turn that waited for the reader takes >= 2 s
@@ -89,3 +90,37 @@ async def test_no_turn_waits_for_a_reader_in_another_process(
         if wal.stat().st_size < grown / 4:
             break
     assert wal.stat().st_size < grown / 4, "the log was not checkpointed after the reader closed"
+
+
+def test_the_checkpoint_policy_never_waits_and_empties_a_long_log_once_free(tmp_path: Path) -> None:
+    """`checkpoint_log` alone, on plain connections: with a reader holding an old snapshot it copies
+    what it may and leaves the log (no waiting: the connection has no busy timeout); once the reader
+    is gone, a log past the threshold is emptied."""
+    db = str(tmp_path / "policy.db")
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("PRAGMA journal_mode = WAL").fetchall()
+    writer.execute("PRAGMA wal_autocheckpoint = 0").fetchall()
+    writer.execute("CREATE TABLE t (x BLOB)")
+    reader = sqlite3.connect(db, isolation_level=None)
+    checkpointer = sqlite3.connect(db, isolation_level=None)
+    checkpointer.execute("PRAGMA busy_timeout = 0").fetchall()
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM t").fetchall()  # the snapshot: before every row below
+        for _ in range(2 * _TRUNCATE_AT_FRAMES):
+            writer.execute("INSERT INTO t VALUES (randomblob(3000))")
+        start = time.perf_counter()
+        frames, copied = checkpoint_log(checkpointer)
+        assert time.perf_counter() - start < 1.0
+        assert frames >= 2 * _TRUNCATE_AT_FRAMES and copied < frames  # the reader's frames stay
+        assert Path(db + "-wal").stat().st_size >= frames * PAGE
+        reader.execute("COMMIT")
+        assert checkpoint_log(checkpointer) == (0, 0)
+        assert Path(db + "-wal").stat().st_size == 0
+        # A short log is copied but left in place: no truncation for a few frames.
+        writer.execute("INSERT INTO t VALUES (randomblob(3000))")
+        frames, copied = checkpoint_log(checkpointer)
+        assert 0 < frames < _TRUNCATE_AT_FRAMES and copied == frames
+    finally:
+        for conn in (reader, writer, checkpointer):
+            conn.close()
