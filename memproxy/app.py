@@ -15,6 +15,7 @@ from .auth import authenticate
 from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
+from .deadlines import read_deadlines
 from .errors import ProxyError, error_body
 from .provider import Provider
 from .routes import healthz, models, readyz
@@ -33,7 +34,7 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def create_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[_errors, _auth],
+        middlewares=[_errors, read_deadlines, _auth],
         client_max_size=config.server.max_body_bytes,
     )
     app[CONFIG] = config

@@ -20,6 +20,7 @@ from aiohttp import web
 from . import __version__, sessions_cli
 from .app import create_app
 from .config import Config, ConfigError, StorageConfig, load_config
+from .deadlines import protocols
 from .errors import ProxyError
 from .store import Store, open_store
 
@@ -162,20 +163,25 @@ async def _export(store: Store, tenant: str, session_id: str) -> list[dict[str, 
 async def _serve(config: Config) -> None:
     # A handler whose client went away is cancelled, as in the test server: an answer nobody
     # received is not recorded, so a client's retry of it is not stored twice.
-    access_log = logging.getLogger("aiohttp.access") if config.server.access_log else None
-    runner = web.AppRunner(create_app(config), access_log=access_log, handler_cancellation=True)
+    server = config.server
+    access_log = logging.getLogger("aiohttp.access") if server.access_log else None
+    runner = web.AppRunner(create_app(config), access_log=access_log, handler_cancellation=True,
+                           keepalive_timeout=server.keepalive_timeout_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    print(f"memproxy listening on http://{config.server.host}:{port}", flush=True)
-    stop = asyncio.Event()
+    assert runner.server is not None
+    # aiohttp's server, each connection wrapped with the header deadline (memproxy.deadlines).
     loop = asyncio.get_running_loop()
+    listener = await loop.create_server(protocols(runner.server, server.header_timeout_seconds),
+                                        server.host, server.port, reuse_address=True)
+    port = listener.sockets[0].getsockname()[1]
+    print(f"memproxy listening on http://{server.host}:{port}", flush=True)
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:
+        listener.close()  # no new connections; the runner then closes idle ones and drains the rest
         await runner.cleanup()
 
 

@@ -35,6 +35,9 @@ class ServerConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     allow_unauthenticated: bool = False
     access_log: bool = False
+    header_timeout_seconds: float = 10.0  # first byte of a request to the end of its headers
+    body_timeout_seconds: float = 60.0  # end of the headers to the end of the body
+    keepalive_timeout_seconds: float = 75.0  # an idle connection (also: before its first request)
 
     @property
     def is_loopback(self) -> bool:
@@ -277,6 +280,9 @@ def _server(s: _Section) -> ServerConfig:
         max_body_bytes=max_body,
         allow_unauthenticated=s.boolean("allow_unauthenticated", d.allow_unauthenticated),
         access_log=s.boolean("access_log", d.access_log),
+        header_timeout_seconds=s.number("header_timeout_seconds", d.header_timeout_seconds),
+        body_timeout_seconds=s.number("body_timeout_seconds", d.body_timeout_seconds),
+        keepalive_timeout_seconds=s.number("keepalive_timeout_seconds", d.keepalive_timeout_seconds),
     )
     s.finish()
     return config

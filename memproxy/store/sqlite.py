@@ -9,7 +9,9 @@ more. It never waits there: that connection has no busy timeout, so when another
 a second server) holds the write lock, `BEGIN` fails at once and the same script goes to the writer
 thread, which waits on the busy timeout instead. Checkpoints, which do wait for the disk, never run
 on the loop: its connection does not checkpoint on commit; after every `_CHECKPOINT_EVERY` writes it
-made, the writer thread checkpoints the log, and writes queue on that thread until it is done.
+made, a third connection, on its own thread, checkpoints the log by a policy that never waits for a
+reader (`checkpoint_log`), so no write ever queues behind an outside reader (a backup, a `sqlite3`
+shell, `memproxy sessions` on the same file).
 
 Reads see only committed data. The indexed reads that serve a turn (`Backend.lookup`) are answered
 on the event loop's connection too: a few B-tree pages each, some tens of microseconds. A WAL reader
@@ -58,7 +60,8 @@ def statements(sql: str) -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-_CHECKPOINT_EVERY = 64  # writes on the loop's connection between two checkpoints on the writer thread
+_CHECKPOINT_EVERY = 64  # writes on the loop's connection between two checkpoints
+_TRUNCATE_AT_FRAMES = 1024  # a log this long (4 MiB at 4 KiB pages; a turn writes ~14) is started afresh
 _Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
 
 
@@ -149,11 +152,26 @@ def _finish(conn: sqlite3.Connection, script: Script[T]) -> T:
     return result
 
 
-def _restart_log(conn: sqlite3.Connection) -> None:
-    """Copy the log into the database and have the next write start the log afresh. RESTART, not
-    PASSIVE: under a steady stream of writes a passive checkpoint never catches up with the log's end,
-    so the log would never restart and would grow without bound."""
-    conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The checkpoint policy, on a connection with no busy timeout: it never waits for anyone.
+    Returns the log's length in frames and how many of them are now in the database.
+
+    A PASSIVE checkpoint copies every frame no reader still needs, without locking writers out and
+    without waiting for readers. It cannot, alone, bound the log: under a steady stream of writes the
+    log never gets copied to its very end at a moment when the next write would start it afresh, so
+    it grows without bound (190 MB measured). So once the log is long and every frame of it is
+    copied, a TRUNCATE checkpoint copies the few frames written since and empties the file. TRUNCATE
+    (and RESTART) waits for readers on the log: with no busy timeout it gives up at once instead
+    (`busy` = 1), and a write that finds the write lock it holds goes to the writer thread for the
+    moment it takes. An outside reader holding an old snapshot keeps the frames it needs in the log,
+    as SQLite must; the first checkpoint after it lets go copies them and empties the log.
+    """
+    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    if frames >= _TRUNCATE_AT_FRAMES and copied == frames:
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if not busy:
+            return 0, 0
+    return int(frames), int(copied)
 
 
 def _busy(exc: sqlite3.OperationalError) -> bool:
@@ -163,13 +181,14 @@ def _busy(exc: sqlite3.OperationalError) -> bool:
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
 
-    def __init__(self, reader: _Connection, writer: _Connection, local: sqlite3.Connection | None) -> None:
+    def __init__(self, reader: _Connection, writer: _Connection, local: sqlite3.Connection | None,
+                 checkpointer: _Connection | None = None) -> None:
         self._reader = reader
         self._writer = writer
         self._local = local  # on the loop's thread; None for `:memory:`, where one connection holds it all
         self._local_writes = 0
-        # While a checkpoint runs, writes queue behind it on the writer's thread: written on the loop
-        # meanwhile, they would keep the log busy and the checkpoint waiting.
+        # No busy timeout; runs `checkpoint_log` while writes go on (one checkpoint at a time).
+        self._checkpointer = checkpointer
         self._checkpointing: asyncio.Task[None] | None = None
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
@@ -185,7 +204,7 @@ class SQLiteBackend:
         return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
 
     async def write(self, script: Script[T]) -> T:
-        if self._local is not None and (self._checkpointing is None or self._checkpointing.done()):
+        if self._local is not None:
             try:
                 self._local.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
@@ -194,14 +213,17 @@ class SQLiteBackend:
             else:  # the write lock is ours: in WAL mode nothing after this waits for another process
                 result = _finish(self._local, script)
                 self._local_writes += 1
-                if self._local_writes % _CHECKPOINT_EVERY == 0:
-                    self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint())
+                if self._local_writes % _CHECKPOINT_EVERY == 0 and self._checkpointer is not None and (
+                        self._checkpointing is None or self._checkpointing.done()):
+                    self._checkpointing = asyncio.get_running_loop().create_task(
+                        self._checkpoint(self._checkpointer))
                 return result
         return await self._writer.call(_in_transaction(script))  # busy: the writer's thread waits
 
-    async def _checkpoint(self) -> None:
+    @staticmethod
+    async def _checkpoint(checkpointer: _Connection) -> None:
         try:
-            await self._writer.call(_restart_log)
+            await checkpointer.call(checkpoint_log)
         except sqlite3.Error as exc:  # the next one tries again
             log.warning("sqlite checkpoint failed: %s", type(exc).__name__)
 
@@ -211,6 +233,8 @@ class SQLiteBackend:
         if self._local is not None:
             self._local.close()
             self._local = None
+        if self._checkpointer is not None:
+            await self._checkpointer.close()
         if self._reader is not self._writer:
             await self._reader.close()
         await self._writer.close()
@@ -226,7 +250,8 @@ class SQLiteStore(SQLStore):
         await writer.fetch("SELECT 1")  # opens the file (in WAL mode) before the reader does
         in_memory = path == ":memory:"
         reader = writer if in_memory else _Connection(path, busy_timeout_ms, wal=False)
-        backend = SQLiteBackend(reader, writer, None if in_memory else _local(path))
+        checkpointer = None if in_memory else _Connection(path, 0, wal=False)
+        backend = SQLiteBackend(reader, writer, None if in_memory else _local(path), checkpointer)
         await _migrate(backend)
         return cls(backend)
 

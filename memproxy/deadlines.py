@@ -1,0 +1,145 @@
+"""Read deadlines: a slow client cannot hold a connection (and its file descriptor) open.
+
+Three limits, each configurable under `server:`:
+
+- `keepalive_timeout_seconds`: aiohttp's own keep-alive timer. It runs from the moment a connection
+  opens and from the end of each response; if no complete request has arrived when it fires, aiohttp
+  closes the connection (an idle keep-alive, or a client that never sends anything).
+- `header_timeout_seconds`: from the first byte of a request to the end of its headers. aiohttp has
+  no such limit, and its parser sees nothing but bytes, so the deadline lives in a thin protocol
+  wrapped around aiohttp's (`DeadlinedConnection`, built by `protocols`; the serving code passes it
+  to `loop.create_server` in place of aiohttp's `web.Server`, the low-level server's documented use).
+  The wrapper forwards every event unchanged; it arms a timer on the first byte received between
+  requests, and `read_deadlines` (the middleware, which a request reaches once its headers are
+  parsed) disarms it. On expiry the client gets a 408 with an OpenAI-shaped body and the connection
+  is closed. A request whose headers are parsed before their byte arrives between two requests (a
+  pipelined one) is bounded by the keep-alive timer instead.
+- `body_timeout_seconds`: from the end of the headers to the end of the body. The middleware reads
+  the whole body under this deadline (aiohttp keeps it for the handler's own `read()`); on expiry
+  the client gets a 408 and the connection is closed, before anything is stored or sent upstream.
+  aiohttp reads and drops what the client still sends after the 408 (a "lingering close", so the
+  client can read the answer before the socket goes), and the wrapper ends that after
+  `_LINGER_SECONDS`, where aiohttp alone would wait 10 s.
+
+All three are wall-clock limits on the whole phase, not on the gap between two bytes: a client
+trickling a byte a second is held no longer than one that sends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from .errors import error_body
+from .typedefs import CONFIG
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_LINGER_SECONDS = 1.0  # after a 408 for a late body: time for the client to read it before the close
+
+
+def _timeout_body(what: str, limit: float) -> bytes:
+    message = f"The request's {what} did not arrive within {limit:g} seconds."
+    return json.dumps(error_body(message, "invalid_request_error", "request_timeout")).encode()
+
+
+class DeadlinedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with a deadline on each request's headers."""
+
+    def __init__(self, inner: asyncio.Protocol, header_timeout: float) -> None:
+        self._inner = inner
+        self._header_timeout = header_timeout
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._between_requests = True  # the next byte received starts a request's headers
+        self._closing = False  # a 408 went out: no more requests on this connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if data and self._between_requests and self._timer is None and not self._closing:
+            self._timer = asyncio.get_running_loop().call_later(self._header_timeout, self._expire)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def request_started(self) -> None:
+        """The request's headers are parsed: its body and answer are no business of this timer."""
+        self._between_requests = False
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self._between_requests = True
+
+    def close_soon(self) -> None:
+        """The answer is a 408 for a late body: close once the client has had time to read it."""
+        self._closing = True
+        self._disarm()
+        transport = self._transport
+        if transport is not None:
+            asyncio.get_running_loop().call_later(_LINGER_SECONDS, transport.close)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing() or not self._between_requests:
+            return
+        body = _timeout_body("headers", self._header_timeout)
+        transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        transport.close()
+
+
+def protocols(server: Callable[[], asyncio.Protocol], header_timeout: float) -> Callable[[], DeadlinedConnection]:
+    """The protocol factory for `loop.create_server`: aiohttp's `server` (a `web.Server`, which makes
+    one protocol per connection), each wrapped with the header deadline."""
+    return lambda: DeadlinedConnection(server(), header_timeout)
+
+
+@web.middleware
+async def read_deadlines(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Stops the header deadline (the headers are in), and reads the body within its deadline."""
+    transport = request.transport
+    connection = transport.get_protocol() if transport is not None else None
+    if not isinstance(connection, DeadlinedConnection):
+        connection = None  # an in-process test server: no header deadline to stop
+    if connection is not None:
+        connection.request_started()
+    try:
+        if request.body_exists:
+            limit = request.app[CONFIG].server.body_timeout_seconds
+            try:
+                async with asyncio.timeout(limit):
+                    await request.read()
+            except TimeoutError:
+                response = web.Response(body=_timeout_body("body", limit), status=408,
+                                        content_type="application/json")
+                response.force_close()  # the rest of the body is not worth waiting for
+                if connection is not None:
+                    connection.close_soon()
+                return response
+        return await handler(request)
+    finally:
+        if connection is not None:
+            connection.request_finished()
