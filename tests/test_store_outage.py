@@ -32,7 +32,7 @@ import pytest
 from conftest import Proxy, make_config
 from db import rows
 from fake_upstream import FakeUpstream, Reply
-from memproxy.config import Config, StorageConfig, StoreFailurePolicy
+from memproxy.config import Config, ConfigError, StorageConfig, StoreFailurePolicy, parse_config
 
 
 @pytest.fixture
@@ -242,3 +242,12 @@ async def test_a_store_lost_while_the_provider_answers_keeps_the_answer(
     assert "store" in str(caught.value).lower()
     relay.restore()
     assert stored(storage) == []
+
+
+def test_on_failure_is_error_by_default_and_checked() -> None:
+    base = "models:\n  - {name: small, model: openai/small, context_window: 2000}\n"
+    assert parse_config(base, {}).storage.on_failure == "error"
+    assert parse_config(base + "storage: {on_failure: passthrough}\n", {}).storage.on_failure == "passthrough"
+    with pytest.raises(ConfigError) as caught:
+        parse_config(base + "storage: {on_failure: ignore}\n", {})
+    assert caught.value.key == "storage.on_failure"
