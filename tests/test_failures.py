@@ -44,7 +44,8 @@ def auth(session: str = "s1") -> dict[str, str]:
 
 
 async def post_chat(proxy: Proxy, body: dict[str, Any], session: str = "s1") -> tuple[int, dict[str, str], bytes]:
-    async with aiohttp.ClientSession() as http:
+    # A deadline: a second response written into a chunked body leaves a client waiting for its end.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         async with http.post(proxy.server.make_url("/v1/chat/completions"), json=body,
                              headers=auth(session)) as response:
             return response.status, dict(response.headers), await response.read()
