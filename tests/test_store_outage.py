@@ -29,7 +29,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import Proxy, make_config
+from conftest import PROXY_KEY, Proxy, make_config
 from db import rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config, ConfigError, StorageConfig, StoreFailurePolicy, parse_config
@@ -157,6 +157,10 @@ async def test_a_cut_store_is_a_503_before_any_upstream_call_and_recovers(
                                   "code": "store_unavailable", "param": None}}
     assert len(upstream.chat_requests()) == 1  # nothing was paid for while the store was away
     assert await ready(proxy) == 503
+    async with aiohttp.ClientSession() as http:  # the session API says the same
+        async with http.get(f"{proxy.url}/sessions", headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "store_unavailable"
 
     relay.restore()
     assert await ready(proxy) == 200  # the pool reconnected on its own
