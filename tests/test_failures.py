@@ -32,6 +32,7 @@ from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 from memproxy.messages import chain_hash
 from memproxy.store import Summary, open_store
+from memproxy.typedefs import STORE
 
 pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
 
@@ -288,3 +289,32 @@ async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
     upstream.enqueue(Reply(raw_content='"again \\udfff"'))
     reply = await proxy.client("s2").chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}])
     assert reply.choices[0].message.content == "again \udfff"
+
+
+# --- item 7 on both stores: a store that fails when the turn is planned ----------------------------
+
+
+@pytest.mark.parametrize("on_failure", ["error", "passthrough"])
+async def test_a_store_failing_at_plan_time_costs_no_upstream_call(
+    start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config, on_failure: str,
+) -> None:
+    config = replace(config, storage=replace(config.storage, on_failure=on_failure))
+    proxy: Proxy = await start_proxy(config)
+    await proxy.app[STORE].close()  # every read and write now fails in the driver (a closed pool, a closed file)
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        status, headers, raw = await post_chat(proxy, {**body, "stream": stream})
+        if on_failure == "error":
+            assert status == 503
+            assert json.loads(raw) == {"error": {"message": json.loads(raw)["error"]["message"],
+                                                 "type": "server_error", "code": "store_unavailable", "param": None}}
+            assert upstream.chat_requests() == []
+        else:
+            assert status == 200
+            assert (headers["X-Memproxy-Memory"], headers["X-Memproxy-Stored"]) == ("unavailable", "false")
+            assert upstream.last().messages == body["messages"]
+            if stream:
+                assert events_of(raw)[-1] == "[DONE]"
+            else:
+                assert json.loads(raw)["choices"][0]["message"]["content"]
+    assert table_rows(config, *TABLES) == {t: [] for t in TABLES}
