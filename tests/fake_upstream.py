@@ -35,8 +35,9 @@ class Reply:
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
     choices: list[str] | None = None  # n > 1, not streamed: contents of choices 1, 2, ... (else `content`)
-    # The content as the JSON text of a string, sent exactly so (`'"a\\ud800"'`: a lone surrogate, as
-    # a provider may escape one); overrides `content`. A stream sends it whole, in one chunk.
+    # The content's JSON text, sent exactly so: a string with the escapes a provider may send
+    # (`'"a\\ud800"'`, a lone surrogate) or any other JSON value (a malformed answer); overrides
+    # `content`. A stream sends it whole, in one chunk.
     raw_content: str | None = None
 
 

@@ -267,7 +267,7 @@ async def test_summary_and_title_texts_with_nul_and_surrogates_round_trip(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
-    proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool,
+    proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool, transport: str,
 ) -> None:
     upstream.enqueue(Reply(raw_content='"half \\ud800 of a pair, \\u00e9"'))
     body = {"model": "small", "stream": stream, "messages": [{"role": "user", "content": "odd"}]}
@@ -285,6 +285,13 @@ async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
         content = json.loads(raw)["choices"][0]["message"]["content"]
     assert content == expected
     assert stored_bodies(config)[-1] == {"role": "assistant", "content": expected}
+    # The stored answer goes upstream again with the next turn: as the same escape through memproxy's
+    # own client; through litellm, whose client cannot encode it, as U+FFFD.
+    await proxy.client(**{"X-Memproxy-History": "new"}).chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "and then?"}])
+    sent = expected if transport == "auto" else expected.replace("\ud800", "\ufffd")
+    assert upstream.last().messages[-2:] == [{"role": "assistant", "content": sent},
+                                             {"role": "user", "content": "and then?"}]
     # The client's SDK takes it as the provider's answer too.
     upstream.enqueue(Reply(raw_content='"again \\udfff"'))
     reply = await proxy.client("s2").chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}])
