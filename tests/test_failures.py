@@ -156,7 +156,8 @@ async def test_a_plain_turn_whose_recording_fails_returns_the_answer_marked_unst
     assert first.headers["X-Memproxy-Stored"] == "true"
     refuse_messages(config)
     upstream.enqueue(Reply(content="paid for"))
-    history: Any = [{"role": "user", "content": "one"}, {"role": "assistant", "content": first.parse().choices[0].message.content},
+    first_answer = first.parse().choices[0].message.content
+    history: Any = [{"role": "user", "content": "one"}, {"role": "assistant", "content": first_answer},
                     {"role": "user", "content": "two"}]
     raw = await client.chat.completions.with_raw_response.create(model="small", messages=history)
     assert raw.http_response.status_code == 200
@@ -214,7 +215,8 @@ async def test_a_nul_in_every_stored_text_round_trips(
         chunks = await client.chat.completions.create(model="small", messages=messages, stream=True)
         answer = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
     else:
-        answer = (await client.chat.completions.create(model="small", messages=messages)).choices[0].message.content or ""
+        reply = await client.chat.completions.create(model="small", messages=messages)
+        answer = reply.choices[0].message.content or ""
     assert answer == f"an{NUL}swer"
     assert upstream.last().messages == messages
     assert stored_bodies(config) == [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
@@ -245,7 +247,7 @@ async def test_summary_and_title_texts_with_nul_and_surrogates_round_trip(
         session = await store.get_session("a", "s1")
         assert session is not None
         covers_hash = chain_hash(chain_hash("", history[0]), history[1])
-        text = f"\x1b\"not json{NUL} \ud800 é"
+        text = f"\x1bmemproxy-json:\"not json{NUL} \ud800 é"
         await store.save_summary(session, 0, Summary(version=1, text=text, covers=2, covers_hash=covers_hash,
                                                      tokens=10, replaced_tokens=20, model=f"m{NUL}"))
         [saved] = await store.summary_history(session)
@@ -255,11 +257,11 @@ async def test_summary_and_title_texts_with_nul_and_surrogates_round_trip(
         # An export carries them exactly, and an import stores them again.
         records = await store.export_session(session)
         [head] = [r for r in records if r["type"] == "session"]
-        head["title"] = f"\x1b{NUL}title"
+        head["title"] = f"\x1bmemproxy-json:{NUL}title"
         await store.import_session("a", "copy", records)
         copy = await store.get_session("a", "copy")
         assert copy is not None
-        assert (await store.session_info(copy)).title == f"\x1b{NUL}title"
+        assert (await store.session_info(copy)).title == f"\x1bmemproxy-json:{NUL}title"
         assert [s.text for s in await store.summary_history(copy)] == [text]
     finally:
         await store.close()
@@ -325,3 +327,14 @@ async def test_a_store_failing_at_plan_time_costs_no_upstream_call(
             else:
                 assert json.loads(raw)["choices"][0]["message"]["content"]
     assert table_rows(config, *TABLES) == {t: [] for t in TABLES}
+
+
+async def test_titles_written_before_the_escape_read_back_unchanged(
+    proxy: Proxy, upstream: FakeUpstream, config: Config,
+) -> None:
+    await proxy.client().chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
+    async with aiohttp.ClientSession() as http:
+        for title in ("plain", "\x1bplain", '\x1b"[1]"', '\x1bmemproxy-json:"not closed', '\x1bmemproxy-json:[1]'):
+            execute(config, "UPDATE sessions SET title = ?", title)
+            async with http.get(f"{proxy.url}/sessions/s1", headers=auth()) as response:
+                assert (await response.json())["title"] == title

@@ -19,7 +19,7 @@ Every JSON string round-trips through both databases. JSON columns hold `json.du
 is already the escape `\u0000` (PostgreSQL's text cannot hold the character itself); a lone surrogate
 (a provider may send one) cannot be encoded as UTF-8, so such a value is written with every non-ASCII
 character escaped (`_dumps`). The plain text columns that take free text (a session's `title`, a
-summary's `text`) hold it as it is unless it has one of those characters, or starts like an escaped
+summary's `text`, model names) hold it as it is unless it has one of those characters, or starts like an escaped
 one: then it is `_ESCAPED` followed by its JSON string (`_text_in`, `_text_out`). Rows written before
 read back unchanged, so no migration was needed.
 """
@@ -752,9 +752,9 @@ def _dumps(value: Any) -> str:
     return text
 
 
-# Starts a free text stored as its JSON string: ESC, unlikely at the start of a title or a summary,
-# then the string's opening quote.
-_ESCAPED = '\x1b"'
+# Starts a free text stored as its JSON string: an ESC and a tag no text written before could
+# plausibly start with.
+_ESCAPED = "\x1bmemproxy-json:"
 
 
 @overload
@@ -766,7 +766,7 @@ def _text_in(text: str | None) -> str | None:
     it (a NUL, a lone surrogate) or it would read back as escaped."""
     if text is None or ("\x00" not in text and not text.startswith(_ESCAPED) and _encodable(text)):
         return text
-    return "\x1b" + json.dumps(text, ensure_ascii=True)
+    return _ESCAPED + json.dumps(text, ensure_ascii=True)
 
 
 @overload
@@ -777,7 +777,7 @@ def _text_out(stored: str | None) -> str | None:
     if stored is None or not stored.startswith(_ESCAPED):
         return stored
     try:
-        text = json.loads(stored[1:])
+        text = json.loads(stored[len(_ESCAPED):])
     except ValueError:  # never written by `_text_in`: a text that happens to start so
         return stored
     return text if isinstance(text, str) else stored
