@@ -16,11 +16,11 @@ from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
-from .errors import ProxyError, error_body
+from .errors import ProxyError, error_body, store_unavailable_body
 from .provider import Provider
 from .routes import healthz, models, readyz
 from .sessions import add_routes as add_session_routes
-from .store import Store, open_store
+from .store import Store, StoreUnavailable, open_store
 from .summarize import Summarizer
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
@@ -98,6 +98,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ProxyError as exc:
         return web.json_response(exc.body(), status=exc.status)
+    except StoreUnavailable as exc:
+        # The driver's error names only its class: its text may quote stored content.
+        log.error("store unavailable on %s %s: %s", request.method, request.path, type(exc.__cause__).__name__)
+        return web.json_response(store_unavailable_body(), status=503)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -6,6 +6,15 @@ forwarded, and recorded in one transaction once the answer is complete, before t
 is done (the final `[DONE]` of a stream, the body of a plain response). Recording runs as an owned task,
 so a client that disconnects after the answer was complete still gets its turn stored; a failed or cut
 upstream call stores nothing.
+
+Failures (README, "Failure behaviour"). A store that fails while the turn is planned fails the request
+with a 503 before anything is paid for upstream, or with `storage.on_failure: passthrough` the request
+goes upstream without memory (`X-Memproxy-Memory: unavailable`) and nothing is stored. An answer the
+provider gave is never thrown away for want of recording it: a plain response says whether it was
+stored (`X-Memproxy-Stored`); a stream, whose headers left before, ends with an error event instead of
+`[DONE]`. Once a stream's headers are out, whatever goes wrong ends it with exactly one OpenAI-shaped
+error event: an exception never reaches the error middleware, which would write a second response
+into the body.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -23,13 +33,21 @@ from aiohttp import web
 from .bodies import json_object
 from .config import Config, ModelConfig
 from .context import Budget
-from .errors import BadRequest, ContextLengthExceeded, Forbidden, NotFound, ProxyError
+from .errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    Forbidden,
+    NotFound,
+    ProxyError,
+    error_body,
+    store_unavailable_body,
+)
 from .memory import PreparedTurn, prepare_turn, prompt_schemas, turn_record
 from .messages import Message, validate_messages, wire_form
 from .reconcile import HISTORY_MODES
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
-from .store import Store
+from .store import Store, StoreUnavailable
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
@@ -37,6 +55,8 @@ from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 log = logging.getLogger("memproxy.chat")
 
 HISTORY_HEADER = "X-Memproxy-History"
+STORED_HEADER = "X-Memproxy-Stored"  # a plain response on a session: whether its turn was recorded
+MEMORY_HEADER = "X-Memproxy-Memory"  # "unavailable": forwarded without memory (`storage.on_failure`)
 _NOT_PARAMS = frozenset({"model", "messages"})
 
 
@@ -75,7 +95,16 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
         return await _forward(request, exchange)
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
-        await _prepare(request, exchange, tenant, session_id, body)
+        try:
+            await _prepare(request, exchange, tenant, session_id, body)
+        except StoreUnavailable as exc:
+            if config.storage.on_failure != "passthrough":
+                raise  # a 503, before anything is paid for upstream
+            # The request as the client sent it, remembered nowhere: what "continue without memory"
+            # asks for, said in a header so the client knows this turn will not be recalled.
+            log.error("store unavailable, chat forwarded without memory: %s", type(exc.__cause__).__name__)
+            exchange.turn = None
+            exchange.headers.update({MEMORY_HEADER: "unavailable", STORED_HEADER: "false"})
         return await _forward(request, exchange)
 
 
@@ -171,9 +200,17 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
     upstream_ms = exchange.timings.upstream_ended(upstream_started)
     if exchange.turn is not None:
         choices = result.get("choices") or [{}]
-        await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
+        try:
+            await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
+        except ProxyError:
+            raise  # a refusal (the session moved meanwhile: 409), not a failure
+        except Exception as exc:
+            # The answer is paid for: the client gets it, told that the turn is not remembered.
+            _log_failure("recording a turn", exc)
+        exchange.headers[STORED_HEADER] = "true" if exchange.recorded else "false"
     exchange.headers["Server-Timing"] = exchange.timings.header()
-    response = web.json_response(result, headers=exchange.headers, dumps=_dumps)
+    response = web.Response(body=_json(result), headers=exchange.headers, content_type="application/json",
+                            charset="utf-8")
     try:
         await response.prepare(request)
         await response.write_eof()
@@ -206,17 +243,41 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
         if exchange.turn is not None:
             await _record(request, exchange, assembler.message(), assembler.usage, upstream_ms)
         await response.write(b"data: [DONE]\n\n")
-    except ProxyError as exc:
-        await _write_quietly(response, b"data: " + _dumps(exc.body()).encode() + b"\n\n")
-        _log(exchange, exc.status)
-        return response
     except ConnectionError:
         _log(exchange, 499)  # the client went away before the answer was complete
+        return response
+    except Exception as exc:  # anything at all: the headers are out, so it can only end the stream
+        await _end_stream(response, exchange, exc)
         return response
     await _write_quietly_eof(response)
     _after_response(request, exchange)
     _log(exchange, 200)
     return response
+
+
+async def _end_stream(response: web.StreamResponse, exchange: Exchange, exc: Exception) -> None:
+    """End a stream whose headers are out with one error event, and no `[DONE]`: the client's SDK
+    raises it, and what came before it is not a finished answer. A `ProxyError` says what it is; a
+    store failure says the answer was not stored; anything else is an internal error, whose text
+    (it may quote content) goes nowhere."""
+    if isinstance(exc, ProxyError):
+        status, body = exc.status, exc.body()
+    elif isinstance(exc, StoreUnavailable):
+        _log_failure("recording a streamed turn", exc)
+        status, body = 503, store_unavailable_body()
+    else:
+        _log_failure("a stream after its headers", exc)
+        status, body = 500, error_body("internal error", "server_error", "internal_error")
+    await _write_quietly(response, b"data: " + _json(body) + b"\n\n")
+    _log(exchange, status)
+
+
+def _log_failure(where: str, exc: BaseException) -> None:
+    """The exception's class and where it was raised, at ERROR: never its message, nor its cause's,
+    which may quote message content."""
+    cause = f" (from {type(exc.__cause__).__name__})" if exc.__cause__ is not None else ""
+    stack = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+    log.error("%s failed: %s%s\n%s", where, type(exc).__name__, cause, stack)
 
 
 async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
@@ -227,7 +288,7 @@ async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.Str
         async with aclosing(chunks):  # a client that went away releases the upstream connection now
             async for chunk in chunks:
                 assembler.add(chunk)
-                await response.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+                await response.write(b"data: " + _json(chunk) + b"\n\n")
     finally:
         upstream_ms = timings.upstream_ended(upstream_started)
     return upstream_ms
@@ -279,8 +340,14 @@ async def _write_quietly_eof(response: web.StreamResponse) -> None:
         pass
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def _json(value: Any) -> bytes:
+    """JSON for the client, in UTF-8. A lone surrogate in a provider's answer, which no UTF-8
+    encoder takes, goes out as the escape `\\udXXX` the provider sent (the whole value then in
+    ASCII escapes); every other value is encoded once, as before."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _log(exchange: Exchange, status: int) -> None:

@@ -46,7 +46,7 @@ def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()  # a provider's lone surrogate too
 
 
 def dedupe_repeats(

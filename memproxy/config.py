@@ -12,13 +12,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TOKENIZERS = ("auto", "cl100k_base", "o200k_base", "litellm")
+StoreFailurePolicy = Literal["error", "passthrough"]
+STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
 
 
 class ConfigError(ValueError):
@@ -51,6 +53,8 @@ class StorageConfig:
     pool_min_size: int = 1  # PostgreSQL
     pool_max_size: int = 10
     schema: str | None = None  # PostgreSQL: tables live in this schema (created if missing)
+    # A chat turn the store fails to plan: 503 store_unavailable, or forwarded without memory.
+    on_failure: StoreFailurePolicy = "error"
 
     @property
     def is_postgres(self) -> bool:
@@ -303,9 +307,16 @@ def _storage(s: _Section) -> StorageConfig:
     schema = s.string("schema")
     if schema is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
         raise ConfigError(s.key("schema"), "must be a plain identifier (letters, digits, _)")
+    on_failure = s.string("on_failure", d.on_failure)
+    if on_failure == "error" or on_failure is None:
+        policy: StoreFailurePolicy = "error"
+    elif on_failure == "passthrough":
+        policy = "passthrough"
+    else:
+        raise ConfigError(s.key("on_failure"), f"must be one of {', '.join(STORE_FAILURE_POLICIES)}")
     s.finish()
     return StorageConfig(url=url, busy_timeout_ms=busy, pool_min_size=pool_min, pool_max_size=pool_max,
-                         schema=schema)
+                         schema=schema, on_failure=policy)
 
 
 def _models(data: _Section) -> tuple[ModelConfig, ...]:

@@ -78,6 +78,13 @@ class UpstreamError(ProxyError):
     code = "upstream_error"
 
 
+def store_unavailable_body() -> dict[str, Any]:
+    """What a request gets when the store fails (`memproxy.store.StoreUnavailable`): a 503, or an
+    error event ending a stream."""
+    return error_body("The session store is unavailable; memory could not be read or written. Retry later.",
+                      "server_error", "store_unavailable")
+
+
 def error_body(
     message: str, type: str, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:

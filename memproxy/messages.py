@@ -167,7 +167,8 @@ def chain_hash(parent: str, message: Message) -> str:
     digest = hashlib.sha256()
     digest.update(parent.encode())
     digest.update(b"\x00")
-    digest.update(canonical_json(message).encode())
+    # surrogatepass: a lone surrogate in a provider's answer hashes too (valid text is unaffected).
+    digest.update(canonical_json(message).encode("utf-8", "surrogatepass"))
     return digest.hexdigest()[:32]
 
 

@@ -149,7 +149,7 @@ class Provider:
         if self._native[model.name]:
             return await self._openai.complete(model, messages, params)
         try:
-            response = await self._litellm.acompletion(**self._kwargs(model, messages, params))
+            response = await self._acompletion(self._kwargs(model, messages, params))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
@@ -162,7 +162,7 @@ class Provider:
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
         try:
-            response = await self._litellm.acompletion(**self._kwargs(model, messages, {**params, "stream": True}))
+            response = await self._acompletion(self._kwargs(model, messages, {**params, "stream": True}))
             iterator = response.__aiter__()
             first = await iterator.__anext__()
         except StopAsyncIteration:
@@ -170,6 +170,17 @@ class Provider:
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         return _chunks(first, iterator, self)
+
+    async def _acompletion(self, kwargs: dict[str, Any]) -> Any:
+        try:
+            return await self._litellm.acompletion(**kwargs)
+        except Exception as exc:
+            if not _unencodable(exc):
+                raise
+        # litellm's client encodes the body as UTF-8, which refuses a lone surrogate (a provider's
+        # earlier answer, stored as it came and sent again); the request never left, so it goes
+        # now with each one as U+FFFD. memproxy's own client sends the escape instead.
+        return await self._litellm.acompletion(**{**kwargs, "messages": _without_surrogates(kwargs["messages"])})
 
     def upstream_error(self, exc: Exception) -> ProxyError:
         if isinstance(exc, ProxyError):
@@ -182,6 +193,26 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+def _unencodable(exc: BaseException | None) -> bool:
+    """Whether a UTF-8 encoding failure is what `exc` comes from (litellm wraps it twice)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, UnicodeEncodeError):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _without_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _without_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def transport(model: ModelConfig) -> str:

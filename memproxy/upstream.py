@@ -133,7 +133,7 @@ class OpenAIUpstream:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         body = {**params, "model": model_id(model), "messages": messages}
-        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=_dumps(body).encode(),
+        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=_request_body(body),
                                  headers=headers, timeout=timeout, proxy=self._proxy(base))
 
     def _proxy(self, base: str) -> str | None:
@@ -219,5 +219,10 @@ def _json(raw: bytes) -> Any:
         raise UpstreamError("upstream answered with invalid JSON") from None
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def _request_body(value: Any) -> bytes:
+    """The request body in UTF-8; with ASCII escapes only if it holds a lone surrogate (a provider's
+    earlier answer, stored and sent again), which no UTF-8 encoder takes."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()

@@ -35,6 +35,10 @@ class Reply:
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
     choices: list[str] | None = None  # n > 1, not streamed: contents of choices 1, 2, ... (else `content`)
+    # The content's JSON text, sent exactly so: a string with the escapes a provider may send
+    # (`'"a\\ud800"'`, a lone surrogate) or any other JSON value (a malformed answer); overrides
+    # `content`. A stream sends it whole, in one chunk.
+    raw_content: str | None = None
 
 
 @dataclass
@@ -155,7 +159,8 @@ class FakeUpstream:
         usage = reply.usage or {"prompt_tokens": 10 * number, "completion_tokens": 5, "total_tokens": 10 * number + 5}
         if body.get("stream"):
             return await self._stream(request, body, reply, usage, number)
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": _RAW if reply.raw_content is not None else reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
         extra = reply.choices or []
@@ -164,10 +169,10 @@ class FakeUpstream:
              "finish_reason": "tool_calls" if reply.tool_calls else "stop", "logprobs": None}
             for i in range(int(body.get("n") or 1))
         ]
-        return web.json_response({
+        return web.Response(text=_raw(json.dumps({
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model"), "choices": choices, "usage": usage,
-        })
+        }), reply), content_type="application/json")
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], reply: Reply, usage: dict[str, int], number: int
@@ -179,11 +184,13 @@ class FakeUpstream:
 
         async def send(delta: dict[str, Any], finish: str | None = None) -> None:
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 
         await send({"role": "assistant", "content": ""})
-        text = reply.content or ""
+        text = _RAW if reply.raw_content is not None else reply.content or ""
         pieces = [text[i : i + max(1, len(text) // 3)] for i in range(0, len(text), max(1, len(text) // 3))]
+        if reply.raw_content is not None:
+            pieces = [_RAW]
         for i, piece in enumerate(pieces):
             await send({"content": piece})
             if reply.cut_stream and i == 0:
@@ -205,3 +212,10 @@ class FakeUpstream:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+_RAW = "@@raw-content@@"  # where a reply's `raw_content` goes, in the JSON text about to be sent
+
+
+def _raw(text: str, reply: Reply) -> str:
+    return text if reply.raw_content is None else text.replace(f'"{_RAW}"', reply.raw_content)

@@ -19,6 +19,7 @@ from .base import (
     Usage,
     UsageTotals,
 )
+from .errors import StoreUnavailable
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
@@ -33,6 +34,7 @@ __all__ = [
     "SessionState",
     "Store",
     "StoredMessage",
+    "StoreUnavailable",
     "Summary",
     "SummaryCall",
     "Totals",

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from .errors import translated
 from .sql import Row, Script, SQLStore, run_script_async
 from .sqlite import migrations, statements
 
@@ -37,16 +38,20 @@ class PostgresBackend:
         self._pool = pool
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
+        with translated():
+            return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
 
     lookup = fetch  # a round trip to the server either way
 
     async def write(self, script: Script[T]) -> T:
-        async with self._pool.acquire() as conn, conn.transaction():
-            async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
-                return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
+        # A connection the server dropped (a restart, a cut network) fails its next statement here;
+        # the pool replaces it on the next acquire, so the store recovers once the server is back.
+        with translated():
+            async with self._pool.acquire() as conn, conn.transaction():
+                async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
+                    return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
 
-            return await run_script_async(script, fetch)
+                return await run_script_async(script, fetch)
 
     async def close(self) -> None:
         await self._pool.close()

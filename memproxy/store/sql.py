@@ -14,6 +14,14 @@ metadata, clearing. A turn planned against a history that has since moved is app
 head if it only continued that history, and refused with `Conflict` otherwise (an edit or regenerate
 whose fork point may be gone). Every deletion of sessions goes through `_forget`, which first adds
 what they spent to their tenant's rollup.
+
+Every JSON string round-trips through both databases. JSON columns hold `json.dumps` text, where a NUL
+is already the escape `\u0000` (PostgreSQL's text cannot hold the character itself); a lone surrogate
+(a provider may send one) cannot be encoded as UTF-8, so such a value is written with every non-ASCII
+character escaped (`_dumps`). The plain text columns that take free text (a session's `title`, a
+summary's `text`, model names) hold it as it is unless it has one of those characters, or starts like an escaped
+one: then it is `_ESCAPED` followed by its JSON string (`_text_in`, `_text_out`). Rows written before
+read back unchanged, so no migration was needed.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
 from ..errors import Conflict
 from ..messages import chain_hash
@@ -107,6 +115,8 @@ _MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, ch
                     " compact_body, compact_tokens, compact_cum_before")
 _SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
 _JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body"})
+# Free text, kept as it is where it can be (`_text_in`); a model name only an import can make odd.
+_TEXT_COLUMNS = frozenset({"title", "text", "model"})
 
 
 class Backend(Protocol):
@@ -318,7 +328,7 @@ class SQLStore:
             yield QUERIES["supersede"], (pk, turn.base)
         [(turn_id,)] = yield (
             f"INSERT INTO turns (session_pk, {_TURN_COLUMNS}) VALUES (?, {_marks(_TURN_COLUMNS)}) RETURNING id",
-            (pk, now, turn.model, turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
+            (pk, now, _text_in(turn.model), turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
              turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens,
              *_sent_values(turn.sent)))
         parent_id = None  # the first message's parent, the message before `base`, is looked up in its insert
@@ -340,7 +350,7 @@ class SQLStore:
             " head_compact_cum, system_prompt, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, _dumps(turn.system) if turn.system else None,
-             turn.title))
+             _text_in(turn.title)))
         return int(created[0][0]) if created else None
 
     def _move_head(self, turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Script[int | None]:
@@ -355,7 +365,7 @@ class SQLStore:
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
             f" title = coalesce(title, ?) WHERE {where} RETURNING pk",
-            (*head, now, _dumps(turn.system) if turn.system else None, turn.title, *params))
+            (*head, now, _dumps(turn.system) if turn.system else None, _text_in(turn.title), *params))
         return int(moved[0][0]) if moved else None
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
@@ -383,7 +393,7 @@ class SQLStore:
             "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
             " completion_tokens, latency_ms, cost, full_tokens)"
             " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
-            (time.time(), call.model, call.context_tokens, call.usage.prompt_tokens,
+            (time.time(), _text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
              call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
@@ -401,8 +411,8 @@ class SQLStore:
             raise Conflict("the history this summary covers has changed since it was read")
         yield ("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens, replaced_tokens,"
                " model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               (session.pk, expected_version + 1, summary.text, summary.covers, summary.covers_hash,
-                summary.tokens, summary.replaced_tokens, summary.model, now))
+               (session.pk, expected_version + 1, _text_in(summary.text), summary.covers, summary.covers_hash,
+                summary.tokens, summary.replaced_tokens, _text_in(summary.model), now))
         yield "UPDATE sessions SET summary_version = ? WHERE pk = ?", (expected_version + 1, session.pk)
 
     async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
@@ -452,7 +462,7 @@ class SQLStore:
             " ORDER BY page.updated_at DESC, page.pk DESC",
             (*params, limit))
         return [
-            (SessionInfo(tenant=r[1], session_id=r[2], title=r[3], created_at=r[4], updated_at=r[5],
+            (SessionInfo(tenant=r[1], session_id=r[2], title=_text_out(r[3]), created_at=r[4], updated_at=r[5],
                          messages=r[6], tokens_stored=r[7], turns=int(r[8]), prompt_tokens=int(r[9]),
                          completion_tokens=int(r[10]), cost=None if r[11] is None else float(r[11]),
                          tokens_saved=int(r[12]), summary_version=int(r[13])),
@@ -474,7 +484,7 @@ class SQLStore:
             " FROM turns t LEFT JOIN messages m ON m.turn_id = t.id WHERE t.session_pk = ?"
             " GROUP BY t.id ORDER BY t.id",
             (session.pk,))
-        return [TurnInfo(kind=r[0], model=r[1], created_at=r[2], context_tokens=r[3], prompt_tokens=r[4],
+        return [TurnInfo(kind=r[0], model=_text_out(r[1]), created_at=r[2], context_tokens=r[3], prompt_tokens=r[4],
                          completion_tokens=r[5], cost=r[6], stored_from=r[7], stored_messages=int(r[8]),
                          sent=_sent(r[9:]))
                 for r in rows]
@@ -643,7 +653,7 @@ class SQLStore:
     async def last_model(self, session: SessionState) -> str | None:
         row = await self._one("SELECT model FROM turns WHERE session_pk = ? AND kind NOT IN ('summary', 'fork')"
                               " ORDER BY id DESC LIMIT 1", (session.pk,))
-        return None if row is None else str(row[0])
+        return None if row is None else _text_out(str(row[0]))
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:
         """Every (tenant, session id), for copying a whole store."""
@@ -681,18 +691,29 @@ def _record(columns: str, row: Row) -> dict[str, Any]:
     """A table row as an export record: JSON columns decoded, so the export is plain JSON."""
     out = {}
     for name, value in zip(columns.split(", "), row):
-        out[name] = json.loads(value) if name in _JSON_COLUMNS and value is not None else value
+        if name in _JSON_COLUMNS and value is not None:
+            value = json.loads(value)
+        elif name in _TEXT_COLUMNS:
+            value = _text_out(value)
+        out[name] = value
     return out
 
 
 def _values(columns: str, record: dict[str, Any]) -> list[Any]:
-    return [_dumps(record.get(c)) if c in _JSON_COLUMNS and record.get(c) is not None else record.get(c)
-            for c in columns.split(", ")]
+    values = []
+    for name in columns.split(", "):
+        value = record.get(name)
+        if name in _JSON_COLUMNS and value is not None:
+            value = _dumps(value)
+        elif name in _TEXT_COLUMNS and isinstance(value, str):
+            value = _text_in(value)
+        values.append(value)
+    return values
 
 
 def _summary(row: Row) -> Summary:
-    return Summary(version=row[0], text=row[1], covers=row[2], covers_hash=row[3], tokens=row[4],
-                   replaced_tokens=row[5], model=row[6], created_at=row[7])
+    return Summary(version=row[0], text=_text_out(row[1]), covers=row[2], covers_hash=row[3], tokens=row[4],
+                   replaced_tokens=row[5], model=_text_out(row[6]), created_at=row[7])
 
 
 def _usage_totals(row: Row) -> UsageTotals:
@@ -721,4 +742,51 @@ def _sent(row: Row) -> SentContext | None:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """JSON text that every database can store: control characters are escaped by `json.dumps`
+    itself; a value with a lone surrogate (which no UTF-8 encoder takes) has all non-ASCII escaped.
+    ASCII text, the common case, is checked in one pass; other text is encoded once to find out."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii() and not _encodable(text):
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":"))
+    return text
+
+
+# Starts a free text stored as its JSON string: an ESC and a tag no text written before could
+# plausibly start with.
+_ESCAPED = "\x1bmemproxy-json:"
+
+
+@overload
+def _text_in(text: str) -> str: ...
+@overload
+def _text_in(text: None) -> None: ...
+def _text_in(text: str | None) -> str | None:
+    """Free text as a text column stores it: as it is, or escaped where a database could not hold
+    it (a NUL, a lone surrogate) or it would read back as escaped."""
+    if text is None or ("\x00" not in text and not text.startswith(_ESCAPED) and _encodable(text)):
+        return text
+    return _ESCAPED + json.dumps(text, ensure_ascii=True)
+
+
+@overload
+def _text_out(stored: str) -> str: ...
+@overload
+def _text_out(stored: None) -> None: ...
+def _text_out(stored: str | None) -> str | None:
+    if stored is None or not stored.startswith(_ESCAPED):
+        return stored
+    try:
+        text = json.loads(stored[len(_ESCAPED):])
+    except ValueError:  # never written by `_text_in`: a text that happens to start so
+        return stored
+    return text if isinstance(text, str) else stored
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

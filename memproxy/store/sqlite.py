@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .errors import translated
 from .sql import QUERIES, Row, Script, SQLStore, run_script
 
 __all__ = ["QUERIES", "SQLiteStore", "migrations", "sqlite_path"]
@@ -192,9 +193,14 @@ class SQLiteBackend:
         self._checkpointing: asyncio.Task[None] | None = None
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return await self._reader.fetch(sql, params)
+        with translated():
+            return await self._reader.fetch(sql, params)
 
     async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        with translated():
+            return await self._lookup(sql, params)
+
+    async def _lookup(self, sql: str, params: Sequence[Any]) -> list[Row]:
         if self._local is not None:
             try:
                 return self._local.execute(sql, params).fetchall()
@@ -204,6 +210,11 @@ class SQLiteBackend:
         return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
 
     async def write(self, script: Script[T]) -> T:
+        """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
+        with translated():
+            return await self._write(script)
+
+    async def _write(self, script: Script[T]) -> T:
         if self._local is not None:
             try:
                 self._local.execute("BEGIN IMMEDIATE")

@@ -1,0 +1,38 @@
+"""The store's own failure: the database could not be reached or did not do what was asked.
+
+Every backend turns what its driver raises (a refused or dropped connection, a file locked past its
+busy timeout, a full disk, a statement the database rejected) into `StoreUnavailable`, so the layers
+above tell a sick store from a bug without knowing which database runs underneath, and the HTTP layer
+maps it to one OpenAI-shaped 503 (`memproxy.app`). The driver's exception stays as `__cause__`, for the
+log line; its text never reaches a client (it may quote stored content). Nothing here imports from the
+HTTP layer. A refusal the store decides itself (`Conflict`: the session moved meanwhile) is no failure
+and is not translated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import asyncpg
+
+
+class StoreUnavailable(Exception):
+    """The store failed; `__cause__` holds the driver's exception. Retrying later may succeed."""
+
+
+# What the drivers raise when the database, not memproxy, is at fault: every sqlite3 error (locked,
+# full, read-only, corrupt, closed), every PostgreSQL error and asyncpg's lost connections, and the
+# socket errors and timeouts of connecting.
+DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Driver errors raised in the block as `StoreUnavailable`."""
+    try:
+        yield
+    except DRIVER_ERRORS as exc:
+        raise StoreUnavailable(f"the store failed: {type(exc).__name__}") from exc
