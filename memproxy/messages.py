@@ -39,7 +39,7 @@ def validate_message(message: Any, where: str) -> None:
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise BadRequest(
             f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
             param=f"{where}.role",
@@ -55,10 +55,15 @@ def validate_message(message: Any, where: str) -> None:
                     f"{where}.content[{j}] must be an object with a 'type'",
                     param=f"{where}.content[{j}]",
                 )
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}].text must be a string",
+                                 param=f"{where}.content[{j}].text")
     elif not isinstance(content, str):
         raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise BadRequest(f"{where}.tool_call_id is required", param=f"{where}.tool_call_id")
+    if message.get("tool_call_id") is not None and not isinstance(message["tool_call_id"], str):
+        raise BadRequest(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):

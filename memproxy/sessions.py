@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from . import admin, exports
-from .bodies import json_object
+from .bodies import body_bytes, json_object
 from .errors import BadRequest, NotFound, UpstreamError
 from .memory import expired_before, has_expired
 from .session_ids import is_session_id
@@ -130,7 +130,7 @@ async def export(request: web.Request) -> web.Response:
 async def import_session(request: web.Request) -> web.Response:
     tenant = _tenant(request)
     assert tenant is not None
-    records = exports.from_jsonl(await request.text())
+    records = exports.from_jsonl(await body_bytes(request))
     session_id = request.query.get("session_id") or exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
@@ -149,7 +149,7 @@ async def context(request: web.Request) -> web.Response:
     model = await admin.session_model(app[STORE], app[CONFIG], session,
                                       body.get("model") or request.query.get("model"))
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, body.get("messages") or [], body)
+                                  tenant, session, body.get("messages", []), body)
     return web.json_response(preview)
 
 
