@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from aiohttp import web
 
 from . import __version__, sessions_cli
-from .app import create_app
+from .app import runner as app_runner
 from .config import Config, ConfigError, StorageConfig, load_config
 from .errors import ProxyError
 from .store import Store, open_store
@@ -163,7 +163,7 @@ async def _serve(config: Config) -> None:
     # A handler whose client went away is cancelled, as in the test server: an answer nobody
     # received is not recorded, so a client's retry of it is not stored twice.
     access_log = logging.getLogger("aiohttp.access") if config.server.access_log else None
-    runner = web.AppRunner(create_app(config), access_log=access_log, handler_cancellation=True)
+    runner = app_runner(config, access_log=access_log, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()
