@@ -154,7 +154,7 @@ def from_jsonl(data: bytes | str) -> list[Record]:
         try:
             record = parse_json(raw, "the record")
         except BadRequest as exc:
-            raise BadRequest(f"line {line}: {exc.message}", param=exc.param) from exc
+            raise BadRequest(f"not JSON lines: line {line}: {exc.message}", param=exc.param) from exc
         if not isinstance(record, dict) or not isinstance(record.get("type"), str) or record["type"] not in FIELDS:
             raise BadRequest(f"line {line}: an export holds one session record and turn, message and "
                              "summary records")

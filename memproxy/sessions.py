@@ -52,6 +52,8 @@ def _tenant(request: web.Request, listing: bool = False) -> str | None:
         return caller.tenant
     if wanted is None and not listing:
         raise BadRequest("an admin key must name the session's tenant: ?tenant=...", param="tenant")
+    if wanted is not None and not wanted.isprintable():  # a NUL is no name, and PostgreSQL's text refuses it
+        raise BadRequest("'tenant' must be a tenant's name", param="tenant")
     return wanted
 
 
