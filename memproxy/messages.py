@@ -77,6 +77,9 @@ def validate_message(message: Any, where: str) -> None:
                     f"{where}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name'",
                     param=f"{where}.tool_calls[{j}]",
                 )
+            if function.get("arguments") is not None and not isinstance(function["arguments"], str):
+                raise BadRequest(f"{where}.tool_calls[{j}].function.arguments must be a string (of JSON)",
+                                 param=f"{where}.tool_calls[{j}].function.arguments")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
