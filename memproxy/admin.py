@@ -9,15 +9,18 @@ and checks exports); usage adds what deleted sessions had spent to what current 
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 from typing import Any
 
+from .bodies import parse_json
 from .config import Config, ModelConfig
 from .context import Budget
 from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
 from .memory import PreparedTurn, prepare_turn, prompt_schemas
-from .messages import wire_form
+from .messages import validate_message, wire_form
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
@@ -25,26 +28,38 @@ from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
 
 
-def _cursor(value: tuple[float, int] | None) -> str | None:
-    return None if value is None else f"{value[0]!r}_{value[1]}"
-
-
-_INT64 = 2**63
-
-
-def _parse_cursor(value: str | None) -> tuple[float, int] | None:
-    """A cursor `_cursor` wrote: a finite time and a key the databases can hold (an integer that
-    overflows PostgreSQL's BIGINT or SQLite's INTEGER would be a database error, not a 400)."""
+def _cursor(value: tuple[float, str, str] | None) -> str | None:
+    """Opaque to clients: base64url of `[updated_at, tenant, session_id]` of the last session
+    listed, all of it the caller's own (never the store-wide pk, which counts every tenant's
+    sessions)."""
     if value is None:
         return None
+    text = json.dumps(list(value), ensure_ascii=False, separators=(",", ":"))
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _parse_cursor(value: str | None, tenant: str | None) -> tuple[float, str, str] | None:
+    """A cursor `_cursor` wrote for this listing: a finite time, and a session of the tenant
+    listed (a cursor from another tenant's listing is refused, not silently resumed)."""
+    if value is None:
+        return None
+    cursor: Any = None
     try:
-        updated, pk = value.split("_")
-        cursor = float(updated), int(pk)
-    except ValueError:
-        cursor = None
-    if cursor is None or not math.isfinite(cursor[0]) or not -_INT64 <= cursor[1] < _INT64:
-        raise BadRequest("'after' is not a cursor this API returned", param="after")
-    return cursor
+        cursor = parse_json(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
+        if not (isinstance(cursor, list) and cursor and isinstance(cursor[0], (int, float))
+                and not isinstance(cursor[0], bool)):
+            raise ValueError
+        updated_at = float(cursor[0])
+    except (BadRequest, ValueError, TypeError, IndexError, OverflowError) as exc:
+        raise _bad_cursor() from exc
+    if not (len(cursor) == 3 and math.isfinite(updated_at) and isinstance(cursor[1], str)
+            and isinstance(cursor[2], str) and is_session_id(cursor[2]) and tenant in (None, cursor[1])):
+        raise _bad_cursor()
+    return updated_at, cursor[1], cursor[2]
+
+
+def _bad_cursor() -> BadRequest:
+    return BadRequest("'after' is not a cursor this API returned", param="after")
 
 
 def info_json(info: SessionInfo) -> dict[str, Any]:
@@ -71,7 +86,7 @@ def info_json(info: SessionInfo) -> dict[str, Any]:
 async def list_sessions(store: Store, tenant: str | None, limit: int, after: str | None) -> dict[str, Any]:
     if not 1 <= limit <= 1000:
         raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
-    page, cursor = await store.list_sessions(tenant, limit, _parse_cursor(after))
+    page, cursor = await store.list_sessions(tenant, limit, _parse_cursor(after, tenant))
     return {"object": "list", "data": [info_json(i) for i in page], "next": _cursor(cursor)}
 
 
@@ -234,7 +249,16 @@ async def context(
     store: Store, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
     tenant: str, session: SessionState, new: list[Any], params: dict[str, Any],
 ) -> dict[str, Any]:
-    """The request the session's next turn would send, labelled part by part."""
+    """The request the session's next turn would send, labelled part by part; `new` and `params`
+    are checked as the chat endpoint checks them (a 400 naming the field)."""
+    new = [] if new is None else new
+    if not isinstance(new, list):
+        raise BadRequest("'messages' must be an array of the turn's new messages", param="messages")
+    for i, message in enumerate(new):
+        validate_message(message, f"messages[{i}]")
+    for key in ("tools", "functions"):
+        if params.get(key) is not None and not isinstance(params[key], list):
+            raise BadRequest(f"'{key}' must be an array", param=key)
     window = provider.window(model)
     reserve = params.get("max_completion_tokens") or params.get("max_tokens") or model.max_output_tokens
     if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 < reserve < window:

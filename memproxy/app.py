@@ -8,8 +8,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from .auth import authenticate
 from .chat import chat_completions
@@ -97,7 +98,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ProxyError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        response = web.json_response(exc.body(), status=exc.status)
+        if isinstance(exc.__cause__, web.RequestPayloadError):
+            response.force_close()  # the rest of a body that failed to decode cannot be skipped
+        return response
     except StoreUnavailable as exc:
         # The driver's error names only its class: its text may quote stored content.
         log.error("store unavailable on %s %s: %s", request.method, request.path, type(exc.__cause__).__name__)
@@ -125,3 +129,66 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith("/v1/") or request.path == "/chat/completions":
         request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
     return await handler(request)
+
+
+# --- errors aiohttp answers before any handler or middleware runs --------------------------------
+# A request aiohttp cannot parse (a header over 8,190 bytes, a bad header character or request line,
+# a body in an encoding it cannot decode) never reaches the middlewares: aiohttp's RequestHandler
+# answers it with a plain-text 400 from `handle_error`. `runner` gives every such answer the OpenAI
+# shape instead. aiohttp offers no public hook for this: the handler class is swapped in through
+# `web.Server.__call__`, its protocol factory, and the test of it (tests/test_hostile_input.py) fails
+# if an aiohttp release changes that. What still cannot be shaped: a request whose bytes never
+# form a request at all (the connection is closed), and a server-wide failure after a response began.
+
+_LOW_LEVEL: list[tuple[type[Exception], str, str]] = [
+    (http_exceptions.LineTooLong, "request_too_large",
+     "A request line or header field is longer than the server accepts (8,190 bytes)."),
+    (http_exceptions.InvalidHeader, "invalid_header", "A request header is not valid HTTP."),
+    (http_exceptions.BadStatusLine, "invalid_request_line", "The request line is not valid HTTP."),
+    (http_exceptions.ContentEncodingError, "unsupported_content_encoding",
+     "The request body's Content-Encoding cannot be decoded here: send it as gzip, deflate or identity."),
+    (http_exceptions.PayloadEncodingError, "invalid_body_encoding",
+     "The request body does not match its Content-Length or Transfer-Encoding."),
+    (http_exceptions.InvalidURLError, "invalid_url", "The request URL is not valid."),
+]
+
+
+class _JsonErrorHandler(web.RequestHandler):
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp does: too late for a response of its own
+            raise ConnectionError("an error after the response began")
+        code, text = "invalid_http_request", "The request is not valid HTTP."
+        for kind, kind_code, kind_text in _LOW_LEVEL:
+            if isinstance(exc, kind):
+                code, text = kind_code, kind_text
+                break
+        # aiohttp's own log line would quote the offending bytes (a header, perhaps a key): the
+        # exception's kind only.
+        if status >= 500:
+            log.error("unhandled %s before the application", type(exc).__name__)
+            body = error_body("internal error", "server_error", "internal_error")
+        else:
+            log.info("unparseable request answered %d: %s", status, type(exc).__name__)
+            body = error_body(text, "invalid_request_error", code)
+        response = web.json_response(body, status=status)
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # the same server, building the handler above
+        return server
+
+
+def runner(config: Config, **kwargs: Any) -> web.AppRunner:
+    """The runner `memproxy serve` uses: the app of `create_app`, with aiohttp's own error answers
+    in the OpenAI shape; `kwargs` go to aiohttp's request handler (access log, timeouts)."""
+    return _Runner(create_app(config), **kwargs)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from aiohttp import web
 
 from . import __version__, sessions_cli
-from .app import create_app
+from .app import runner as app_runner
 from .config import Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
@@ -165,8 +165,8 @@ async def _serve(config: Config) -> None:
     # received is not recorded, so a client's retry of it is not stored twice.
     server = config.server
     access_log = logging.getLogger("aiohttp.access") if server.access_log else None
-    runner = web.AppRunner(create_app(config), access_log=access_log, handler_cancellation=True,
-                           keepalive_timeout=server.keepalive_timeout_seconds)
+    runner = app_runner(config, access_log=access_log, handler_cancellation=True,
+                        keepalive_timeout=server.keepalive_timeout_seconds)
     await runner.setup()
     assert runner.server is not None
     # aiohttp's server, each connection wrapped with the header deadline (memproxy.deadlines).

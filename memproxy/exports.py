@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .bodies import parse_json
 from .errors import BadRequest
 from .messages import ROLES, SYSTEM_ROLES, validate_message
 
@@ -141,17 +142,22 @@ def to_jsonl(records: list[Record]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
 
 
-def from_jsonl(text: str) -> list[Record]:
-    """The records of an export, checked; a 400 naming the line and field of the first problem."""
+def from_jsonl(data: bytes | str) -> list[Record]:
+    """The records of an export, checked; a 400 naming the line and field of the first problem.
+    Lines end at `\n` only: an export holds U+2028 and other line separators as they are, inside
+    its strings (`str.splitlines` would cut a record there). Each line is parsed as a request body
+    is (`parse_json`): no lone surrogates, no deep nesting, no NaN."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
     numbered: list[tuple[int, Record]] = []
-    for line, raw in enumerate(text.splitlines(), 1):
+    for line, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            raise BadRequest(f"not JSON lines: line {line}: {exc}") from exc
-        if not isinstance(record, dict) or record.get("type") not in FIELDS:
+            record = parse_json(raw, "the record")
+        except BadRequest as exc:
+            raise BadRequest(f"not JSON lines: line {line}: {exc.message}", param=exc.param) from exc
+        if not isinstance(record, dict) or not isinstance(record.get("type"), str) or record["type"] not in FIELDS:
             raise BadRequest(f"line {line}: an export holds one session record and turn, message and "
                              "summary records")
         numbered.append((line, record))

@@ -43,7 +43,7 @@ def validate_message(message: Any, where: str) -> None:
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise BadRequest(
             f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
             param=f"{where}.role",
@@ -59,10 +59,15 @@ def validate_message(message: Any, where: str) -> None:
                     f"{where}.content[{j}] must be an object with a 'type'",
                     param=f"{where}.content[{j}]",
                 )
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}].text must be a string",
+                                 param=f"{where}.content[{j}].text")
     elif not isinstance(content, str):
         raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise BadRequest(f"{where}.tool_call_id is required", param=f"{where}.tool_call_id")
+    if message.get("tool_call_id") is not None and not isinstance(message["tool_call_id"], str):
+        raise BadRequest(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
@@ -76,6 +81,9 @@ def validate_message(message: Any, where: str) -> None:
                     f"{where}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name'",
                     param=f"{where}.tool_calls[{j}]",
                 )
+            if function.get("arguments") is not None and not isinstance(function["arguments"], str):
+                raise BadRequest(f"{where}.tool_calls[{j}].function.arguments must be a string (of JSON)",
+                                 param=f"{where}.tool_calls[{j}].function.arguments")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from . import admin, exports
-from .bodies import json_object
+from .bodies import body_bytes, json_object
 from .errors import BadRequest, NotFound, UpstreamError
 from .memory import expired_before, has_expired
 from .session_ids import is_session_id
@@ -52,6 +52,8 @@ def _tenant(request: web.Request, listing: bool = False) -> str | None:
         return caller.tenant
     if wanted is None and not listing:
         raise BadRequest("an admin key must name the session's tenant: ?tenant=...", param="tenant")
+    if wanted is not None and not wanted.isprintable():  # a NUL is no name, and PostgreSQL's text refuses it
+        raise BadRequest("'tenant' must be a tenant's name", param="tenant")
     return wanted
 
 
@@ -130,7 +132,7 @@ async def export(request: web.Request) -> web.Response:
 async def import_session(request: web.Request) -> web.Response:
     tenant = _tenant(request)
     assert tenant is not None
-    records = exports.from_jsonl(await request.text())
+    records = exports.from_jsonl(await body_bytes(request))
     session_id = request.query.get("session_id") or exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
@@ -149,7 +151,7 @@ async def context(request: web.Request) -> web.Response:
     model = await admin.session_model(app[STORE], app[CONFIG], session,
                                       body.get("model") or request.query.get("model"))
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, body.get("messages") or [], body)
+                                  tenant, session, body.get("messages", []), body)
     return web.json_response(preview)
 
 

@@ -808,8 +808,9 @@ DAMAGE: dict[str, tuple[str, int, str, Any, str]] = {
     "length a float": ("session", 0, "length", 4.0, "'length'"),
     "length huge": ("session", 0, "length", 2**31 - 1, "a gap"),  # refused without walking it
     "time not a number": ("session", 0, "created_at", "yesterday", "'created_at'"),
-    "time NaN": ("session", 0, "updated_at", float("nan"), "'updated_at'"),
-    "time infinite": ("turn", 1, "created_at", float("inf"), "'created_at'"),
+    # Not JSON: refused as the line is parsed, before any field is read.
+    "time NaN": ("session", 0, "updated_at", float("nan"), "NaN is not a JSON number"),
+    "time infinite": ("turn", 1, "created_at", float("inf"), "Infinity is not a JSON number"),
     "head not the last message": ("session", 0, "head_hash", "0" * 32, "'head_hash'"),
     "head tokens wrong": ("session", 0, "head_cum", 1, "'head_cum'"),
     "tokens a string": ("turn", 0, "prompt_tokens", "lots", "'prompt_tokens'"),

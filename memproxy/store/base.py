@@ -284,9 +284,11 @@ class Store(Protocol):
     # Managing sessions (the admin API and the CLI). `tenant=None` means every tenant.
 
     async def list_sessions(
-        self, tenant: str | None, limit: int, before: tuple[float, int] | None = None
-    ) -> tuple[list[SessionInfo], tuple[float, int] | None]:
-        """Newest activity first, `limit` at a time; returns the page and the cursor of the next."""
+        self, tenant: str | None, limit: int, before: tuple[float, str, str] | None = None
+    ) -> tuple[list[SessionInfo], tuple[float, str, str] | None]:
+        """Newest activity first, `limit` at a time; returns the page and the cursor of the next.
+        A cursor is the last session listed, as `(updated_at, tenant, session_id)`: what its
+        tenant may see, never a store-wide key."""
         ...
 
     async def session_info(self, session: SessionState) -> SessionInfo: ...

@@ -432,17 +432,24 @@ class SQLStore:
     # --- managing sessions ---------------------------------------------------------------------
 
     async def list_sessions(
-        self, tenant: str | None, limit: int, before: tuple[float, int] | None = None
-    ) -> tuple[list[SessionInfo], tuple[float, int] | None]:
+        self, tenant: str | None, limit: int, before: tuple[float, str, str] | None = None
+    ) -> tuple[list[SessionInfo], tuple[float, str, str] | None]:
+        """Ordered by `(updated_at, pk)`, which the activity indexes serve; the cursor names the last
+        session listed instead of its pk (a store-wide counter would tell any tenant how many
+        sessions every tenant creates), and the pk is looked up again here. A cursor whose session
+        was deleted meanwhile resumes after its time: sessions sharing that exact time may be
+        listed twice, none is skipped."""
         where = ["(CAST(? AS TEXT) IS NULL OR tenant = ?)"]
         params: list[Any] = [tenant, tenant]
         if before is not None:
-            where.append("(updated_at, pk) < (?, ?)")
-            params.extend(before)
+            updated_at, cursor_tenant, cursor_id = before
+            where.append("(updated_at, pk) < (?, coalesce((SELECT c.pk FROM sessions c"
+                         " WHERE c.tenant = ? AND c.session_id = ?), 9223372036854775807))")
+            params.extend((updated_at, cursor_tenant, cursor_id))
         rows = await self._infos(" AND ".join(where), params, limit + 1)
         page = [info for info, _ in rows[:limit]]
-        cursor = (rows[limit - 1][0].updated_at, rows[limit - 1][1]) if len(rows) > limit else None
-        return page, cursor
+        last = page[-1] if len(rows) > limit else None
+        return page, None if last is None else (last.updated_at, last.tenant, last.session_id)
 
     async def session_info(self, session: SessionState) -> SessionInfo:
         [(info, _)] = await self._infos("pk = ?", [session.pk], 1)
