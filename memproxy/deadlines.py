@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from .bodies import body_bytes
 from .errors import error_body
 from .typedefs import CONFIG
 
@@ -131,7 +132,7 @@ async def read_deadlines(request: web.Request, handler: Handler) -> web.StreamRe
             limit = request.app[CONFIG].server.body_timeout_seconds
             try:
                 async with asyncio.timeout(limit):
-                    await request.read()
+                    await body_bytes(request)  # a body that fails to decode: a 400, as the handler's would be
             except TimeoutError:
                 response = web.Response(body=_timeout_body("body", limit), status=408,
                                         content_type="application/json")
