@@ -16,15 +16,15 @@ from typing import Any
 
 from .bodies import parse_json
 from .config import Config, ModelConfig
-from .context import Budget
 from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
-from .memory import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.fit import Budget
+from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
-from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
 
 

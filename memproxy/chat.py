@@ -32,7 +32,6 @@ from aiohttp import web
 
 from .bodies import json_object
 from .config import Config, ModelConfig
-from .context import Budget
 from .errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -42,9 +41,11 @@ from .errors import (
     error_body,
     store_unavailable_body,
 )
-from .memory import PreparedTurn, prepare_turn, prompt_schemas, turn_record
+from .memory.fit import Budget
+from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.reconcile import HISTORY_MODES
+from .memory.record import turn_record
 from .messages import Message, validate_messages, wire_form
-from .reconcile import HISTORY_MODES
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
 from .store import Store, StoreUnavailable

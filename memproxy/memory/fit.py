@@ -9,7 +9,7 @@ result answers) is checked first: if that alone cannot fit, `ContextLengthExceed
 anything is sent or stored. Stored history fills what is left, newest first, in whole units (a
 message and the tool results answering it), so no tool result is sent without its call; a call the
 client never answered is left out of what is sent. The newest exchange (from the latest user
-message on) goes verbatim; older messages go in their compact form (`memproxy.compact`).
+message on) goes verbatim; older messages go in their compact form (`memproxy.memory.shrink`).
 
 The summary, when there is one, stands for every message before `covers`; only later messages are
 candidates. Unsummarised messages that do not fit are announced by a marker (policy permitting), so
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .compact import dedupe_repeats
-from .config import MemoryConfig
-from .errors import ContextLengthExceeded
-from .messages import Message, starts_unit
-from .store import SessionState, Store, StoredMessage, Summary, Totals
-from .tokens import TokenCounter
+from ..config import MemoryConfig
+from ..errors import ContextLengthExceeded
+from ..messages import Message, starts_unit
+from ..store import SessionState, Store, StoredMessage, Summary, Totals
+from ..tokens import TokenCounter
+from .shrink import dedupe_repeats
 
 SUMMARY_PREFIX = (
     "Summary of the earlier conversation, for background only: it records what was said before "

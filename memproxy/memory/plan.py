@@ -1,31 +1,30 @@
-"""A turn of memory: plan what to send from what is stored, then record what happened.
+"""Planning a turn: what to send, from the client's messages and what is stored.
 
 `prepare_turn` reconciles the client's messages with the session, counts the new ones (the only
 tokenizing a turn does), and builds the request under the budget. When unsummarised turns must be
 left out and the overflow policy is `summarize`, it folds them into the summary first (bounded by a
 timeout; a marker stands in if that fails). Nothing is written until the upstream call has
-succeeded; `turn_record` then describes the whole turn (superseded tail, new messages, reply, usage)
-for the store to write in one transaction.
+succeeded; `memproxy.memory.record` then describes the whole turn for the store to write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .compact import content_text, trimmed_tool_output
-from .config import MemoryConfig, ModelConfig
-from .context import Budget, Context, Fixed, build_context
-from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
+from ..config import MemoryConfig, ModelConfig
+from ..messages import Message, chain_hashes, split_system
+from ..store import NewMessage, SessionState, Store
+from ..timing import lap
+from ..tokens import REPLY_PRIMING, TokenCounter
+from .fit import Budget, Context, Fixed, build_context
 from .reconcile import Reconciled, reconcile
-from .store import NewMessage, SentContext, SessionState, Store, TurnRecord, Usage
-from .summarize import FoldResult, Summarizer
-from .timing import lap
-from .tokens import REPLY_PRIMING, TokenCounter
+from .retention import expired_before, has_expired
+from .shrink import new_message
+from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
 
@@ -49,17 +48,6 @@ class PreparedTurn:
         return self.expired_before is not None
 
 
-def expired_before(idle_ttl: float | None) -> float | None:
-    """With `retention.idle_ttl_seconds`, the last activity before which a session has expired."""
-    return None if idle_ttl is None else time.time() - idle_ttl
-
-
-def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
-    """Whether a stored session idled past its TTL: it then behaves as new in every respect."""
-    cutoff = expired_before(idle_ttl)
-    return session is not None and cutoff is not None and session.updated_at < cutoff
-
-
 def prompt_schemas(params: dict[str, Any]) -> list[Any]:
     """What the provider renders into the prompt besides the messages: tool and (legacy) function
     schemas, and a JSON schema the output must follow. They count against the budget, the same way
@@ -69,19 +57,6 @@ def prompt_schemas(params: dict[str, Any]) -> list[Any]:
     if isinstance(response_format, dict) and response_format.get("json_schema"):
         schemas.append(response_format["json_schema"])
     return schemas
-
-
-def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
-    """A message as it will be stored: counted once, with its compact form if it has one."""
-    compact = trimmed_tool_output(body, memory.tool_output_max_tokens, counter)
-    return NewMessage(
-        body=body,
-        tokens=counter.message(body),
-        unit_start=starts_unit(body),
-        chain_hash=chain,
-        compact_body=compact,
-        compact_tokens=None if compact is None else counter.message(compact),
-    )
 
 
 async def prepare_turn(
@@ -157,63 +132,3 @@ async def _fold_left_out(
         if result is None or result.outcome != "applied":
             break
     return context
-
-
-def turn_record(
-    turn: PreparedTurn,
-    counter: TokenCounter,
-    memory: MemoryConfig,
-    reply: Message,
-    model: str,
-    usage: dict[str, Any] | None,
-    latency_ms: float,
-    cost: float | None = None,
-) -> TurnRecord:
-    body = assistant_message(reply)
-    parent = turn.new[-1].chain_hash if turn.new else turn.reconciled.base_hash
-    answer = new_message(body, chain_hash(parent, body), counter, memory)
-    session = turn.session
-    return TurnRecord(
-        tenant=turn.tenant,
-        session_id=turn.session_id,
-        expected_length=session.length if session else 0,
-        expected_head_hash=session.head_hash if session else "",
-        base=turn.reconciled.base,
-        base_totals=turn.context.base_totals,
-        base_hash=turn.reconciled.base_hash,
-        messages=[*turn.new, answer],
-        system=turn.system if turn.system_changed else None,
-        model=model,
-        kind=turn.reconciled.kind,
-        context_tokens=turn.context.tokens,
-        latency_ms=latency_ms,
-        usage=Usage.reported(usage),
-        full_tokens=turn.full_tokens,
-        cost=cost,
-        title=_title(turn),
-        expired_before=turn.expired_before,
-        sent=sent_context(turn.context),
-    )
-
-
-def sent_context(context: Context) -> SentContext:
-    return SentContext(
-        summary_version=context.summary.version if context.summary else 0,
-        first_sent=context.first_sent,
-        included=context.included,
-        omitted=context.omitted,
-        unsummarised_omitted=context.unsummarised_omitted,
-        marker=context.marker,
-        trimmed=context.trimmed,
-        deduplicated=context.deduplicated,
-    )
-
-
-def _title(turn: PreparedTurn) -> str | None:
-    """The first user prompt, cut to 100 characters: a session's title when it has none yet."""
-    for message in turn.new:
-        if message.body.get("role") == "user":
-            text = content_text(message.body)
-            if text:
-                return text.strip()[:100]
-    return None
