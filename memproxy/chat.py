@@ -34,15 +34,13 @@ from .bodies import json_object
 from .config import Config, ModelConfig
 from .errors import (
     BadRequest,
-    ContextLengthExceeded,
     Forbidden,
     NotFound,
     ProxyError,
     error_body,
     store_unavailable_body,
 )
-from .memory.fit import Budget
-from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.plan import PreparedTurn, prepare_turn
 from .memory.reconcile import HISTORY_MODES
 from .memory.record import turn_record
 from .messages import Message, validate_messages, wire_form
@@ -97,7 +95,7 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
         try:
-            await _prepare(request, exchange, tenant, session_id, body)
+            await _prepare(request, exchange, tenant, session_id)
         except StoreUnavailable as exc:
             if config.storage.on_failure != "passthrough":
                 raise  # a 503, before anything is paid for upstream
@@ -137,40 +135,21 @@ def _session_id(request: web.Request) -> str | None:
     return value
 
 
-def _output_reserve(exchange: Exchange, window: int) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = exchange.params.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadRequest(f"'{key}' must be a positive integer", param=key)
-        if value >= window:
-            raise ContextLengthExceeded(
-                f"'{key}' is {value}, but model '{exchange.model.name}' has a context window of "
-                f"{window} tokens in all", param=key)
-        return value
-    return min(exchange.model.max_output_tokens, window - 1)
-
-
-async def _prepare(
-    request: web.Request, exchange: Exchange, tenant: str, session_id: str, body: dict[str, Any]
-) -> None:
+async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str) -> None:
     app = request.app
     config, provider = app[CONFIG], app[PROVIDER]
     mode = request.headers.get(HISTORY_HEADER, "auto").lower()
     if mode not in HISTORY_MODES:
         raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}",
                          param=HISTORY_HEADER)
-    window = provider.window(exchange.model)
-    budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
     turn = await prepare_turn(
-        app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model), budget,
-        config.memory, tenant, session_id, exchange.messages, prompt_schemas(body), mode,
-        idle_ttl=config.retention.idle_ttl_seconds,
+        app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model),
+        provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
+        exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
     )
     exchange.turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
-    context, reconciled = turn.context, turn.reconciled
+    context, reconciled, budget = turn.context, turn.reconciled, turn.budget
     if reconciled.superseded:
         # Forgetting must never pass unseen: counts and positions, never content.
         log.info("supersede session=%s kind=%s superseded=%d positions=%d..%d (once the turn is recorded)",

@@ -1,10 +1,13 @@
 """Planning a turn: what to send, from the client's messages and what is stored.
 
-`prepare_turn` reconciles the client's messages with the session, counts the new ones (the only
-tokenizing a turn does), and builds the request under the budget. When unsummarised turns must be
-left out and the overflow policy is `summarize`, it folds them into the summary first (bounded by a
-timeout; a marker stands in if that fails). Nothing is written until the upstream call has
-succeeded; `memproxy.memory.record` then describes the whole turn for the store to write.
+`prepare_turn` is the one place a request becomes what to send, for the chat endpoint and for the
+admin preview of the next request alike: both hand it the request's parameters, and the budget (the
+output reserve included, `output_reserve`) is decided here by one rule. It reconciles the client's
+messages with the session, counts the new ones (the only tokenizing a turn does), and fits the
+request under the budget. When unsummarised turns must be left out and the overflow policy is
+`summarize`, it folds them into the summary first (bounded by a timeout; a marker stands in if that
+fails). Nothing is written until the upstream call has succeeded; `memproxy.memory.record` then
+describes the whole turn for the store to write.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import MemoryConfig, ModelConfig
+from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, split_system
 from ..store import NewMessage, SessionState, Store
 from ..timing import lap
@@ -39,6 +43,7 @@ class PreparedTurn:
     system: list[Message]
     system_changed: bool
     context: Context
+    budget: Budget
     full_tokens: int  # what resending the whole history would cost
     expired_before: float | None = None  # set when the stored session idled past its TTL
 
@@ -46,6 +51,28 @@ class PreparedTurn:
     def expired(self) -> bool:
         """The stored session idled past its TTL: this turn starts it afresh."""
         return self.expired_before is not None
+
+
+def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> int:
+    """The tokens kept free for the answer: the request's `max_completion_tokens` or `max_tokens`
+    (a positive integer below the window), else the model's `max_output_tokens`, at most the window
+    less one token."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+        if value >= window:
+            raise ContextLengthExceeded(
+                f"'{key}' is {value}, but model '{model.name}' has a context window of "
+                f"{window} tokens in all", param=key)
+        return value
+    return min(model.max_output_tokens, window - 1)
+
+
+def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig) -> Budget:
+    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window))
 
 
 def prompt_schemas(params: dict[str, Any]) -> list[Any]:
@@ -64,17 +91,19 @@ async def prepare_turn(
     summarizer: Summarizer,
     model: ModelConfig,
     counter: TokenCounter,
-    budget: Budget,
+    window: int,
     memory: MemoryConfig,
     tenant: str,
     session_id: str,
     messages: list[Message],
-    schemas: list[Any],
+    params: dict[str, Any],  # the request's other parameters (max_tokens, tools, response_format...)
     requested_history: str,  # the X-Memproxy-History header: auto, full or new
     idle_ttl: float | None = None,
     preview: bool = False,
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
+    budget = request_budget(params, model, window, memory)
+    schemas = prompt_schemas(params)
     session = await store.get_session(tenant, session_id)
     cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
     if cutoff is not None:
@@ -101,7 +130,7 @@ async def prepare_turn(
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
-    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
+    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff)
 
 
