@@ -24,7 +24,7 @@ from ..messages import Message, chain_hashes, split_system
 from ..store import NewMessage, SessionState, Store
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
-from .fit import Budget, Context, Fixed, build_context
+from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired
 from .shrink import new_message
@@ -124,8 +124,12 @@ async def prepare_turn(
     )
 
     async def build(session: SessionState | None) -> Context:
-        return await build_context(store, session, reconciled.base, fixed, budget, model.name, counter,
-                                   memory, use_marker=memory.overflow != "drop")
+        # One store call loads what fitting needs; the fit itself reads nothing else.
+        snapshot = None
+        if session is not None and reconciled.base > 0:
+            snapshot = await store.snapshot(session, reconciled.base, must_send_last_unit(fixed.new),
+                                            room_for_history(fixed, budget))
+        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop")
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
