@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions`: memory around one forwarded call.
 
-Without `X-Session-Id` the request goes upstream untouched and nothing is stored. With it, one request
-per session runs at a time: the turn is prepared from the store (reconcile, budget, pre-flight check),
-forwarded, and recorded in one transaction once the answer is complete, before the client is told it
+HTTP only: parse, plan (`memory.plan`), forward, record (`memory.record`). Without `X-Session-Id` the
+request goes upstream untouched and nothing is stored. With it, one request per session runs at a
+time: the turn is planned (reconcile, budget, pre-flight check), forwarded, and recorded in one transaction once the answer is complete, before the client is told it
 is done (the final `[DONE]` of a stream, the body of a plain response). Recording runs as an owned task,
 so a client that disconnects after the answer was complete still gets its turn stored; a failed or cut
 upstream call stores nothing.
@@ -43,10 +43,11 @@ from .errors import (
 from .memory.plan import PreparedTurn, prepare_turn
 from .memory.reconcile import HISTORY_MODES
 from .memory.record import turn_record
+from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
-from .store import Store, StoreUnavailable
+from .store import StoreUnavailable
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
@@ -297,13 +298,7 @@ def _after_response(request: web.Request, exchange: Exchange) -> None:
     app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model)
     cap = app[CONFIG].retention.max_messages_per_session
     if cap is not None:
-        app[TASKS].spawn(_cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)
-
-
-async def _cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
-    session = await store.get_session(tenant, session_id)
-    if session is not None:
-        await store.cap_messages(session, cap)
+        app[TASKS].spawn(cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

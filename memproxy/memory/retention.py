@@ -1,4 +1,5 @@
-"""Retention: when a session has idled past its TTL, and the sweep that deletes such sessions.
+"""Retention: when a session has idled past its TTL, the sweep that deletes such sessions, and the
+cap on the messages one session keeps (`max_messages_per_session`).
 
 An expired session behaves as new in every respect (a turn restarts it, the admin API shows it
 empty) whether or not the sweep has deleted it yet; the sweep only reclaims the space, so it may
@@ -37,3 +38,11 @@ async def sweep(store: Store, ttl: float, interval: float) -> None:
         except Exception as exc:  # the next sweep tries again
             log.error("retention sweep failed: %s", type(exc).__name__)
         await asyncio.sleep(interval)
+
+
+async def cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
+    """After a recorded turn: delete the session's oldest messages beyond `cap` that can never be
+    sent again (superseded, or covered by the summary in use)."""
+    session = await store.get_session(tenant, session_id)
+    if session is not None:
+        await store.cap_messages(session, cap)
