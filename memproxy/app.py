@@ -21,7 +21,7 @@ from .memory.summaries import Summarizer
 from .provider import Provider
 from .routes import healthz, models, readyz
 from .sessions import add_routes as add_session_routes
-from .store import Store, StoreUnavailable, open_store
+from .store import StoreUnavailable, open_store
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")

@@ -1,11 +1,12 @@
 """`POST /v1/chat/completions`: memory around one forwarded call.
 
-HTTP only: parse, plan (`memory.plan`), forward, record (`memory.record`). Without `X-Session-Id` the
-request goes upstream untouched and nothing is stored. With it, one request per session runs at a
-time: the turn is planned (reconcile, budget, pre-flight check), forwarded, and recorded in one transaction once the answer is complete, before the client is told it
-is done (the final `[DONE]` of a stream, the body of a plain response). Recording runs as an owned task,
-so a client that disconnects after the answer was complete still gets its turn stored; a failed or cut
-upstream call stores nothing.
+HTTP only: parse, plan (`memory.plan`), forward, record (`memory.record`). Without `X-Session-Id`
+the request goes upstream untouched and nothing is stored. With it, one request per session runs at
+a time: the turn is planned (reconcile, budget, pre-flight check), forwarded, and recorded in one
+transaction once the answer is complete, before the client is told it is done (the final `[DONE]`
+of a stream, the body of a plain response). Recording runs as an owned task, so a client that
+disconnects after the answer was complete still gets its turn stored; a failed or cut upstream call
+stores nothing.
 
 Failures (README, "Failure behaviour"). A store that fails while the turn is planned fails the request
 with a 503 before anything is paid for upstream, or with `storage.on_failure: passthrough` the request
