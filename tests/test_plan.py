@@ -79,10 +79,12 @@ def stored(history: list[Message], memory: MemoryConfig) -> list[StoredMessage]:
 
 def snapshot_of(
     messages: list[StoredMessage], new: list[Message], summary_covers: int = 0, room: int | None = None,
+    deleted: int = 0,
 ) -> Snapshot:
     """The snapshot of a session holding `messages`, as `Store.snapshot` reads it: the whole history,
     or (`room`) only the tail the store's rule bounds: unless the whole history fits as stored, the
-    earliest of the last unit and the first unit start whose tail fits `room` as stored or compact."""
+    earliest of the last unit and the first unit start whose tail fits `room` as stored or compact.
+    `deleted`: the first messages are gone, as the message cap deletes them."""
     base = len(messages)
     head = Totals(sum(m.tokens for m in messages), sum(m.compact_tokens for m in messages))
     units = [m.seq for m in messages if m.unit_start]
@@ -99,8 +101,8 @@ def snapshot_of(
         fits = [s for s in units if messages[s].cum_before >= head.full - room]
         fits_compact = [s for s in units if messages[s].compact_cum_before >= head.compact - room]
         start = min(must_start, fits[0] if fits else base, fits_compact[0] if fits_compact else base)
-    return Snapshot(base, head, must_start, users[-1] if users else None, summary, summary_totals, start,
-                    messages[start:])
+    kept = [m for m in messages[start:] if m.seq >= deleted]  # `deleted`: the first ones are gone
+    return Snapshot(base, head, must_start, users[-1] if users else None, summary, summary_totals, start, kept)
 
 
 def fixed_of(system: list[Message], new: list[Message]) -> Fixed:
@@ -232,6 +234,11 @@ def test_fit_properties(
     bounded = snapshot_of(messages, new, covers, room=room_for_history(fixed, budget))
     assert len(bounded.messages) <= len(messages)
     assert fit(bounded, fixed, budget, "small", COUNTER, memory, use_marker=marker) == context
+    # `max_messages_per_session` deletes what the summary in use stands for but its last message:
+    # positions then have gaps, and a request the summary goes in is the same.
+    if context.summary is not None and covers > 1:
+        capped = snapshot_of(messages, new, covers, room=room_for_history(fixed, budget), deleted=covers - 1)
+        assert fit(capped, fixed, budget, "small", COUNTER, memory, use_marker=marker) == context
 
 
 # --- plan: the budget rule the chat endpoint and the preview share --------------------------------

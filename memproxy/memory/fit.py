@@ -158,7 +158,7 @@ def fit(
             marker = True
     if start < snapshot.start:
         raise LookupError(f"position {start} is outside the session snapshot")
-    sent = stored[start - snapshot.start :]
+    sent = stored[snapshot.index(start) :]
     history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
     return Context(
         messages=fixed.system + extra + history + fixed.new,
@@ -212,7 +212,7 @@ def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool
 def _first_fitting_unit_start(snapshot: Snapshot, floor: int, min_cum_before: int, compact: bool) -> int | None:
     """The least unit start from `floor` on whose running total before it (compact or as stored)
     is at least `min_cum_before`; running totals only grow, so the first found is the least."""
-    for message in snapshot.messages[max(floor - snapshot.start, 0) :]:
+    for message in snapshot.messages[snapshot.index(floor) :]:
         cum = message.compact_cum_before if compact else message.cum_before
         if message.unit_start and cum >= min_cum_before:
             return message.seq

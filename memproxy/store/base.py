@@ -13,6 +13,7 @@ Every backend passes the one contract suite in `tests/test_store_contract.py`.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,12 +106,17 @@ class Snapshot:
         """Totals before `seq`, where the snapshot knows them (None: before `start`, out of reach)."""
         if seq >= self.base:
             return self.base_totals
-        if seq >= self.start:
-            message = self.messages[seq - self.start]
-            return Totals(message.cum_before, message.compact_cum_before)
         if self.summary is not None and self.summary_totals is not None and seq == self.summary.covers:
             return self.summary_totals
-        return None
+        i = self.index(seq)
+        if seq < self.start or i == len(self.messages) or self.messages[i].seq != seq:
+            return None
+        return Totals(self.messages[i].cum_before, self.messages[i].compact_cum_before)
+
+    def index(self, seq: int) -> int:
+        """Where the messages from position `seq` on begin in `messages`. Positions may have gaps:
+        `max_messages_per_session` deletes messages a summary in use stands for."""
+        return bisect.bisect_left(self.messages, seq, key=lambda m: m.seq)
 
 
 @dataclass(frozen=True)
