@@ -20,13 +20,17 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from conftest import make_config
+from memproxy.concurrency import BackgroundTasks
 from memproxy.config import MemoryConfig, ModelConfig
 from memproxy.errors import BadRequest, ContextLengthExceeded
 from memproxy.memory.fit import Budget, Fixed, fit, must_send_last_unit, room_for_history, summary_message
-from memproxy.memory.plan import output_reserve, request_budget
+from memproxy.memory.plan import PreparedTurn, output_reserve, prepare_turn, request_budget
 from memproxy.memory.reconcile import reconcile
 from memproxy.memory.shrink import new_message
+from memproxy.memory.summaries import Summarizer
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
+from memproxy.provider import Provider
 from memproxy.store import (
     NewMessage,
     SessionState,
@@ -332,3 +336,31 @@ async def test_snapshot_of_a_real_store_fits_as_the_whole_history_does(store: SQ
     whole = snapshot_of(stored(history, memory), new)
     assert (fit(snapshot, fixed, budget, "small", COUNTER, memory, use_marker=True)
             == fit(whole, fixed, budget, "small", COUNTER, memory, use_marker=True))
+
+
+async def test_prepare_turn_plans_on_a_real_store_and_writes_nothing(store: SQLiteStore, tmp_path: Path) -> None:
+    """`prepare_turn` end to end without a server: reconcile, the budget from the request's
+    parameters, one snapshot, the fit. With overflow `marker` no summariser is called."""
+    config = make_config(tmp_path / "unused.db", "http://127.0.0.1:9/v1", overflow="marker")
+    provider = Provider(config)
+    try:
+        summarizer = Summarizer(config, store, provider, BackgroundTasks())
+        model = config.models[0]
+        history = [m for i in range(10) for m in (user(f"question {i} " + "w " * 40), assistant(f"answer {i}"))]
+        session = await session_with(store, history)
+        counter = provider.counter(model)
+
+        async def plan(params: dict[str, Any]) -> PreparedTurn:
+            return await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory, "t",
+                                      "s", [SYSTEM, user("next")], params, "new")
+
+        roomy = await plan({})
+        assert roomy.budget == Budget(2000, 256, 20) and roomy.reconciled.kind == "append"
+        assert roomy.context.messages == [SYSTEM, *history, user("next")] and not roomy.context.marker
+        tight = await plan({"max_tokens": 1500})
+        assert tight.budget.input_tokens == 480 and tight.context.tokens <= 480
+        assert tight.context.marker and 0 < tight.context.included < len(history)
+        assert tight.context.messages[-1] == user("next") and tight.context.messages[0] == SYSTEM
+        assert await store.get_session("t", "s") == session  # planning wrote nothing
+    finally:
+        await provider.close()
