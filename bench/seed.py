@@ -1,7 +1,7 @@
 """Sessions of a given length for the history sweep, written straight through memproxy's Store API.
 
 Each session is recorded with `Store.record_turn`, as memproxy records real turns (chained hashes,
-token counts and running totals from `memproxy.memory.new_message`), a thousand messages a
+token counts and running totals from `memproxy.memory.shrink.new_message`), a thousand messages a
 transaction, so 100,000 messages take seconds rather than an hour of HTTP requests. Every message is
 distinct (no repeat for deduplication to fold) and about `tokens_per_message` long, so a handful fill
 the sweep model's window: every session then sends the same amount upstream, whatever its length,
@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from memproxy.config import MemoryConfig, StorageConfig
-from memproxy.memory import new_message
+from memproxy.memory.shrink import new_message
 from memproxy.messages import chain_hashes
 from memproxy.store import Totals, TurnRecord, open_store
 from memproxy.tokens import TiktokenCounter

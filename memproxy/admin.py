@@ -16,15 +16,14 @@ from typing import Any
 
 from .bodies import parse_json
 from .config import Config, ModelConfig
-from .context import Budget
 from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
-from .memory import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
-from .summarize import FoldResult, Summarizer
 from .tokens import REPLY_PRIMING
 
 
@@ -259,17 +258,13 @@ async def context(
     for key in ("tools", "functions"):
         if params.get(key) is not None and not isinstance(params[key], list):
             raise BadRequest(f"'{key}' must be an array", param=key)
-    window = provider.window(model)
-    reserve = params.get("max_completion_tokens") or params.get("max_tokens") or model.max_output_tokens
-    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 < reserve < window:
-        raise BadRequest(f"the output reserve must be an integer from 1 to {window - 1}", param="max_tokens")
-    budget = Budget(window, reserve, config.memory.safety_margin(window))
     counter = provider.counter(model)
-    schemas = prompt_schemas(params)
-    turn = await prepare_turn(store, summarizer, model, counter, budget, config.memory, tenant,
-                              session.session_id, list(new), schemas, "new",
+    # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).
+    turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
+                              tenant, session.session_id, list(new), params, "new",
                               idle_ttl=config.retention.idle_ttl_seconds, preview=True)
-    ctx = turn.context
+    ctx, budget = turn.context, turn.budget
+    schemas = prompt_schemas(params)
     sent = ctx.messages
     n_system, n_new = len(turn.system), len(turn.reconciled.new)
     n_extra = int(ctx.summary is not None) + int(ctx.marker)
@@ -297,8 +292,8 @@ async def context(
         "object": "session.context",
         "session_id": session.session_id,
         "model": model.name,
-        "budget": {"window": window, "output_reserve": reserve, "safety_margin": budget.margin,
-                   "input_tokens": budget.input_tokens},
+        "budget": {"window": budget.window, "output_reserve": budget.output_reserve,
+                   "safety_margin": budget.margin, "input_tokens": budget.input_tokens},
         "tokens": ctx.tokens,
         "expired": turn.expired,
         "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize"

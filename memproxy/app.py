@@ -4,9 +4,7 @@ pending writes finish before the provider and the store close."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,11 +16,12 @@ from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
 from .errors import ProxyError, error_body, store_unavailable_body
+from .memory.retention import sweep
+from .memory.summaries import Summarizer
 from .provider import Provider
 from .routes import healthz, models, readyz
 from .sessions import add_routes as add_session_routes
-from .store import Store, StoreUnavailable, open_store
-from .summarize import Summarizer
+from .store import StoreUnavailable, open_store
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")
@@ -77,20 +76,9 @@ async def _retention(app: web.Application) -> AsyncIterator[None]:
     """With an idle TTL, a sweep deletes expired sessions every `sweep_interval_seconds`."""
     retention = app[CONFIG].retention
     if retention.idle_ttl_seconds is not None:
-        app[TASKS].spawn(_sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds),
+        app[TASKS].spawn(sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds),
                          optional=True)
     yield
-
-
-async def _sweep(store: Store, ttl: float, interval: float) -> None:
-    while True:
-        try:
-            removed = await store.prune(time.time() - ttl)
-            if removed:
-                log.info("retention sweep removed=%d", removed)
-        except Exception as exc:  # the next sweep tries again
-            log.error("retention sweep failed: %s", type(exc).__name__)
-        await asyncio.sleep(interval)
 
 
 @web.middleware

@@ -1,11 +1,12 @@
 """`POST /v1/chat/completions`: memory around one forwarded call.
 
-Without `X-Session-Id` the request goes upstream untouched and nothing is stored. With it, one request
-per session runs at a time: the turn is prepared from the store (reconcile, budget, pre-flight check),
-forwarded, and recorded in one transaction once the answer is complete, before the client is told it
-is done (the final `[DONE]` of a stream, the body of a plain response). Recording runs as an owned task,
-so a client that disconnects after the answer was complete still gets its turn stored; a failed or cut
-upstream call stores nothing.
+HTTP only: parse, plan (`memory.plan`), forward, record (`memory.record`). Without `X-Session-Id`
+the request goes upstream untouched and nothing is stored. With it, one request per session runs at
+a time: the turn is planned (reconcile, budget, pre-flight check), forwarded, and recorded in one
+transaction once the answer is complete, before the client is told it is done (the final `[DONE]`
+of a stream, the body of a plain response). Recording runs as an owned task, so a client that
+disconnects after the answer was complete still gets its turn stored; a failed or cut upstream call
+stores nothing.
 
 Failures (README, "Failure behaviour"). A store that fails while the turn is planned fails the request
 with a 503 before anything is paid for upstream, or with `storage.on_failure: passthrough` the request
@@ -32,22 +33,22 @@ from aiohttp import web
 
 from .bodies import json_object
 from .config import Config, ModelConfig
-from .context import Budget
 from .errors import (
     BadRequest,
-    ContextLengthExceeded,
     Forbidden,
     NotFound,
     ProxyError,
     error_body,
     store_unavailable_body,
 )
-from .memory import PreparedTurn, prepare_turn, prompt_schemas, turn_record
+from .memory.plan import PreparedTurn, prepare_turn
+from .memory.reconcile import HISTORY_MODES
+from .memory.record import turn_record
+from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
-from .reconcile import HISTORY_MODES
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
-from .store import Store, StoreUnavailable
+from .store import StoreUnavailable
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
@@ -96,7 +97,7 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
         try:
-            await _prepare(request, exchange, tenant, session_id, body)
+            await _prepare(request, exchange, tenant, session_id)
         except StoreUnavailable as exc:
             if config.storage.on_failure != "passthrough":
                 raise  # a 503, before anything is paid for upstream
@@ -136,40 +137,21 @@ def _session_id(request: web.Request) -> str | None:
     return value
 
 
-def _output_reserve(exchange: Exchange, window: int) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = exchange.params.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadRequest(f"'{key}' must be a positive integer", param=key)
-        if value >= window:
-            raise ContextLengthExceeded(
-                f"'{key}' is {value}, but model '{exchange.model.name}' has a context window of "
-                f"{window} tokens in all", param=key)
-        return value
-    return min(exchange.model.max_output_tokens, window - 1)
-
-
-async def _prepare(
-    request: web.Request, exchange: Exchange, tenant: str, session_id: str, body: dict[str, Any]
-) -> None:
+async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str) -> None:
     app = request.app
     config, provider = app[CONFIG], app[PROVIDER]
     mode = request.headers.get(HISTORY_HEADER, "auto").lower()
     if mode not in HISTORY_MODES:
         raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}",
                          param=HISTORY_HEADER)
-    window = provider.window(exchange.model)
-    budget = Budget(window, _output_reserve(exchange, window), config.memory.safety_margin(window))
     turn = await prepare_turn(
-        app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model), budget,
-        config.memory, tenant, session_id, exchange.messages, prompt_schemas(body), mode,
-        idle_ttl=config.retention.idle_ttl_seconds,
+        app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model),
+        provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
+        exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
     )
     exchange.turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
-    context, reconciled = turn.context, turn.reconciled
+    context, reconciled, budget = turn.context, turn.reconciled, turn.budget
     if reconciled.superseded:
         # Forgetting must never pass unseen: counts and positions, never content.
         log.info("supersede session=%s kind=%s superseded=%d positions=%d..%d (once the turn is recorded)",
@@ -317,13 +299,7 @@ def _after_response(request: web.Request, exchange: Exchange) -> None:
     app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model)
     cap = app[CONFIG].retention.max_messages_per_session
     if cap is not None:
-        app[TASKS].spawn(_cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)
-
-
-async def _cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
-    session = await store.get_session(tenant, session_id)
-    if session is not None:
-        await store.cap_messages(session, cap)
+        app[TASKS].spawn(cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -18,7 +18,7 @@ from aiohttp import web
 from . import admin, exports
 from .bodies import body_bytes, json_object
 from .errors import BadRequest, NotFound, UpstreamError
-from .memory import expired_before, has_expired
+from .memory.retention import expired_before, has_expired
 from .session_ids import is_session_id
 from .store import SessionState
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER

@@ -21,11 +21,11 @@ from . import admin, exports
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
-from .memory import expired_before, has_expired
+from .memory.retention import expired_before, has_expired
+from .memory.summaries import Summarizer
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
-from .summarize import Summarizer
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

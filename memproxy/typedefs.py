@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .provider import Provider
     from .store import Store
-    from .summarize import Summarizer
+    from .memory.summaries import Summarizer
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
 STORE: web.AppKey[Store] = web.AppKey("store")

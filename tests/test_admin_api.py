@@ -28,7 +28,7 @@ from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from db import rows, table_query, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import Config, RetentionConfig, StorageConfig
-from memproxy.context import SUMMARY_PREFIX
+from memproxy.memory.fit import SUMMARY_PREFIX
 from memproxy.store.sqlite import sqlite_path
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG, SUMMARIZER

@@ -21,11 +21,11 @@ import pytest
 from conftest import Proxy, make_config
 from db import rows
 from fake_upstream import FakeUpstream, Reply
-from memproxy.compact import dedupe_repeats, trimmed_tool_output
+from memproxy.memory.shrink import dedupe_repeats, trimmed_tool_output
 from memproxy.config import Config, StorageConfig
 from memproxy.messages import starts_unit
 from memproxy.store import StoredMessage
-from memproxy.summarize import chunks, render_message
+from memproxy.memory.summaries import chunks, render_message
 from memproxy.tokens import request_tokens
 from memproxy.typedefs import CONFIG
 from test_budget import (

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from conftest import Proxy, make_config
 from db import table_rows
 from fake_upstream import FakeUpstream, Received, Reply
-from memproxy.compact import trimmed_tool_output
 from memproxy.config import Config, StorageConfig
+from memproxy.memory.shrink import trimmed_tool_output
 from memproxy.tokens import request_tokens
 from memproxy.typedefs import CONFIG, SUMMARIZER
 from test_budget import (

@@ -13,7 +13,7 @@ stored active chain is exactly the model (so every message the client never edit
 active and in order, and none is stored twice), that the superseded messages are exactly those the
 client edited or regenerated away, that the upstream received exactly the kept history and then the
 new messages (nothing sent twice; the newest user message last and verbatim), and that the reported
-kind and `X-Memproxy-Superseded` are the ones the rules of `memproxy/reconcile.py` give.
+kind and `X-Memproxy-Superseded` are the ones the rules of `memproxy/memory/reconcile.py` give.
 """
 
 from __future__ import annotations

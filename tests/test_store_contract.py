@@ -198,11 +198,18 @@ async def test_lookups_by_hash_position_and_running_total(open_store: Opener) ->
     assert await store.user_positions(session, 7, 5) == [5, 0]
     assert await store.user_positions(session, 5, 1) == [0]
     # Tool results are not unit starts: the unit holding position 3 starts at the call, position 1.
-    assert await store.last_unit_start(session, 4) == 1
-    assert await store.last_unit_start(session, 0) == 0
-    assert await store.first_fitting_unit_start(session, 0, 15) == 4
-    assert await store.first_fitting_unit_start(session, 0, 0) == 0
-    assert await store.first_fitting_unit_start(session, 0, 71) is None
+    snap = await store.snapshot(session, 4, whole_last_unit=True, room=0)
+    assert (snap.base_totals, snap.must_start, snap.last_user, snap.start) == (Totals(40, 40), 1, 0, 1)
+    assert [m.seq for m in snap.messages] == [1, 2, 3] and snap.summary is None
+    # The tail read is what fits the room: units from position 4 on hold 30 tokens, from 1, 60.
+    snap = await store.snapshot(session, 7, whole_last_unit=False, room=55)
+    assert (snap.must_start, snap.last_user, snap.start) == (7, 5, 4)
+    assert [m.seq for m in snap.messages] == [4, 5, 6] and snap.totals_at(4) == Totals(40, 40)
+    assert snap.totals_at(3) is None  # out of reach: costs more than the room
+    snap = await store.snapshot(session, 7, whole_last_unit=True, room=1000)
+    assert (snap.must_start, snap.start, len(snap.messages)) == (6, 0, 7)
+    snap = await store.snapshot(session, 7, whole_last_unit=False, room=-5)
+    assert (snap.start, snap.messages) == (7, [])
 
 
 async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, backend: StoreUnderTest) -> None:
@@ -354,9 +361,12 @@ async def test_compact_forms_keep_their_own_running_total(open_store: Opener) ->
     stored = await store.active_range(session, 0, 4)
     assert stored[2].body == long_output and stored[2].compact == short_form
     assert stored[1].compact == stored[1].body  # no compact form: sent as stored
-    assert await store.first_fitting_unit_start(session, 0, 25, compact=True) == 3
-    assert await store.first_fitting_unit_start(session, 0, 25) == 3
-    assert await store.first_fitting_unit_start(session, 0, 11, compact=True) == 3
+    # The tail read for a room of 30 tokens: only the last unit as stored (10), but from the call on
+    # in compact form (10 + 5 + 10): the snapshot reads what either count may send.
+    snap = await store.snapshot(session, 4, whole_last_unit=False, room=30)
+    assert (snap.start, [m.seq for m in snap.messages]) == (1, [1, 2, 3])
+    snap = await store.snapshot(session, 4, whole_last_unit=False, room=20)
+    assert (snap.start, snap.totals_at(3)) == (3, Totals(120, 25))
 
 
 def summary(covers: int, covers_hash: str, text: str = "s") -> Summary:

@@ -34,7 +34,7 @@ import db
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import Config, ModelConfig, StorageConfig
-from memproxy.context import marker_message
+from memproxy.memory.fit import marker_message
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
 from memproxy.typedefs import CONFIG, SUMMARIZER
 from test_budget import assert_tool_units_whole, tool_call, without_none, words

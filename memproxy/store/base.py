@@ -13,6 +13,7 @@ Every backend passes the one contract suite in `tests/test_store_contract.py`.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -80,6 +81,42 @@ class Summary:
     replaced_tokens: int  # of what it replaced: the previous summary and the messages folded in
     model: str
     created_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What fitting a turn into the budget can need from a session, read by one `Store.snapshot`
+    call: the totals at the positions the fit asks about, the summary in use, and the stored
+    messages that can possibly be sent. That is a bounded tail, never the whole history: the
+    messages from `start` on, where `start` is the earliest of the last unit (which must be sent)
+    and the first unit start whose tail up to `base` fits in `room` tokens, counted as stored or
+    compact (or the whole history, when it all fits as stored). Every unit start before `start`
+    costs more than `room` either way."""
+
+    base: int  # stored messages kept before the new ones
+    base_totals: Totals
+    must_start: int  # stored messages from here on must be sent (the last unit, or none: `base`)
+    last_user: int | None  # the newest active user message before `base`
+    summary: Summary | None  # the newest summary in use covering at most `must_start` messages
+    summary_totals: Totals | None  # the totals at `summary.covers`
+    start: int  # position of `messages[0]`
+    messages: list[StoredMessage]  # the active messages from `start` to `base`
+
+    def totals_at(self, seq: int) -> Totals | None:
+        """Totals before `seq`, where the snapshot knows them (None: before `start`, out of reach)."""
+        if seq >= self.base:
+            return self.base_totals
+        if self.summary is not None and self.summary_totals is not None and seq == self.summary.covers:
+            return self.summary_totals
+        i = self.index(seq)
+        if seq < self.start or i == len(self.messages) or self.messages[i].seq != seq:
+            return None
+        return Totals(self.messages[i].cum_before, self.messages[i].compact_cum_before)
+
+    def index(self, seq: int) -> int:
+        """Where the messages from position `seq` on begin in `messages`. Positions may have gaps:
+        `max_messages_per_session` deletes messages a summary in use stands for."""
+        return bisect.bisect_left(self.messages, seq, key=lambda m: m.seq)
 
 
 @dataclass(frozen=True)
@@ -242,19 +279,15 @@ class Store(Protocol):
         """Tokens of the active chain before position `seq` (`seq <= length`)."""
         ...
 
-    async def last_unit_start(self, session: SessionState, before: int) -> int:
-        """The greatest unit-start position below `before`, or `before` if there is none."""
-        ...
-
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
         """Positions of the newest `limit` active user messages below `before`, newest first."""
         ...
 
-    async def first_fitting_unit_start(
-        self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
-    ) -> int | None:
-        """The least unit-start position >= `floor` whose running total before it (compact or
-        as stored) is >= `min_cum_before`."""
+    async def snapshot(self, session: SessionState, base: int, whole_last_unit: bool, room: int) -> Snapshot:
+        """What fitting a turn that keeps `base` stored messages can need (`Snapshot`), in as few
+        trips as the backend allows. `whole_last_unit`: the last stored unit must be sent (a new
+        tool result answers it, or nothing new was sent); `room`: the most tokens stored history can
+        take, which bounds the messages read."""
         ...
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:

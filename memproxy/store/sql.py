@@ -40,6 +40,7 @@ from .base import (
     SentContext,
     SessionInfo,
     SessionState,
+    Snapshot,
     StoredMessage,
     Summary,
     SummaryCall,
@@ -66,21 +67,33 @@ QUERIES = {
     " AND chain_hash IN ({marks})",
     "totals_at": "SELECT cum_before, compact_cum_before FROM messages"
     " WHERE session_pk = ? AND active = 1 AND seq = ?",
-    # Walks back from `seq` through one unit's tool results at most.
-    "last_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
-    " AND unit_start = 1 AND seq < ? ORDER BY seq DESC LIMIT 1",
     "user_positions": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user'"
     " AND seq < ? ORDER BY seq DESC LIMIT ?",
-    "first_fitting_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
-    " AND unit_start = 1 AND cum_before >= ? AND seq >= ? ORDER BY cum_before LIMIT 1",
-    "first_fitting_compact_unit_start": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1"
-    " AND unit_start = 1 AND compact_cum_before >= ? AND seq >= ? ORDER BY compact_cum_before LIMIT 1",
+    # What a turn's fit needs to know before reading the messages it may send (`Store.snapshot`):
+    # the last unit start before `base` (it walks back through one unit's tool results at most),
+    # the newest user message, and the first unit start whose tail fits the room, as stored and in
+    # compact form. One trip, four index lookups.
+    "snapshot_marks": "SELECT"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND seq < ?"
+    " ORDER BY seq DESC LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user' AND seq < ?"
+    " ORDER BY seq DESC LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND cum_before >= ?"
+    " ORDER BY cum_before LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
+    " AND compact_cum_before >= ? ORDER BY compact_cum_before LIMIT 1)",
     "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash, compact_body,"
     " compact_tokens, compact_cum_before FROM messages"
     " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
     "current_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
     " s.model, s.created_at FROM summaries s JOIN messages m ON m.session_pk = s.session_pk"
     " AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
+    " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
+    # The summary in use, one version, with the totals at the position it covers up to.
+    "snapshot_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
+    " s.model, s.created_at, m.cum_before + m.tokens,"
+    " m.compact_cum_before + coalesce(m.compact_tokens, m.tokens) FROM summaries s JOIN messages m"
+    " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
@@ -212,20 +225,36 @@ class SQLStore:
             raise LookupError(f"no active message at position {seq}")
         return Totals(int(row[0]), int(row[1]))
 
-    async def last_unit_start(self, session: SessionState, before: int) -> int:
-        row = await self._one(QUERIES["last_unit_start"], (session.pk, before), lookup=True)
-        return before if row is None else int(row[0])
-
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
         rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit), lookup=True)
         return [int(row[0]) for row in rows]
 
-    async def first_fitting_unit_start(
-        self, session: SessionState, floor: int, min_cum_before: int, compact: bool = False
-    ) -> int | None:
-        query = QUERIES["first_fitting_compact_unit_start" if compact else "first_fitting_unit_start"]
-        row = await self._one(query, (session.pk, min_cum_before, floor), lookup=True)
-        return None if row is None else int(row[0])
+    async def snapshot(self, session: SessionState, base: int, whole_last_unit: bool, room: int) -> Snapshot:
+        base_totals = await self.totals_at(session, base)  # no trip unless `base` is before the head
+        if base_totals.full <= room:
+            # The whole history fits as stored (most sessions): read it, and find the marks in it.
+            messages = await self.active_range(session, 0, base)
+            last_unit = next((m.seq for m in reversed(messages) if m.unit_start), None)
+            last_user = next((m.seq for m in reversed(messages) if m.body.get("role") == "user"), None)
+            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            start = 0
+        else:
+            marks = await self._one(QUERIES["snapshot_marks"], (
+                session.pk, base, session.pk, base, session.pk, base_totals.full - room,
+                session.pk, base_totals.compact - room), lookup=True)
+            assert marks is not None  # scalar subqueries: always one row
+            last_unit, last_user, fits, fits_compact = (None if v is None else int(v) for v in marks)
+            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            # A unit start before both of the first that fit costs more than `room` either way.
+            start = min(must_start, base if fits is None else fits, base if fits_compact is None else fits_compact)
+            messages = await self.active_range(session, start, base)
+        summary, summary_totals = None, None
+        if session.summary_version:  # a session never summarised needs no summary query
+            row = await self._one(QUERIES["snapshot_summary"], (session.pk, must_start), lookup=True)
+            if row is not None:
+                summary, summary_totals = _summary(row), Totals(int(row[8]), int(row[9]))
+        return Snapshot(base=base, base_totals=base_totals, must_start=must_start, last_user=last_user,
+                        summary=summary, summary_totals=summary_totals, start=start, messages=messages)
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
         if start >= stop:

@@ -1,31 +1,34 @@
-"""A turn of memory: plan what to send from what is stored, then record what happened.
+"""Planning a turn: what to send, from the client's messages and what is stored.
 
-`prepare_turn` reconciles the client's messages with the session, counts the new ones (the only
-tokenizing a turn does), and builds the request under the budget. When unsummarised turns must be
-left out and the overflow policy is `summarize`, it folds them into the summary first (bounded by a
-timeout; a marker stands in if that fails). Nothing is written until the upstream call has
-succeeded; `turn_record` then describes the whole turn (superseded tail, new messages, reply, usage)
-for the store to write in one transaction.
+`prepare_turn` is the one place a request becomes what to send, for the chat endpoint and for the
+admin preview of the next request alike: both hand it the request's parameters, and the budget (the
+output reserve included, `output_reserve`) is decided here by one rule. It reconciles the client's
+messages with the session, counts the new ones (the only tokenizing a turn does), and fits the
+request under the budget. When unsummarised turns must be left out and the overflow policy is
+`summarize`, it folds them into the summary first (bounded by a timeout; a marker stands in if that
+fails). Nothing is written until the upstream call has succeeded; `memproxy.memory.record` then
+describes the whole turn for the store to write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .compact import content_text, trimmed_tool_output
-from .config import MemoryConfig, ModelConfig
-from .context import Budget, Context, Fixed, build_context
-from .messages import Message, assistant_message, chain_hash, chain_hashes, split_system, starts_unit
+from ..config import MemoryConfig, ModelConfig
+from ..errors import BadRequest, ContextLengthExceeded
+from ..messages import Message, chain_hashes, split_system
+from ..store import NewMessage, SessionState, Store
+from ..timing import lap
+from ..tokens import REPLY_PRIMING, TokenCounter
+from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
 from .reconcile import Reconciled, reconcile
-from .store import NewMessage, SentContext, SessionState, Store, TurnRecord, Usage
-from .summarize import FoldResult, Summarizer
-from .timing import lap
-from .tokens import REPLY_PRIMING, TokenCounter
+from .retention import expired_before, has_expired
+from .shrink import new_message
+from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
 
@@ -40,6 +43,7 @@ class PreparedTurn:
     system: list[Message]
     system_changed: bool
     context: Context
+    budget: Budget
     full_tokens: int  # what resending the whole history would cost
     expired_before: float | None = None  # set when the stored session idled past its TTL
 
@@ -49,15 +53,26 @@ class PreparedTurn:
         return self.expired_before is not None
 
 
-def expired_before(idle_ttl: float | None) -> float | None:
-    """With `retention.idle_ttl_seconds`, the last activity before which a session has expired."""
-    return None if idle_ttl is None else time.time() - idle_ttl
+def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> int:
+    """The tokens kept free for the answer: the request's `max_completion_tokens` or `max_tokens`
+    (a positive integer below the window), else the model's `max_output_tokens`, at most the window
+    less one token."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = params.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+        if value >= window:
+            raise ContextLengthExceeded(
+                f"'{key}' is {value}, but model '{model.name}' has a context window of "
+                f"{window} tokens in all", param=key)
+        return value
+    return min(model.max_output_tokens, window - 1)
 
 
-def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
-    """Whether a stored session idled past its TTL: it then behaves as new in every respect."""
-    cutoff = expired_before(idle_ttl)
-    return session is not None and cutoff is not None and session.updated_at < cutoff
+def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig) -> Budget:
+    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window))
 
 
 def prompt_schemas(params: dict[str, Any]) -> list[Any]:
@@ -71,35 +86,24 @@ def prompt_schemas(params: dict[str, Any]) -> list[Any]:
     return schemas
 
 
-def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
-    """A message as it will be stored: counted once, with its compact form if it has one."""
-    compact = trimmed_tool_output(body, memory.tool_output_max_tokens, counter)
-    return NewMessage(
-        body=body,
-        tokens=counter.message(body),
-        unit_start=starts_unit(body),
-        chain_hash=chain,
-        compact_body=compact,
-        compact_tokens=None if compact is None else counter.message(compact),
-    )
-
-
 async def prepare_turn(
     store: Store,
     summarizer: Summarizer,
     model: ModelConfig,
     counter: TokenCounter,
-    budget: Budget,
+    window: int,
     memory: MemoryConfig,
     tenant: str,
     session_id: str,
     messages: list[Message],
-    schemas: list[Any],
+    params: dict[str, Any],  # the request's other parameters (max_tokens, tools, response_format...)
     requested_history: str,  # the X-Memproxy-History header: auto, full or new
     idle_ttl: float | None = None,
     preview: bool = False,
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
+    budget = request_budget(params, model, window, memory)
+    schemas = prompt_schemas(params)
     session = await store.get_session(tenant, session_id)
     cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
     if cutoff is not None:
@@ -120,13 +124,17 @@ async def prepare_turn(
     )
 
     async def build(session: SessionState | None) -> Context:
-        return await build_context(store, session, reconciled.base, fixed, budget, model.name, counter,
-                                   memory, use_marker=memory.overflow != "drop")
+        # One store call loads what fitting needs; the fit itself reads nothing else.
+        snapshot = None
+        if session is not None and reconciled.base > 0:
+            snapshot = await store.snapshot(session, reconciled.base, must_send_last_unit(fixed.new),
+                                            room_for_history(fixed, budget))
+        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop")
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
-    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context,
+    return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff)
 
 
@@ -157,63 +165,3 @@ async def _fold_left_out(
         if result is None or result.outcome != "applied":
             break
     return context
-
-
-def turn_record(
-    turn: PreparedTurn,
-    counter: TokenCounter,
-    memory: MemoryConfig,
-    reply: Message,
-    model: str,
-    usage: dict[str, Any] | None,
-    latency_ms: float,
-    cost: float | None = None,
-) -> TurnRecord:
-    body = assistant_message(reply)
-    parent = turn.new[-1].chain_hash if turn.new else turn.reconciled.base_hash
-    answer = new_message(body, chain_hash(parent, body), counter, memory)
-    session = turn.session
-    return TurnRecord(
-        tenant=turn.tenant,
-        session_id=turn.session_id,
-        expected_length=session.length if session else 0,
-        expected_head_hash=session.head_hash if session else "",
-        base=turn.reconciled.base,
-        base_totals=turn.context.base_totals,
-        base_hash=turn.reconciled.base_hash,
-        messages=[*turn.new, answer],
-        system=turn.system if turn.system_changed else None,
-        model=model,
-        kind=turn.reconciled.kind,
-        context_tokens=turn.context.tokens,
-        latency_ms=latency_ms,
-        usage=Usage.reported(usage),
-        full_tokens=turn.full_tokens,
-        cost=cost,
-        title=_title(turn),
-        expired_before=turn.expired_before,
-        sent=sent_context(turn.context),
-    )
-
-
-def sent_context(context: Context) -> SentContext:
-    return SentContext(
-        summary_version=context.summary.version if context.summary else 0,
-        first_sent=context.first_sent,
-        included=context.included,
-        omitted=context.omitted,
-        unsummarised_omitted=context.unsummarised_omitted,
-        marker=context.marker,
-        trimmed=context.trimmed,
-        deduplicated=context.deduplicated,
-    )
-
-
-def _title(turn: PreparedTurn) -> str | None:
-    """The first user prompt, cut to 100 characters: a session's title when it has none yet."""
-    for message in turn.new:
-        if message.body.get("role") == "user":
-            text = content_text(message.body)
-            if text:
-                return text.strip()[:100]
-    return None

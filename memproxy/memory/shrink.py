@@ -1,5 +1,9 @@
 """How older messages are sent smaller, without touching what is stored.
 
+The one head-and-tail truncator lives here (`head_and_tail`, and `fit_head_and_tail` over it when
+the result must fit a token count): the compact form of a tool output and the summariser's
+transcript both cut long texts through it.
+
 - A tool result larger than `tool_output_max_tokens` is sent, once it is older than the newest
   exchange, as its head and tail around a marker giving the full size. The compact form is computed
   once, when the message is stored, and is itself under the limit, so trimming again changes nothing.
@@ -13,8 +17,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .messages import Message
-from .tokens import TokenCounter
+from ..config import MemoryConfig
+from ..messages import Message, starts_unit
+from ..store import NewMessage
+from ..tokens import TokenCounter
 
 _TRIM_MARKER = "\n[... {omitted} of {total} characters of this tool output left out here ...]\n"
 
@@ -28,6 +34,29 @@ def content_text(message: Message) -> str | None:
     return None
 
 
+def head_and_tail(text: str, head: int, tail: int, marker: str) -> str:
+    """`text` cut to its first `head` and last `tail` characters around `marker`, which may name
+    how many characters were left out (`{omitted}`) of how many (`{total}`)."""
+    omitted = len(text) - head - tail
+    return text[:head] + marker.format(omitted=omitted, total=len(text)) + (text[len(text) - tail:] if tail else "")
+
+
+def fit_head_and_tail(
+    text: str, max_tokens: int, counter: TokenCounter, marker: str, shares: tuple[int, int, int],
+    shrink: tuple[int, int],
+) -> str:
+    """The head and tail of `text` in at most `max_tokens`, counted, not estimated. The first guess
+    keeps the share of characters the token limit allows, `shares` (head, tail, out of) of it from
+    each end; each retry keeps `shrink` (a fraction) of the last guess, until it fits."""
+    head_share, tail_share, whole = shares
+    keep = len(text) * max_tokens // max(counter.text(text), 1)
+    while True:
+        cut = head_and_tail(text, keep * head_share // whole, keep * tail_share // whole, marker)
+        if counter.text(cut) <= max_tokens or keep == 0:
+            return cut
+        keep = keep * shrink[0] // shrink[1]
+
+
 def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter) -> Message | None:
     """The compact form of a tool result over `max_tokens`, or None if it is sent as it is."""
     if max_tokens <= 0 or message.get("role") not in ("tool", "function"):
@@ -35,14 +64,20 @@ def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter
     text = content_text(message)
     if text is None or counter.text(text) <= max_tokens:
         return None
-    keep = len(text) * max_tokens // max(counter.text(text), 1)
-    while True:
-        head, tail = keep * 2 // 3, keep // 3
-        marker = _TRIM_MARKER.format(omitted=len(text) - head - tail, total=len(text))
-        trimmed = text[:head] + marker + (text[-tail:] if tail else "")
-        if counter.text(trimmed) <= max_tokens or keep == 0:
-            return {**message, "content": trimmed}
-        keep = keep * 4 // 5
+    return {**message, "content": fit_head_and_tail(text, max_tokens, counter, _TRIM_MARKER, (2, 1, 3), (4, 5))}
+
+
+def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
+    """A message as it will be stored: counted once, with its compact form if it has one."""
+    compact = trimmed_tool_output(body, memory.tool_output_max_tokens, counter)
+    return NewMessage(
+        body=body,
+        tokens=counter.message(body),
+        unit_start=starts_unit(body),
+        chain_hash=chain,
+        compact_body=compact,
+        compact_tokens=None if compact is None else counter.message(compact),
+    )
 
 
 def _digest(text: str) -> str:

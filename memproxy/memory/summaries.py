@@ -23,18 +23,18 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from .compact import content_text
-from .concurrency import BackgroundTasks
-from .config import Config, ModelConfig
-from .context import summary_tokens
-from .errors import Conflict, ProxyError
-from .messages import Message
-from .provider import Provider
-from .redact import session_digest
-from .store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
-from .tokens import TokenCounter
+from ..concurrency import BackgroundTasks
+from ..config import Config, ModelConfig
+from ..errors import Conflict, ProxyError
+from ..messages import Message
+from ..provider import Provider
+from ..redact import session_digest
+from ..store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
+from ..tokens import TokenCounter
+from .fit import summary_tokens
+from .shrink import content_text, fit_head_and_tail, head_and_tail
 
 log = logging.getLogger("memproxy.summaries")
 
@@ -55,9 +55,12 @@ _MIN_TRANSCRIPT_ROOM = 256
 _MAX_BACKOFF_SECONDS = 3600.0
 
 
+FoldOutcome = Literal["applied", "nothing", "discarded", "stale", "failed"]
+
+
 @dataclass(frozen=True)
 class FoldResult:
-    outcome: str  # applied | nothing | discarded | stale | failed
+    outcome: FoldOutcome
     summary: Summary | None  # the summary in use afterwards
     messages_folded: int = 0  # by this run
     tokens_before: int = 0  # previous summary + the messages folded
@@ -74,7 +77,7 @@ def render_message(message: Message) -> str:
     if role in ("tool", "function"):
         if len(text) > _TRANSCRIPT_TOOL_CHARS:
             half = _TRANSCRIPT_TOOL_CHARS // 2
-            text = f"{text[:half]} [... {len(text) - 2 * half} characters left out ...] {text[-half:]}"
+            text = head_and_tail(text, half, half, " [... {omitted} characters left out ...] ")
         return f"Tool result ({message.get('name') or message.get('tool_call_id', '')}): {text}"
     lines = [f"{str(role).capitalize()}: {text}"] if text else []
     for call in message.get("tool_calls") or []:
@@ -112,7 +115,7 @@ def chunks(
     def close(indices: list[int], used: int) -> None:
         text = "\n\n".join(rendered[i] for i in indices)
         if used > room:  # a unit too large (alone or joining a small chunk): keep head and tail
-            text = _head_and_tail(text, room, counter)
+            text = fit_head_and_tail(text, room, counter, "\n[... left out ...]\n", (1, 1, 2), (9, 10))
         result.append(([messages[i] for i in indices], text))
 
     current: list[int] = []
@@ -127,17 +130,6 @@ def chunks(
     if current:
         close(current, used)
     return result
-
-
-def _head_and_tail(text: str, room: int, counter: TokenCounter) -> str:
-    """The head and tail of `text` in at most `room` tokens, counted, not estimated."""
-    keep = len(text) * room // max(counter.text(text), 1)
-    while True:
-        half = keep // 2
-        cut = f"{text[:half]}\n[... left out ...]\n{text[len(text) - half:]}"
-        if counter.text(cut) <= room or keep == 0:
-            return cut
-        keep = keep * 9 // 10
 
 
 class Summarizer:
@@ -293,7 +285,7 @@ class Summarizer:
             replaced = _size(chat_counter, previous) + sum(m.compact_tokens for m in chunk)
             text, error = await self._summarise(session, model, previous.text if previous else None,
                                                 transcript, cap)
-            outcome = "failed" if error else "discarded"
+            outcome: FoldOutcome = "failed" if error else "discarded"
             if text is not None:
                 tokens = summary_tokens(chat_counter, text)
                 error = "over the cap" if counter.text(text) > cap else "not smaller" if tokens >= replaced else None

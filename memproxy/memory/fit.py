@@ -9,12 +9,17 @@ result answers) is checked first: if that alone cannot fit, `ContextLengthExceed
 anything is sent or stored. Stored history fills what is left, newest first, in whole units (a
 message and the tool results answering it), so no tool result is sent without its call; a call the
 client never answered is left out of what is sent. The newest exchange (from the latest user
-message on) goes verbatim; older messages go in their compact form (`memproxy.compact`).
+message on) goes verbatim; older messages go in their compact form (`memproxy.memory.shrink`).
 
 The summary, when there is one, stands for every message before `covers`; only later messages are
 candidates. Unsummarised messages that do not fit are announced by a marker (policy permitting), so
-they are never lost without a trace. Stored messages carry their token counts and running totals, so
-finding the cut is one indexed lookup: nothing stored is re-read or re-tokenized to build a request.
+they are never lost without a trace.
+
+`fit` is a pure function: everything it decides from is in a `Snapshot` that one store call loads
+(`Store.snapshot`): the totals it asks about, the summary in use, and the tail of stored messages
+that can possibly be sent. Stored messages carry their token counts and running totals, so the tail
+is bounded by the room in the budget, not by the length of the history, and nothing stored is
+re-tokenized to build a request.
 """
 
 from __future__ import annotations
@@ -23,12 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .compact import dedupe_repeats
-from .config import MemoryConfig
-from .errors import ContextLengthExceeded
-from .messages import Message, starts_unit
-from .store import SessionState, Store, StoredMessage, Summary, Totals
-from .tokens import TokenCounter
+from ..config import MemoryConfig
+from ..errors import ContextLengthExceeded
+from ..messages import Message, starts_unit
+from ..store import Snapshot, StoredMessage, Summary, Totals
+from ..tokens import TokenCounter
+from .shrink import dedupe_repeats
 
 SUMMARY_PREFIX = (
     "Summary of the earlier conversation, for background only: it records what was said before "
@@ -92,10 +97,19 @@ def summary_tokens(counter: TokenCounter, text: str) -> int:
     return counter.message(summary_message(text))
 
 
-async def build_context(
-    store: Store,
-    session: SessionState | None,
-    base: int,
+def must_send_last_unit(new: Sequence[Message]) -> bool:
+    """Whether the newest stored unit must go: it holds the call a new tool result answers, or, when
+    the client sent nothing new (regenerate), the message being answered."""
+    return not new or not starts_unit(new[0])
+
+
+def room_for_history(fixed: Fixed, budget: Budget) -> int:
+    """The most tokens stored history can take in this request: what bounds the snapshot."""
+    return budget.input_tokens - fixed.tokens
+
+
+def fit(
+    snapshot: Snapshot | None,
     fixed: Fixed,
     budget: Budget,
     model_name: str,
@@ -103,22 +117,18 @@ async def build_context(
     memory: MemoryConfig,
     use_marker: bool,
 ) -> Context:
-    available = budget.input_tokens - fixed.tokens
+    """The request to send: `fixed` plus the stored history that fits, from `snapshot` alone (None:
+    nothing is stored before the new messages). Pure: it reads nothing but its arguments."""
+    available = room_for_history(fixed, budget)
     empty = Totals(0, 0)
-    if session is None or base == 0:
+    if snapshot is None or snapshot.base == 0:
         _check_fits(available, 0, fixed, budget, model_name)
-        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, base, empty)
-    base_totals = await store.totals_at(session, base)
-    must_start = base
-    if not fixed.new or not starts_unit(fixed.new[0]):
-        # The newest stored unit must go: it holds the call a new tool result answers, or, when the
-        # client sent nothing new (regenerate), the message being answered.
-        must_start = await store.last_unit_start(session, base)
-    must_tokens = base_totals.full - (await store.totals_at(session, must_start)).full
+        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, 0, empty)
+    base, base_totals, must_start = snapshot.base, snapshot.base_totals, snapshot.must_start
+    must_tokens = base_totals.full - _known(snapshot, must_start).full
     _check_fits(available, must_tokens, fixed, budget, model_name)
 
-    # A session never summarised needs no summary query (one round trip less on PostgreSQL).
-    summary = await store.current_summary(session, must_start) if session.summary_version else None
+    summary = snapshot.summary
     covered = summary.covers if summary else 0  # whether or not the summary fits
     extra: list[Message] = []
     if summary is not None:
@@ -129,27 +139,27 @@ async def build_context(
         else:
             summary = None
     floor = summary.covers if summary else 0
-    newest = await _newest_exchange(store, session, base, fixed.new, floor, must_start)
+    newest = _newest_exchange(snapshot, fixed.new, floor)
     trim = memory.tool_output_max_tokens > 0
-    stored: list[StoredMessage] = []
-    if floor == 0 and base_totals.full <= available:
+    stored = snapshot.messages
+    if floor == 0 and base_totals.full <= available and snapshot.start == 0 and stored and stored[0].unit_start:
         # The whole history fits as stored (most sessions): no cut to look for, unless the session
         # opens on a tool result, which no cut may keep without its call.
-        stored = await store.active_range(session, 0, base)
-    if stored and stored[0].unit_start:
         start = 0
     else:
-        start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
+        start = _cut(snapshot, newest, floor, available, trim)
     marker = False
     if start > floor and use_marker:
         marker_tokens = counter.message(marker_message(base))  # at least the real marker's count
         if must_tokens + marker_tokens <= available:
             available -= marker_tokens
-            start = await _fit(store, session, base, base_totals, newest, floor, must_start, available, trim)
+            start = _cut(snapshot, newest, floor, available, trim)
             extra.append(marker_message(start - floor, summarised=covered > 0))
             marker = True
-    stored = [m for m in stored if m.seq >= start] if stored else await store.active_range(session, start, base)
-    history, tokens_sent, trimmed, deduplicated = _history(stored, newest, fixed.new, counter, memory)
+    if start < snapshot.start:
+        raise LookupError(f"position {start} is outside the session snapshot")
+    sent = stored[snapshot.index(start) :]
+    history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
     return Context(
         messages=fixed.system + extra + history + fixed.new,
         tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent,
@@ -166,33 +176,47 @@ async def build_context(
     )
 
 
-async def _newest_exchange(
-    store: Store, session: SessionState, base: int, new: Sequence[Message], floor: int, must_start: int
-) -> int:
+def _known(snapshot: Snapshot, seq: int) -> Totals:
+    totals = snapshot.totals_at(seq)
+    if totals is None:
+        raise LookupError(f"position {seq} is outside the session snapshot")
+    return totals
+
+
+def _newest_exchange(snapshot: Snapshot, new: Sequence[Message], floor: int) -> int:
     """Where the newest exchange starts: nothing stored if the client sent a user message, else the
     latest stored user message (an agent loop continuing it)."""
     if any(m.get("role") == "user" for m in new):
-        return base
-    users = await store.user_positions(session, base, 1)
-    newest = users[0] if users else floor
-    return min(max(newest, floor), must_start)
+        return snapshot.base
+    newest = floor if snapshot.last_user is None else snapshot.last_user
+    return min(max(newest, floor), snapshot.must_start)
 
 
-async def _fit(
-    store: Store, session: SessionState, base: int, base_totals: Totals, newest: int, floor: int,
-    must_start: int, available: int, trim: bool,
-) -> int:
+def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool) -> int:
     """The first stored position sent: the longest run of whole units ending at `base` that fits,
-    counting the newest exchange verbatim and older messages in their compact form (`trim`)."""
-    newest_totals = await store.totals_at(session, newest)
-    verbatim = base_totals.full - newest_totals.full
-    if verbatim <= available:
+    counting the newest exchange verbatim and older messages in their compact form (`trim`).
+
+    A position before the snapshot's `start` costs more than the room it was read for, so a
+    newest exchange that begins there cannot go verbatim, and no cut is looked for there."""
+    base_totals = snapshot.base_totals
+    newest_totals = snapshot.totals_at(newest)
+    if newest_totals is not None and base_totals.full - newest_totals.full <= available:
+        verbatim = base_totals.full - newest_totals.full
         older = newest_totals.compact if trim else newest_totals.full
-        found = await store.first_fitting_unit_start(
-            session, floor, older - (available - verbatim), compact=trim)
+        found = _first_fitting_unit_start(snapshot, floor, older - (available - verbatim), trim)
         return newest if found is None or found > newest else found
-    found = await store.first_fitting_unit_start(session, max(floor, newest), base_totals.full - available)
-    return must_start if found is None or found > must_start else found
+    found = _first_fitting_unit_start(snapshot, max(floor, newest), base_totals.full - available, False)
+    return snapshot.must_start if found is None or found > snapshot.must_start else found
+
+
+def _first_fitting_unit_start(snapshot: Snapshot, floor: int, min_cum_before: int, compact: bool) -> int | None:
+    """The least unit start from `floor` on whose running total before it (compact or as stored)
+    is at least `min_cum_before`; running totals only grow, so the first found is the least."""
+    for message in snapshot.messages[snapshot.index(floor) :]:
+        cum = message.compact_cum_before if compact else message.cum_before
+        if message.unit_start and cum >= min_cum_before:
+            return message.seq
+    return None
 
 
 def _history(

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
-from .store import SessionState, Store
+from ..messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
+from ..store import SessionState, Store
 
 HistoryMode = Literal["auto", "full", "new"]
 HISTORY_MODES: tuple[HistoryMode, ...] = ("auto", "full", "new")

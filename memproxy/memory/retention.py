@@ -1,0 +1,48 @@
+"""Retention: when a session has idled past its TTL, the sweep that deletes such sessions, and the
+cap on the messages one session keeps (`max_messages_per_session`).
+
+An expired session behaves as new in every respect (a turn restarts it, the admin API shows it
+empty) whether or not the sweep has deleted it yet; the sweep only reclaims the space, so it may
+run late or fail without changing what a client sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..store import SessionState, Store
+
+log = logging.getLogger("memproxy")  # the logger the sweep always logged to
+
+
+def expired_before(idle_ttl: float | None) -> float | None:
+    """With `retention.idle_ttl_seconds`, the last activity before which a session has expired."""
+    return None if idle_ttl is None else time.time() - idle_ttl
+
+
+def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
+    """Whether a stored session idled past its TTL: it then behaves as new in every respect."""
+    cutoff = expired_before(idle_ttl)
+    return session is not None and cutoff is not None and session.updated_at < cutoff
+
+
+async def sweep(store: Store, ttl: float, interval: float) -> None:
+    """Delete expired sessions every `interval` seconds, for as long as the app runs."""
+    while True:
+        try:
+            removed = await store.prune(time.time() - ttl)
+            if removed:
+                log.info("retention sweep removed=%d", removed)
+        except Exception as exc:  # the next sweep tries again
+            log.error("retention sweep failed: %s", type(exc).__name__)
+        await asyncio.sleep(interval)
+
+
+async def cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
+    """After a recorded turn: delete the session's oldest messages beyond `cap` that can never be
+    sent again (superseded, or covered by the summary in use)."""
+    session = await store.get_session(tenant, session_id)
+    if session is not None:
+        await store.cap_messages(session, cap)
