@@ -29,11 +29,12 @@ from .compact import content_text
 from .concurrency import BackgroundTasks
 from .config import Config, ModelConfig
 from .context import summary_tokens
-from .errors import Conflict, ProxyError
+from .errors import ProxyError
 from .messages import Message
 from .provider import Provider
 from .redact import session_digest
 from .store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
+from .store.errors import StoreConflict
 from .tokens import TokenCounter
 
 log = logging.getLogger("memproxy.summaries")
@@ -205,7 +206,7 @@ class Summarizer:
         model = self.summarizer_model(chat_model)
         try:
             result = await self._fold(key, chat_model, model, upto, check_threshold)
-        except Conflict as exc:
+        except StoreConflict as exc:
             result = FoldResult("stale", None, detail=exc.message)
         except Exception as exc:  # a failed summary changes nothing; say why without content
             message = exc.message if isinstance(exc, ProxyError) else type(exc).__name__
