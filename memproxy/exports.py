@@ -182,7 +182,8 @@ class SummaryRecord(_Record):
     created_at: Number
 
 
-RECORDS: dict[str, type[_Record]] = {"session": SessionRecord, "turn": TurnRecord, "message": MessageRecord,
+RecordType = Literal["session", "turn", "message", "summary"]
+RECORDS: dict[RecordType, type[_Record]] = {"session": SessionRecord, "turn": TurnRecord, "message": MessageRecord,
                                      "summary": SummaryRecord}
 _TIMES = ("created_at", "updated_at")
 _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
