@@ -170,7 +170,7 @@ class _JsonErrorHandler(web.RequestHandler):
             body = error_body("internal error", "server_error", "internal_error")
         else:
             log.info("unparseable request answered %d: %s", status, type(exc).__name__)
-            body = error_body(text, "invalid_request_error", code)
+            body = error_body(text, error_type(status), code)
         response = web.json_response(body, status=status)
         response.force_close()
         return response
