@@ -15,20 +15,19 @@ from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
-from .errors import ProxyError, error_body, store_unavailable_body
+from .errors import Conflict, ProxyError, error_body, error_type, store_unavailable_body
 from .memory.retention import sweep
 from .memory.summaries import Summarizer
 from .provider import Provider
 from .routes import healthz, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
+from .store.errors import StoreConflict
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -90,6 +89,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if isinstance(exc.__cause__, web.RequestPayloadError):
             response.force_close()  # the rest of a body that failed to decode cannot be skipped
         return response
+    except StoreConflict as exc:  # the store refused: the session moved meanwhile, or the id exists
+        return web.json_response(Conflict.from_store(exc).body(), status=Conflict.status)
     except StoreUnavailable as exc:
         # The driver's error names only its class: its text may quote stored content.
         log.error("store unavailable on %s %s: %s", request.method, request.path, type(exc.__cause__).__name__)
@@ -100,8 +101,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = exc.reason
         if exc.status == 413:
             message = f"The request body is larger than server.max_body_bytes ({request.app[CONFIG].server.max_body_bytes} bytes)."
-        body = error_body(message, _HTTP_TYPES.get(exc.status, "invalid_request_error"),
-                          _HTTP_CODES.get(exc.status))
+        body = error_body(message, error_type(exc.status), _HTTP_CODES.get(exc.status))
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405 must say
         return web.json_response(body, status=exc.status, headers=allow)
     except Exception as exc:
@@ -158,7 +158,7 @@ class _JsonErrorHandler(web.RequestHandler):
             body = error_body("internal error", "server_error", "internal_error")
         else:
             log.info("unparseable request answered %d: %s", status, type(exc).__name__)
-            body = error_body(text, "invalid_request_error", code)
+            body = error_body(text, error_type(status), code)
         response = web.json_response(body, status=status)
         response.force_close()
         return response

@@ -37,18 +37,20 @@ from .errors import (
     BadRequest,
     Forbidden,
     NotFound,
+    Conflict,
     ProxyError,
     error_body,
     store_unavailable_body,
 )
 from .memory.plan import PreparedTurn, prepare_turn
-from .memory.reconcile import HISTORY_MODES
+from .memory.reconcile import HISTORY_MODES, HistoryMode
 from .memory.record import turn_record
 from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
 from .store import StoreUnavailable
+from .store.errors import StoreConflict
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
@@ -137,13 +139,19 @@ def _session_id(request: web.Request) -> str | None:
     return value
 
 
+def _history_mode(request: web.Request) -> HistoryMode:
+    """The `X-Memproxy-History` header's mode (`auto` when absent), as a checked kind."""
+    value = request.headers.get(HISTORY_HEADER, "auto").lower()
+    for mode in HISTORY_MODES:
+        if value == mode:
+            return mode
+    raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}", param=HISTORY_HEADER)
+
+
 async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str) -> None:
     app = request.app
     config, provider = app[CONFIG], app[PROVIDER]
-    mode = request.headers.get(HISTORY_HEADER, "auto").lower()
-    if mode not in HISTORY_MODES:
-        raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}",
-                         param=HISTORY_HEADER)
+    mode = _history_mode(request)
     turn = await prepare_turn(
         app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model),
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
@@ -184,7 +192,7 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         choices = result.get("choices") or [{}]
         try:
             await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
-        except ProxyError:
+        except (ProxyError, StoreConflict):
             raise  # a refusal (the session moved meanwhile: 409), not a failure
         except Exception as exc:
             # The answer is paid for: the client gets it, told that the turn is not remembered.
@@ -242,6 +250,8 @@ async def _end_stream(response: web.StreamResponse, exchange: Exchange, exc: Exc
     raises it, and what came before it is not a finished answer. A `ProxyError` says what it is; a
     store failure says the answer was not stored; anything else is an internal error, whose text
     (it may quote content) goes nowhere."""
+    if isinstance(exc, StoreConflict):
+        exc = Conflict.from_store(exc)
     if isinstance(exc, ProxyError):
         status, body = exc.status, exc.body()
     elif isinstance(exc, StoreUnavailable):

@@ -23,6 +23,7 @@ from .config import Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
 from .store import Store, open_store
+from .store.errors import StoreConflict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,7 +134,7 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
             if (tenant, session_id) not in present:
                 try:
                     await target.import_session(tenant, session_id, records)
-                except ProxyError as exc:
+                except (ProxyError, StoreConflict) as exc:
                     print(f"memproxy: {tenant}/{session_id}: {exc.message}; sessions copied before it are"
                           " kept, --resume copies the rest", file=sys.stderr)
                     return 1

@@ -1,58 +1,113 @@
 """Configuration: YAML with `${ENV_VAR}` interpolation, validated once at start.
 
-`load_config` returns frozen dataclasses; any problem raises `ConfigError` naming the key path
-(`models[0].context_window`) and why. Reading a config never imports litellm or touches the network,
-so `memproxy check-config` stays light. Every key is documented in `config.example.yaml`, and a test
-fails when one is not.
+Every section is a frozen pydantic dataclass (`extra="forbid"`): a real dataclass, so the rest of the
+code and the tests read attributes and use `dataclasses.replace` as before, and one declaration gives
+each key its type, default and range. `load_config` interpolates the environment, lets pydantic check
+every value, then checks what relates two values (a duplicate name, a pool's bounds, an output
+limit against its window, the summariser's model); any problem raises `ConfigError` naming the key
+path (`models[0].context_window`) and why, in memproxy's words rather than pydantic's. Reading a
+config never imports litellm or touches the network, so `memproxy check-config` stays light. Every
+key is documented in `config.example.yaml`, and a test fails when one is not.
+
+Values read from YAML keep their lenient forms (environment variables are strings): a string of
+digits is an integer, `true`/`false` in any case a boolean, a number a string where text is asked.
+Anything else of the wrong type is refused; pydantic's wider coercions (`yes`, `1.0` as an integer)
+are not taken. An absent key, an empty value (`key:`) and an empty string where a choice or a
+default is expected all mean the default.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-TOKENIZERS = ("auto", "cl100k_base", "o200k_base", "litellm")
+Tokenizer = Literal["auto", "cl100k_base", "o200k_base", "litellm"]
+TOKENIZERS: tuple[Tokenizer, ...] = ("auto", "cl100k_base", "o200k_base", "litellm")
 StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
+Transport = Literal["auto", "openai", "litellm"]  # `auto`: memproxy's own client for `openai/` models
+TRANSPORTS: tuple[Transport, ...] = ("auto", "openai", "litellm")
+Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
+OVERFLOW_POLICIES: tuple[Overflow, ...] = ("summarize", "marker", "drop")
 
 
 class ConfigError(ValueError):
-    def __init__(self, key: str, why: str) -> None:
-        super().__init__(f"{key}: {why}")
+    """A bad key (`key`: its path) and why; `source` is the file it was read from, when there was one."""
+
+    def __init__(self, key: str, why: str, source: str | None = None) -> None:
+        super().__init__(f"{source}: {key}: {why}" if source else f"{key}: {why}")
         self.key = key
         self.why = why
+        self.source = source
 
 
-@dataclass(frozen=True)
+# --- value types: today's lenient YAML forms, then pydantic's strict check ----------------------
+
+def _integer(value: Any) -> Any:
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _boolean(value: Any) -> Any:
+    return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
+
+
+def _text(value: Any) -> Any:
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+Int = Annotated[int, BeforeValidator(_integer), Field(strict=True)]
+Count = Annotated[int, BeforeValidator(_integer), Field(strict=True, ge=0)]
+Positive = Annotated[float, BeforeValidator(_number), Field(strict=True, gt=0)]
+Flag = Annotated[bool, BeforeValidator(_boolean), Field(strict=True)]
+Text = Annotated[str, BeforeValidator(_text), Field(strict=True)]
+Required = Annotated[str, BeforeValidator(_text), Field(strict=True, min_length=1)]
+Secret = Annotated[str, BeforeValidator(_text), Field(strict=True, min_length=8)]  # an API key
+
+_SECTION = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, config=_SECTION)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 10 * 1024 * 1024
-    allow_unauthenticated: bool = False
-    access_log: bool = False
-    header_timeout_seconds: float = 10.0  # first byte of a request to the end of its headers
-    body_timeout_seconds: float = 60.0  # end of the headers to the end of the body
-    keepalive_timeout_seconds: float = 75.0  # an idle connection (also: before its first request)
+    host: Text = "127.0.0.1"
+    port: Annotated[Int, Field(ge=0, le=65535)] = 8080
+    max_body_bytes: Annotated[Int, Field(ge=1024)] = 10 * 1024 * 1024
+    allow_unauthenticated: Flag = False
+    access_log: Flag = False
+    header_timeout_seconds: Positive = 10.0  # first byte of a request to the end of its headers
+    body_timeout_seconds: Positive = 60.0  # end of the headers to the end of the body
+    keepalive_timeout_seconds: Positive = 75.0  # an idle connection (also: before its first request)
 
     @property
     def is_loopback(self) -> bool:
         return self.host in _LOOPBACK or self.host.startswith("127.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class StorageConfig:
-    url: str = "sqlite:///./memproxy.db"
-    busy_timeout_ms: int = 5000  # SQLite
-    pool_min_size: int = 1  # PostgreSQL
-    pool_max_size: int = 10
-    schema: str | None = None  # PostgreSQL: tables live in this schema (created if missing)
+    url: Text = "sqlite:///./memproxy.db"
+    busy_timeout_ms: Count = 5000  # SQLite
+    pool_min_size: Annotated[Int, Field(ge=1)] = 1  # PostgreSQL
+    pool_max_size: Annotated[Int, Field(ge=1)] = 10
+    # PostgreSQL: tables live in this schema (created if missing)
+    schema: Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")] | None = None
     # A chat turn the store fails to plan: 503 store_unavailable, or forwarded without memory.
     on_failure: StoreFailurePolicy = "error"
 
@@ -61,39 +116,42 @@ class StorageConfig:
         return self.url.startswith(("postgresql://", "postgres://"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class ModelConfig:
-    name: str
-    model: str
-    api_base: str | None = None
-    api_key: str | None = None
-    context_window: int | None = None
-    max_output_tokens: int = 1024
-    tokenizer: str = "auto"
-    timeout_seconds: float = 600.0
-    transport: str = "auto"
+    name: Required
+    model: Required
+    api_base: Text | None = None
+    api_key: Text | None = None
+    context_window: Annotated[Int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[Int, Field(ge=1)] = 1024
+    tokenizer: Tokenizer = "auto"
+    timeout_seconds: Positive = 600.0
+    transport: Transport = "auto"
 
 
-TRANSPORTS = ("auto", "openai", "litellm")
-OVERFLOW_POLICIES = ("summarize", "marker", "drop")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class MemoryConfig:
     """Budget and summary settings. The `None` defaults scale with the model's context window."""
 
-    summarizer_model: str | None = None
-    safety_margin_tokens: int | None = None
-    summaries: bool = True
-    chunk_threshold_tokens: int | None = None
-    tail_turns: int = 3
-    tail_tokens: int | None = None
-    summary_max_tokens: int | None = None
-    overflow: str = "summarize"
-    sync_summary_timeout_seconds: float = 30.0
-    failure_backoff_seconds: float = 60.0
-    tool_output_max_tokens: int = 1000
-    dedupe_min_tokens: int = 200
+    summarizer_model: Text | None = None
+    safety_margin_tokens: Count | None = None
+    summaries: Flag = True
+    chunk_threshold_tokens: Annotated[Int, Field(ge=1)] | None = None
+    tail_turns: Annotated[Int, Field(ge=1)] = 3
+    tail_tokens: Annotated[Int, Field(ge=1)] | None = None
+    summary_max_tokens: Annotated[Int, Field(ge=16)] | None = None
+    overflow: Overflow = "summarize"
+    sync_summary_timeout_seconds: Positive = 30.0
+    failure_backoff_seconds: Positive = 60.0
+    tool_output_max_tokens: Count = 1000
+    dedupe_min_tokens: Count = 200
+
+    @field_validator("tool_output_max_tokens")
+    @classmethod
+    def _off_or_useful(cls, value: int) -> int:
+        if 0 < value < 64:
+            raise ValueError("must be 0 (off) or at least 64")
+        return value
 
     def safety_margin(self, context_window: int) -> int:
         if self.safety_margin_tokens is not None:
@@ -110,28 +168,29 @@ class MemoryConfig:
         return self.summary_max_tokens or min(max(context_window // 16, 256), 4096)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class ApiKey:
-    key: str
-    tenant: str
+    key: Secret
+    tenant: Required
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class AuthConfig:
     keys: tuple[ApiKey, ...] = ()
-    admin_keys: tuple[str, ...] = ()  # the session admin API across every tenant
+    # the session admin API across every tenant
+    admin_keys: tuple[Annotated[str, Field(strict=True, min_length=8)], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class RetentionConfig:
     """All off by default: memproxy keeps every conversation until told otherwise."""
 
-    idle_ttl_seconds: float | None = None
-    sweep_interval_seconds: float = 300.0
-    max_messages_per_session: int | None = None
+    idle_ttl_seconds: Positive | None = None
+    sweep_interval_seconds: Positive = 300.0
+    max_messages_per_session: Annotated[Int, Field(ge=2)] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
@@ -147,12 +206,20 @@ class Config:
         return None
 
 
+_CONFIG = TypeAdapter(Config)
+# Keys whose empty string means the default, as an absent key does (`${VAR:-}` left empty).
+_EMPTY_IS_DEFAULT = frozenset({"host", "url", "tokenizer", "transport", "overflow", "on_failure"})
+
+
 def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read config file: {exc.strerror}") from exc
-    return parse_config(text, environ)
+    try:
+        return parse_config(text, environ)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.why, source=str(path)) from None
 
 
 def parse_config(text: str, environ: dict[str, str] | None = None) -> Config:
@@ -161,23 +228,23 @@ def parse_config(text: str, environ: dict[str, str] | None = None) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"not valid YAML: {exc}") from exc
     env = dict(os.environ) if environ is None else environ
-    data = _Section(_interpolate(raw if raw is not None else {}, env, "<root>"), "")
-    config = Config(
-        server=_server(data.section("server")),
-        storage=_storage(data.section("storage")),
-        models=_models(data),
-        memory=_memory(data.section("memory")),
-        auth=_auth(data),
-        retention=_retention(data.section("retention")),
-    )
-    data.finish()
+    data = _interpolate(raw if raw is not None else {}, env, "<root>")
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", "must be a mapping")
+    try:
+        config = _CONFIG.validate_python(data)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
     _cross_check(config)
     return config
 
 
 def _interpolate(value: Any, env: dict[str, str], key: str) -> Any:
+    """`value` with `${VAR}` and `${VAR:-default}` replaced; keys whose value is empty (null, or an
+    empty string where `_EMPTY_IS_DEFAULT` says so) left out, so they take their defaults."""
     if isinstance(value, dict):
-        return {k: _interpolate(v, env, _join(key, str(k))) for k, v in value.items()}
+        items = ((k, _interpolate(v, env, _join(key, str(k)))) for k, v in value.items())
+        return {k: v for k, v in items if v is not None and not (v == "" and k in _EMPTY_IS_DEFAULT)}
     if isinstance(value, list):
         return [_interpolate(v, env, f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, str):
@@ -198,240 +265,67 @@ def _join(prefix: str, key: str) -> str:
     return key if prefix in ("", "<root>") else f"{prefix}.{key}"
 
 
-class _Section:
-    """A mapping being read; remembers which keys were used so unknown ones are reported."""
-
-    def __init__(self, value: Any, path: str) -> None:
-        if not isinstance(value, dict):
-            raise ConfigError(path or "<root>", "must be a mapping")
-        self.values: dict[str, Any] = value
-        self.path = path
-        self.used: set[str] = set()
-
-    def key(self, name: str) -> str:
-        return _join(self.path, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        self.used.add(name)
-        value = self.values.get(name)
-        return default if value is None else value
-
-    def section(self, name: str) -> _Section:
-        return _Section(self.get(name, {}), self.key(name))
-
-    def string(self, name: str, default: str | None = None) -> str | None:
-        value = self.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ConfigError(self.key(name), "must be a string")
-        return str(value)
-
-    def required_string(self, name: str) -> str:
-        value = self.string(name)
-        if not value:
-            raise ConfigError(self.key(name), "is required")
-        return value
-
-    def integer(self, name: str, default: int | None, minimum: int = 0) -> int | None:
-        value = self.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(self.key(name), f"must be an integer, got {value!r}")
-        if value < minimum:
-            raise ConfigError(self.key(name), f"must be >= {minimum}, got {value}")
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        value = self.get(name, default)
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(self.key(name), f"must be a positive number, got {value!r}")
-        return float(value)
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.get(name, default)
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        if not isinstance(value, bool):
-            raise ConfigError(self.key(name), f"must be true or false, got {value!r}")
-        return value
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.values) - self.used)
-        if unknown:
-            raise ConfigError(self.key(str(unknown[0])), "unknown key")
+def _config_error(exc: ValidationError) -> ConfigError:
+    """The first of pydantic's errors, as the key path and why in memproxy's words."""
+    error = exc.errors(include_url=False)[0]
+    key = ""
+    for part in error["loc"]:
+        key = f"{key}[{part}]" if isinstance(part, int) else _join(key, str(part))
+    return ConfigError(key or "<root>", _why(error["type"], error["input"], error.get("ctx") or {}))
 
 
-def _server(s: _Section) -> ServerConfig:
-    d = ServerConfig()
-    port = s.integer("port", d.port)
-    assert port is not None
-    if port > 65535:
-        raise ConfigError(s.key("port"), f"must be <= 65535, got {port}")
-    max_body = s.integer("max_body_bytes", d.max_body_bytes, minimum=1024)
-    assert max_body is not None
-    config = ServerConfig(
-        host=s.string("host", d.host) or d.host,
-        port=port,
-        max_body_bytes=max_body,
-        allow_unauthenticated=s.boolean("allow_unauthenticated", d.allow_unauthenticated),
-        access_log=s.boolean("access_log", d.access_log),
-        header_timeout_seconds=s.number("header_timeout_seconds", d.header_timeout_seconds),
-        body_timeout_seconds=s.number("body_timeout_seconds", d.body_timeout_seconds),
-        keepalive_timeout_seconds=s.number("keepalive_timeout_seconds", d.keepalive_timeout_seconds),
-    )
-    s.finish()
-    return config
-
-
-def _storage(s: _Section) -> StorageConfig:
-    d = StorageConfig()
-    url = s.string("url", d.url) or d.url
-    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
-        raise ConfigError(s.key("url"), f"unsupported store {url!r}: use sqlite:///path/to/file.db "
-                                        "or postgresql://user@host:port/database")
-    busy = s.integer("busy_timeout_ms", d.busy_timeout_ms)
-    pool_min = s.integer("pool_min_size", d.pool_min_size, minimum=1)
-    pool_max = s.integer("pool_max_size", d.pool_max_size, minimum=1)
-    assert busy is not None and pool_min is not None and pool_max is not None
-    if pool_max < pool_min:
-        raise ConfigError(s.key("pool_max_size"), f"must be >= pool_min_size ({pool_min})")
-    schema = s.string("schema")
-    if schema is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
-        raise ConfigError(s.key("schema"), "must be a plain identifier (letters, digits, _)")
-    on_failure = s.string("on_failure", d.on_failure)
-    if on_failure == "error" or on_failure is None:
-        policy: StoreFailurePolicy = "error"
-    elif on_failure == "passthrough":
-        policy = "passthrough"
-    else:
-        raise ConfigError(s.key("on_failure"), f"must be one of {', '.join(STORE_FAILURE_POLICIES)}")
-    s.finish()
-    return StorageConfig(url=url, busy_timeout_ms=busy, pool_min_size=pool_min, pool_max_size=pool_max,
-                         schema=schema, on_failure=policy)
-
-
-def _models(data: _Section) -> tuple[ModelConfig, ...]:
-    raw = data.get("models", [])
-    if not isinstance(raw, list):
-        raise ConfigError("models", "must be a list")
-    models: list[ModelConfig] = []
-    names: set[str] = set()
-    for i, item in enumerate(raw):
-        s = _Section(item, f"models[{i}]")
-        d = ModelConfig(name="", model="")
-        name = s.required_string("name")
-        if name in names:
-            raise ConfigError(s.key("name"), f"duplicate model name {name!r}")
-        names.add(name)
-        tokenizer = s.string("tokenizer", d.tokenizer) or d.tokenizer
-        if tokenizer not in TOKENIZERS:
-            raise ConfigError(s.key("tokenizer"), f"must be one of {', '.join(TOKENIZERS)}")
-        transport = s.string("transport", d.transport) or d.transport
-        if transport not in TRANSPORTS:
-            raise ConfigError(s.key("transport"), f"must be one of {', '.join(TRANSPORTS)}")
-        max_output = s.integer("max_output_tokens", d.max_output_tokens, minimum=1)
-        assert max_output is not None
-        window = s.integer("context_window", None, minimum=1)
-        if window is not None and max_output >= window:
-            raise ConfigError(
-                s.key("max_output_tokens"), f"must be smaller than context_window ({window})"
-            )
-        models.append(
-            ModelConfig(
-                name=name,
-                model=s.required_string("model"),
-                api_base=s.string("api_base"),
-                api_key=s.string("api_key"),
-                context_window=window,
-                max_output_tokens=max_output,
-                tokenizer=tokenizer,
-                timeout_seconds=s.number("timeout_seconds", d.timeout_seconds),
-                transport=transport,
-            )
-        )
-        s.finish()
-    return tuple(models)
-
-
-def _memory(s: _Section) -> MemoryConfig:
-    d = MemoryConfig()
-    overflow = s.string("overflow", d.overflow) or d.overflow
-    if overflow not in OVERFLOW_POLICIES:
-        raise ConfigError(s.key("overflow"), f"must be one of {', '.join(OVERFLOW_POLICIES)}")
-    tail_turns = s.integer("tail_turns", d.tail_turns, minimum=1)
-    tool_output = s.integer("tool_output_max_tokens", d.tool_output_max_tokens)
-    dedupe = s.integer("dedupe_min_tokens", d.dedupe_min_tokens)
-    assert tail_turns is not None and tool_output is not None and dedupe is not None
-    if 0 < tool_output < 64:
-        raise ConfigError(s.key("tool_output_max_tokens"), "must be 0 (off) or at least 64")
-    config = MemoryConfig(
-        summarizer_model=s.string("summarizer_model"),
-        safety_margin_tokens=s.integer("safety_margin_tokens", None),
-        summaries=s.boolean("summaries", d.summaries),
-        chunk_threshold_tokens=s.integer("chunk_threshold_tokens", None, minimum=1),
-        tail_turns=tail_turns,
-        tail_tokens=s.integer("tail_tokens", None, minimum=1),
-        summary_max_tokens=s.integer("summary_max_tokens", None, minimum=16),
-        overflow=overflow,
-        sync_summary_timeout_seconds=s.number("sync_summary_timeout_seconds", d.sync_summary_timeout_seconds),
-        failure_backoff_seconds=s.number("failure_backoff_seconds", d.failure_backoff_seconds),
-        tool_output_max_tokens=tool_output,
-        dedupe_min_tokens=dedupe,
-    )
-    s.finish()
-    return config
-
-
-def _auth(data: _Section) -> AuthConfig:
-    s = data.section("auth")
-    raw = s.get("keys", [])
-    if not isinstance(raw, list):
-        raise ConfigError(s.key("keys"), "must be a list")
-    keys: list[ApiKey] = []
-    for i, item in enumerate(raw):
-        k = _Section(item, f"auth.keys[{i}]")
-        key = k.required_string("key")
-        if len(key) < 8:
-            raise ConfigError(k.key("key"), "must be at least 8 characters")
-        keys.append(ApiKey(key=key, tenant=k.required_string("tenant")))
-        k.finish()
-    raw_admin = s.get("admin_keys", [])
-    if not isinstance(raw_admin, list):
-        raise ConfigError(s.key("admin_keys"), "must be a list")
-    admin_keys = []
-    for i, value in enumerate(raw_admin):
-        if not isinstance(value, str) or len(value) < 8:
-            raise ConfigError(f"auth.admin_keys[{i}]", "must be a string of at least 8 characters")
-        admin_keys.append(value)
-    every = [k.key for k in keys] + admin_keys
-    if len(set(every)) != len(every):
-        raise ConfigError(s.key("keys"), "the same key is listed twice")
-    s.finish()
-    return AuthConfig(keys=tuple(keys), admin_keys=tuple(admin_keys))
-
-
-def _retention(s: _Section) -> RetentionConfig:
-    d = RetentionConfig()
-    ttl = s.get("idle_ttl_seconds")
-    config = RetentionConfig(
-        idle_ttl_seconds=None if ttl is None else s.number("idle_ttl_seconds", 1.0),
-        sweep_interval_seconds=s.number("sweep_interval_seconds", d.sweep_interval_seconds),
-        max_messages_per_session=s.integer("max_messages_per_session", None, minimum=2),
-    )
-    s.finish()
-    return config
+def _why(kind: str, value: Any, ctx: dict[str, Any]) -> str:
+    if kind == "missing":
+        return "is required"
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        return "unknown key"
+    if kind in ("dataclass_type", "dataclass_exact_type", "dict_type", "model_type"):
+        return "must be a mapping"
+    if kind in ("tuple_type", "list_type"):
+        return "must be a list"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer, got {value!r}"
+    if kind in ("float_type", "float_parsing") or kind == "greater_than" and ctx.get("gt") == 0:
+        return f"must be a positive number, got {value!r}"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"must be true or false, got {value!r}"
+    if kind == "string_type":
+        return "must be a string"
+    if kind in ("string_too_short", "too_short"):
+        return "is required" if ctx.get("min_length") == 1 else f"must be at least {ctx['min_length']} characters"
+    if kind == "string_pattern_mismatch":
+        return "must be a plain identifier (letters, digits, _)"
+    if kind == "literal_error":
+        return f"must be one of {str(ctx['expected']).replace(chr(39), '').replace(' or ', ', ')}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx['ge']}, got {value!r}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx['le']}, got {value!r}"
+    if kind == "value_error":
+        return str(ctx.get("error", "is not valid"))
+    return f"is not valid ({kind})"
 
 
 def _cross_check(config: Config) -> None:
+    """What pydantic checks value by value cannot: the store's kind, and values that must agree."""
+    url = config.storage.url
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        raise ConfigError("storage.url", f"unsupported store {url!r}: use sqlite:///path/to/file.db "
+                                         "or postgresql://user@host:port/database")
+    storage = config.storage
+    if storage.pool_max_size < storage.pool_min_size:
+        raise ConfigError("storage.pool_max_size", f"must be >= pool_min_size ({storage.pool_min_size})")
+    names: set[str] = set()
+    for i, model in enumerate(config.models):
+        if model.name in names:
+            raise ConfigError(f"models[{i}].name", f"duplicate model name {model.name!r}")
+        names.add(model.name)
+        window = model.context_window
+        if window is not None and model.max_output_tokens >= window:
+            raise ConfigError(f"models[{i}].max_output_tokens", f"must be smaller than context_window ({window})")
+    every = [k.key for k in config.auth.keys] + list(config.auth.admin_keys)
+    if len(set(every)) != len(every):
+        raise ConfigError("auth.keys", "the same key is listed twice")
     summarizer = config.memory.summarizer_model
     if summarizer is not None and config.model(summarizer) is None:
         raise ConfigError("memory.summarizer_model", f"{summarizer!r} is not a name in models")

@@ -2,16 +2,49 @@
 
 Handlers raise these; one middleware (`memproxy.app`) turns every one of them into the body
 `{"error": {"message", "type", "code", "param"}}`, so no handler formats an error itself.
+
+`ERROR_TYPES` is the one table from an HTTP status to its OpenAI error type, for memproxy's own
+errors and the provider's alike (`memproxy.upstream` maps a provider's status through it). A status
+it does not name falls back by who is at fault: memproxy's own 4xx is an `invalid_request_error`
+and its 5xx a `server_error`; any other provider status is an `upstream_error`.
+
+The store answers in its own terms (`memproxy.store.errors`) and imports nothing from here: its
+refusal `StoreConflict` becomes `Conflict`, a 409, through `Conflict.from_store`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # the store's error is only named here: the store package imports this module
+    from .store.errors import StoreConflict
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                    "rate_limit_error", "server_error", "upstream_error"]
+
+ERROR_TYPES: dict[int, ErrorType] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int, *, upstream: bool = False) -> ErrorType:
+    """The OpenAI error type of `status`, for an error of memproxy's own or (`upstream`) the provider's."""
+    known = ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    if upstream:
+        return "upstream_error"
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 class ProxyError(Exception):
     status = 500
-    type = "server_error"
+    # The class's OpenAI error type where it is not the table's for its status.
+    error_type: ErrorType | None = None
     code: str | None = None
 
     def __init__(
@@ -21,7 +54,7 @@ class ProxyError(Exception):
         code: str | None = None,
         param: str | None = None,
         status: int | None = None,
-        type: str | None = None,
+        type: ErrorType | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -30,8 +63,11 @@ class ProxyError(Exception):
             self.code = code
         if status is not None:
             self.status = status
-        if type is not None:
-            self.type = type
+        self.type: ErrorType = type or self.error_type or self._type_of(self.status)
+
+    @staticmethod
+    def _type_of(status: int) -> ErrorType:
+        return error_type(status)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
@@ -39,7 +75,6 @@ class ProxyError(Exception):
 
 class BadRequest(ProxyError):
     status = 400
-    type = "invalid_request_error"
 
 
 class ContextLengthExceeded(BadRequest):
@@ -48,34 +83,45 @@ class ContextLengthExceeded(BadRequest):
 
 class Unauthorized(ProxyError):
     status = 401
-    type = "authentication_error"
     code = "invalid_api_key"
 
 
 class Forbidden(ProxyError):
     status = 403
-    type = "permission_error"
     code = "forbidden"
 
 
 class NotFound(ProxyError):
+    """A session or model the request names does not exist. OpenAI answers an unknown model with
+    an `invalid_request_error` (code `model_not_found`), not the `not_found_error` of an unknown
+    route, and so does memproxy."""
+
     status = 404
-    type = "invalid_request_error"
+    error_type = "invalid_request_error"
     code = "not_found"
 
 
 class Conflict(ProxyError):
     status = 409
-    type = "invalid_request_error"
     code = "session_conflict"
+
+    @classmethod
+    def from_store(cls, exc: StoreConflict) -> Conflict:
+        """The 409 a store's refusal is answered with: the store's message, the cause kept."""
+        error = cls(exc.message)
+        error.__cause__ = exc
+        return error
 
 
 class UpstreamError(ProxyError):
     """An error reported by (or on the way to) the model provider; keeps its status."""
 
     status = 502
-    type = "upstream_error"
     code = "upstream_error"
+
+    @staticmethod
+    def _type_of(status: int) -> ErrorType:
+        return error_type(status, upstream=True)
 
 
 def store_unavailable_body() -> dict[str, Any]:
@@ -86,6 +132,6 @@ def store_unavailable_body() -> dict[str, Any]:
 
 
 def error_body(
-    message: str, type: str, code: str | None = None, param: str | None = None
+    message: str, type: ErrorType, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}

@@ -9,6 +9,10 @@ writes: its JSON type, null where the store may write null, the range its column
 relations between records (ids, parents, positions, the head of the active chain, summaries).
 Timestamps in the future are brought back to now: a session active "tomorrow" would outlive every
 prune and idle TTL.
+
+Each record type is a strict pydantic model (`extra="forbid"`: a field the store never writes is
+refused too); its first error becomes `line N: <type> field '<name>' <why>`, in memproxy's words.
+The relations between records are checked after, by hand: they span lines.
 """
 
 from __future__ import annotations
@@ -16,126 +20,174 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bodies import parse_json
 from .errors import BadRequest
-from .messages import ROLES, SYSTEM_ROLES, validate_message
+from .messages import SYSTEM_ROLES, validate_message
 
 Record = dict[str, Any]
-# A field's check: what is wrong with a value, or None.
-Check = Callable[[Any], str | None]
 
 _INT32, _INT64 = 2**31, 2**63  # what INTEGER and BIGINT columns hold on PostgreSQL
 
 
-def _integer(high: int = _INT32, low: int = 0, nullable: bool = False) -> Check:
-    def check(value: Any) -> str | None:
-        if value is None and nullable:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            return "must be an integer" + (" or null" if nullable else "")
-        return None if low <= value < high else f"must be from {low} to {high - 1}"
-    return check
+# --- field types: what the store writes, each with the range its column holds ---------------------
+
+def _range(low: int, high: int) -> AfterValidator:
+    def check(value: int) -> int:
+        if not low <= value < high:
+            raise ValueError(f"must be from {low} to {high - 1}")
+        return value
+    return AfterValidator(check)
 
 
-def _number(nullable: bool = False) -> Check:
-    def check(value: Any) -> str | None:
-        if value is None and nullable:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return "must be a number" + (" or null" if nullable else "")
-        return None if math.isfinite(value) and value >= 0 else "must be a finite number, not negative"
-    return check
+def _finite(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("must be a finite number, not negative")
+    return value
 
 
-def _text(nullable: bool = False, choices: frozenset[str] | None = None) -> Check:
-    def check(value: Any) -> str | None:
-        if value is None and nullable:
-            return None
-        if not isinstance(value, str):
-            return "must be a string" + (" or null" if nullable else "")
-        return None if choices is None or value in choices else f"must be one of {', '.join(sorted(choices))}"
-    return check
+def _flag(value: int) -> int:
+    if value not in (0, 1):
+        raise ValueError("must be 0 or 1")
+    return value
 
 
-def _flag(nullable: bool = False) -> Check:
-    def check(value: Any) -> str | None:
-        if value is None and nullable:
-            return None
-        ok = not isinstance(value, bool) and value in (0, 1)
-        return None if ok else "must be 0 or 1" + (" or null" if nullable else "")
-    return check
+def _chat_message(value: Any, where: str) -> Any:
+    try:
+        validate_message(value, where)
+    except BadRequest as exc:
+        raise ValueError(f"is not a chat message: {exc.message}") from None
+    return value
 
 
-def _object(value: Any) -> str | None:
-    return None if value is None or isinstance(value, dict) else "must be an object or null"
+def _message(where: str, nullable: bool = False) -> AfterValidator:
+    return AfterValidator(lambda value: value if value is None and nullable else _chat_message(value, where))
 
 
-def _message(where: str, nullable: bool = False) -> Check:
-    def check(value: Any) -> str | None:
-        if value is None and nullable:
-            return None
-        try:
-            validate_message(value, where)
-        except BadRequest as exc:
-            return f"is not a chat message: {exc.message}"
-        return None
-    return check
-
-
-def _system_prompt(value: Any) -> str | None:
+def _system_prompt(value: Any) -> Any:
     if value is None:
         return None
     if not isinstance(value, list) or not value:
-        return "must be a non-empty list of system or developer messages, or null"
+        raise ValueError("must be a non-empty list of system or developer messages, or null")
     for i, message in enumerate(value):
-        problem = _message(f"system_prompt[{i}]")(message)
-        if problem is None and message["role"] not in SYSTEM_ROLES:
-            problem = f"is not a list of system or developer messages: [{i}] is a {message['role']} message"
-        if problem:
-            return problem
-    return None
+        _chat_message(message, f"system_prompt[{i}]")
+        if message["role"] not in SYSTEM_ROLES:
+            raise ValueError(f"is not a list of system or developer messages: [{i}] is a {message['role']} message")
+    return value
 
 
-_SENT = {name: _integer(nullable=True) for name in (
-    "summary_version", "first_sent", "included", "omitted", "unsummarised_omitted", "trimmed", "deduplicated")}
-_SENT["marker"] = _flag(nullable=True)
+Int = Annotated[int, _range(0, _INT32)]  # an INTEGER column
+Big = Annotated[int, _range(0, _INT64)]  # a BIGINT column
+Number = Annotated[float, AfterValidator(_finite)]
+Flag = Annotated[int, AfterValidator(_flag)]
+Role = Literal["assistant", "developer", "function", "system", "tool", "user"]  # messages.ROLES
 
-# Every field of every record type, as the store writes it.
-FIELDS: dict[str, dict[str, Check]] = {
-    "session": {
-        "format": _integer(high=2, low=1), "session_id": _text(nullable=True),
-        "created_at": _number(), "updated_at": _number(), "length": _integer(), "head_hash": _text(),
-        "head_cum": _integer(_INT64), "head_compact_cum": _integer(_INT64), "system_prompt": _system_prompt,
-        "history_mode": _text(nullable=True, choices=frozenset({"full", "new"})), "title": _text(nullable=True),
-        "metadata": _object,
-    },
-    "turn": {
-        "id": _integer(_INT64), "created_at": _number(), "model": _text(), "kind": _text(),
-        "context_tokens": _integer(), "prompt_tokens": _integer(nullable=True),
-        "completion_tokens": _integer(nullable=True), "latency_ms": _number(), "cost": _number(nullable=True),
-        "full_tokens": _integer(_INT64, nullable=True), **_SENT,
-    },
-    "message": {
-        "id": _integer(_INT64), "turn": _integer(_INT64), "parent": _integer(_INT64, nullable=True),
-        "seq": _integer(), "active": _flag(), "role": _text(choices=ROLES), "body": _message("body"),
-        "tokens": _integer(), "cum_before": _integer(_INT64), "unit_start": _flag(), "chain_hash": _text(),
-        "created_at": _number(), "compact_body": _message("compact_body", nullable=True), "compact_tokens": _integer(),
-        "compact_cum_before": _integer(_INT64),
-    },
-    "summary": {
-        "version": _integer(low=1), "text": _text(), "covers": _integer(low=1), "covers_hash": _text(),
-        "tokens": _integer(), "replaced_tokens": _integer(), "model": _text(), "created_at": _number(),
-    },
-}
-# Fields an export from before they existed lacks: absent reads as null. `history_mode` is the other
-# way round: exports written before memproxy stopped learning a client's kind carry it; it is checked
-# and then ignored (the store has no place for it any more).
-_OPTIONAL = {"session_id", "format", "system_prompt", "history_mode", "title", "metadata", "prompt_tokens",
-             "completion_tokens", "cost", "full_tokens", "parent", "compact_body", *_SENT}
+
+class _Record(BaseModel):
+    """One line of an export. Strict: JSON types as the store writes them (no "3" for 3, no true for
+    1); a field the store never writes is refused. Fields an export from before they existed lacks
+    default to null (their records are imported as read, not as these models)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SessionRecord(_Record):
+    type: Literal["session"]
+    format: Annotated[int, _range(1, 2)] = 1
+    session_id: str | None = None
+    created_at: Number
+    updated_at: Number
+    length: Int
+    head_hash: str
+    head_cum: Big
+    head_compact_cum: Big
+    system_prompt: Annotated[Any, AfterValidator(_system_prompt)] = None
+    # Exports written before memproxy stopped learning a client's kind carry it: checked, then ignored
+    # (the store has no place for it any more).
+    history_mode: Literal["full", "new"] | None = None
+    title: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+_SENT = ("summary_version", "first_sent", "included", "omitted", "unsummarised_omitted", "trimmed",
+         "deduplicated", "marker")
+
+
+class TurnRecord(_Record):
+    type: Literal["turn"]
+    id: Big
+    created_at: Number
+    model: str
+    kind: str
+    context_tokens: Int
+    prompt_tokens: Int | None = None
+    completion_tokens: Int | None = None
+    latency_ms: Number
+    cost: Number | None = None
+    full_tokens: Big | None = None
+    # What the turn sent (`SentContext`): all null (a turn from before it was kept) or all set.
+    summary_version: Int | None = None
+    first_sent: Int | None = None
+    included: Int | None = None
+    omitted: Int | None = None
+    unsummarised_omitted: Int | None = None
+    trimmed: Int | None = None
+    deduplicated: Int | None = None
+    marker: Flag | None = None
+
+    @model_validator(mode="after")
+    def _sent_whole(self) -> TurnRecord:
+        if len({getattr(self, name) is None for name in _SENT}) > 1:
+            raise ValueError(f"turn fields {', '.join(_SENT)} are all null or all set")
+        return self
+
+
+class MessageRecord(_Record):
+    type: Literal["message"]
+    id: Big
+    turn: Big
+    parent: Big | None = None
+    seq: Int
+    active: Flag
+    role: Role
+    body: Annotated[Any, _message("body")]
+    tokens: Int
+    cum_before: Big
+    unit_start: Flag
+    chain_hash: str
+    created_at: Number
+    compact_body: Annotated[Any, _message("compact_body", nullable=True)] = None
+    compact_tokens: Int
+    compact_cum_before: Big
+
+    @model_validator(mode="after")
+    def _role_of_body(self) -> MessageRecord:
+        if self.body["role"] != self.role:
+            raise ValueError("message field 'role' is not the role of its 'body'")
+        return self
+
+
+class SummaryRecord(_Record):
+    type: Literal["summary"]
+    version: Annotated[int, _range(1, _INT32)]
+    text: str
+    covers: Annotated[int, _range(1, _INT32)]
+    covers_hash: str
+    tokens: Int
+    replaced_tokens: Int
+    model: str
+    created_at: Number
+
+
+RecordType = Literal["session", "turn", "message", "summary"]
+RECORDS: dict[RecordType, type[_Record]] = {"session": SessionRecord, "turn": TurnRecord, "message": MessageRecord,
+                                     "summary": SummaryRecord}
 _TIMES = ("created_at", "updated_at")
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
+               "dict_type": "an object", "list_type": "a list"}
 
 
 def to_jsonl(records: list[Record]) -> str:
@@ -157,7 +209,7 @@ def from_jsonl(data: bytes | str) -> list[Record]:
             record = parse_json(raw, "the record")
         except BadRequest as exc:
             raise BadRequest(f"not JSON lines: line {line}: {exc.message}", param=exc.param) from exc
-        if not isinstance(record, dict) or not isinstance(record.get("type"), str) or record["type"] not in FIELDS:
+        if not isinstance(record, dict) or not isinstance(record.get("type"), str) or record["type"] not in RECORDS:
             raise BadRequest(f"line {line}: an export holds one session record and turn, message and "
                              "summary records")
         numbered.append((line, record))
@@ -171,17 +223,32 @@ def from_jsonl(data: bytes | str) -> list[Record]:
 
 
 def _check_fields(line: int, record: Record) -> None:
+    """The record against its model; the first problem as a 400 naming the line and the field."""
     kind = record["type"]
-    for name, check in FIELDS[kind].items():
-        if name not in record and name in _OPTIONAL:
-            continue
-        problem = check(record.get(name)) if name in record else "is missing"
-        if problem:
-            raise BadRequest(f"line {line}: {kind} field '{name}' {problem}")
-    if kind == "message" and record["body"]["role"] != record["role"]:
-        raise BadRequest(f"line {line}: message field 'role' is not the role of its 'body'")
-    if kind == "turn" and len({record.get(name) is None for name in _SENT}) > 1:
-        raise BadRequest(f"line {line}: turn fields {', '.join(_SENT)} are all null or all set")
+    model = RECORDS[kind]
+    try:
+        model.model_validate(record)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        if not error["loc"]:  # a check across the record's fields: its message says it all
+            raise BadRequest(f"line {line}: {error['ctx']['error']}") from None
+        name = str(error["loc"][0])
+        raise BadRequest(f"line {line}: {kind} field '{name}' {_problem(model, name, error)}") from None
+
+
+def _problem(model: type[_Record], name: str, error: Any) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    field = model.model_fields.get(name)
+    nullable = field is not None and not field.is_required() and field.default is None
+    if kind == "missing":
+        return "is missing"
+    if kind == "extra_forbidden":
+        return "is not a field of this record"
+    if kind == "value_error":
+        return str(ctx["error"])
+    if kind == "literal_error":
+        return f"must be one of {str(ctx['expected']).replace(chr(39), '').replace(' or ', ', ')}"
+    return f"must be {_TYPE_WORDS.get(kind, 'valid')}" + (" or null" if nullable else "")
 
 
 def _check_relations(numbered: list[tuple[int, Record]]) -> None:

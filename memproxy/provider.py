@@ -19,7 +19,7 @@ import importlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
@@ -118,7 +118,7 @@ class Provider:
         return int(window)
 
     def _make_counter(self, model: ModelConfig) -> TokenCounter:
-        tokenizer = model.tokenizer
+        tokenizer: str = model.tokenizer  # an encoding's name once `auto` is resolved
         if tokenizer == "auto":
             provider = model.model.split("/", 1)[0] if "/" in model.model else "openai"
             tokenizer = encoding_name_for(model.model) if provider in _OPENAI_LIKE else "litellm"
@@ -215,7 +215,10 @@ def _without_surrogates(value: Any) -> Any:
     return value
 
 
-def transport(model: ModelConfig) -> str:
+Route = Literal["openai", "litellm"]
+
+
+def transport(model: ModelConfig) -> Route:
     """`openai` (memproxy's own client) or `litellm`, as configured; `auto` picks the own client for
     litellm's `openai/` provider, which means the OpenAI API at `api_base`."""
     if model.transport != "auto":

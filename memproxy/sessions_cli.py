@@ -26,6 +26,7 @@ from .memory.summaries import Summarizer
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
+from .store.errors import StoreConflict
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -89,7 +90,7 @@ def _add_common(parser: argparse.ArgumentParser, after_verb: bool) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     try:
         return asyncio.run(_run(args, config))
-    except ProxyError as exc:
+    except (ProxyError, StoreConflict) as exc:
         print(f"memproxy: {exc.message}", file=sys.stderr)
         return 1
 

@@ -8,8 +8,8 @@ about 0.3 ms (docs/benchmarks.md). Parameters go upstream byte for byte as the c
 answer comes back as the provider wrote it. `Provider` uses this for `openai/...` models unless the
 model's `transport` says `litellm`.
 
-Errors become `UpstreamError`s with the provider's own status and message; a timeout is 504 and an
-unreachable provider 502, as on the litellm route.
+Errors become `UpstreamError`s with the provider's own status and message, typed by the one status
+table of `memproxy.errors`; a timeout is 504 and an unreachable provider 502, as on the litellm route.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from .messages import Message
 
 PREFIX = "openai/"
 DEFAULT_BASE = "https://api.openai.com/v1"
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 429: "rate_limit_error"}
 _CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstream_forbidden",
           404: "upstream_not_found", 429: "rate_limit_exceeded"}
 
@@ -44,7 +42,7 @@ def status_error(status: int | None, message: str, code: Any = None) -> Upstream
         status = 502
     if not isinstance(code, str) or not code or code.isdigit():
         code = _CODES.get(status, "upstream_error")
-    return UpstreamError(message, status=status, type=_TYPES.get(status, "upstream_error"), code=code)
+    return UpstreamError(message, status=status, code=code)  # its type: `errors.error_type(upstream=True)`
 
 
 def unreachable(exc: BaseException) -> UpstreamError:

@@ -99,3 +99,54 @@ def test_every_config_key_is_documented_in_the_example() -> None:
     keys = {f.name for cls in sections for f in dataclasses.fields(cls)}
     missing = sorted(keys - documented)
     assert not missing, f"config keys not documented in config.example.yaml: {missing}"
+
+
+@pytest.mark.parametrize(("text", "key", "why"), [
+    ("memory: {overflow: compress}", "memory.overflow", "must be one of summarize, marker, drop"),
+    ("storage: {on_failure: ignore}", "storage.on_failure", "must be one of error, passthrough"),
+    ("storage: {pool_min_size: 5, pool_max_size: 2}", "storage.pool_max_size", ">= pool_min_size (5)"),
+    ("storage: {schema: 'a b'}", "storage.schema", "plain identifier"),
+    ("memory: {tool_output_max_tokens: 10}", "memory.tool_output_max_tokens", "0 (off) or at least 64"),
+    ("auth: {admin_keys: [short]}", "auth.admin_keys[0]", "at least 8"),
+    ("auth: {keys: [{key: abcdefgh, tenant: a}], admin_keys: [abcdefgh]}", "auth.keys", "listed twice"),
+    ("retention: {idle_ttl_seconds: 0}", "retention.idle_ttl_seconds", "positive number"),
+    # pydantic's wider coercions are not taken: only today's lenient forms
+    ("server: {access_log: 'yes'}", "server.access_log", "true or false"),
+    ("server: {port: 8080.0}", "server.port", "must be an integer"),
+    ("server: {port: true}", "server.port", "must be an integer"),
+    ("models: [{name: [a], model: m}]", "models[0].name", "must be a string"),
+    ("[1, 2]", "<root>", "must be a mapping"),
+])
+def test_every_check_names_its_key(text: str, key: str, why: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, {})
+    assert (caught.value.key, why in caught.value.why) == (key, True), str(caught.value)
+
+
+def test_lenient_yaml_forms_and_empty_values_take_defaults() -> None:
+    config = parse_config("server: {port: '9000', access_log: 'TRUE', host: '', header_timeout_seconds: '2.5'}\n"
+                          "storage:\nmemory: {overflow: '${OVERFLOW:-}', summaries: 'false'}\n"
+                          "models: [{name: 7, model: m, api_key: ''}]", {})
+    assert (config.server.port, config.server.access_log, config.server.host) == (9000, True, "127.0.0.1")
+    assert config.server.header_timeout_seconds == 2.5 and config.storage == StorageConfig()
+    assert (config.memory.overflow, config.memory.summaries) == ("summarize", False)
+    assert (config.models[0].name, config.models[0].api_key) == ("7", "")  # an empty key is a key
+
+
+def test_a_file_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "memproxy.yaml"
+    path.write_text("memory: {overflow: compress}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"{path}: memory.overflow: must be one of summarize, marker, drop"
+    assert caught.value.key == "memory.overflow"
+
+
+def test_sections_stay_frozen_dataclasses_that_revalidate_on_replace() -> None:
+    config = parse_config(MINIMAL, {"SMALL_KEY": "k", "KEY_A": "proxy-key-a"})
+    model = dataclasses.replace(config.models[0], max_output_tokens=100)
+    assert model.max_output_tokens == 100 and model.api_key == "k"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.models[0].name = "other"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        dataclasses.replace(config.models[0], max_output_tokens=0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from memproxy.errors import Conflict
+from memproxy.store.errors import StoreConflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
                             Usage)
@@ -252,7 +252,7 @@ async def test_a_stale_edit_is_refused_and_changes_nothing(open_store: Opener, b
     assert stale is not None
     await store.record_turn(turn(stale, [user("3"), assistant("c")]))
     fork = chain_hashes(ROOT_HASH, [user("1"), assistant("a")])[-1]
-    with pytest.raises(Conflict):  # its fork point still exists, but what it superseded moved on
+    with pytest.raises(StoreConflict):  # its fork point still exists, but what it superseded moved on
         await store.record_turn(turn(stale, [user("2 edited"), assistant("x")], base=2, base_hash=fork))
     assert await backend.query("SELECT count(*) FROM messages") == [(6,)]
     assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
@@ -265,7 +265,7 @@ async def test_a_continuation_of_a_history_since_edited_is_refused(
     await store.record_turn(turn(None, [user("1"), assistant("a")]))
     stale = await store.get_session("t", "s")
     await store.record_turn(turn(stale, [user("1 edited"), assistant("b")], base=0, base_hash=ROOT_HASH))
-    with pytest.raises(Conflict):  # "a" is no longer the history it continues
+    with pytest.raises(StoreConflict):  # "a" is no longer the history it continues
         await store.record_turn(turn(stale, [user("2"), assistant("c")]))
     assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
 
@@ -391,9 +391,9 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     # A summary covering more than the messages kept is not used for them: the older one is.
     older = await other.current_summary(session, 3)
     assert older is not None and older.text == "first"
-    with pytest.raises(Conflict):  # another version was saved meanwhile
+    with pytest.raises(StoreConflict):  # another version was saved meanwhile
         await store.save_summary(session, 1, summary(4, hashes[3]))
-    with pytest.raises(Conflict):  # it covers messages that are not the active history
+    with pytest.raises(StoreConflict):  # it covers messages that are not the active history
         await store.save_summary(session, 2, summary(4, chain_hashes(ROOT_HASH, [user("x")])[0]))
     # An edit at position 2 supersedes what "second" covers: "first" is used again.
     await store.record_turn(turn(session, [user("2 edited"), assistant("d")], base=2, base_hash=hashes[1]))

@@ -27,11 +27,12 @@ from typing import Any, Literal
 
 from ..concurrency import BackgroundTasks
 from ..config import Config, ModelConfig
-from ..errors import Conflict, ProxyError
+from ..errors import ProxyError
 from ..messages import Message
 from ..provider import Provider
 from ..redact import session_digest
 from ..store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
+from ..store.errors import StoreConflict
 from ..tokens import TokenCounter
 from .fit import summary_tokens
 from .shrink import content_text, fit_head_and_tail, head_and_tail
@@ -197,7 +198,7 @@ class Summarizer:
         model = self.summarizer_model(chat_model)
         try:
             result = await self._fold(key, chat_model, model, upto, check_threshold)
-        except Conflict as exc:
+        except StoreConflict as exc:
             result = FoldResult("stale", None, detail=exc.message)
         except Exception as exc:  # a failed summary changes nothing; say why without content
             message = exc.message if isinstance(exc, ProxyError) else type(exc).__name__

@@ -5,8 +5,9 @@ busy timeout, a full disk, a statement the database rejected) into `StoreUnavail
 above tell a sick store from a bug without knowing which database runs underneath, and the HTTP layer
 maps it to one OpenAI-shaped 503 (`memproxy.app`). The driver's exception stays as `__cause__`, for the
 log line; its text never reaches a client (it may quote stored content). Nothing here imports from the
-HTTP layer. A refusal the store decides itself (`Conflict`: the session moved meanwhile) is no failure
-and is not translated.
+HTTP layer. A refusal the store decides itself (the session moved meanwhile) is no failure: it is
+`StoreConflict`, which the HTTP layer answers with a 409 `session_conflict` and the store's message
+(the message names ids and what changed, never stored content).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ import asyncpg
 
 class StoreUnavailable(Exception):
     """The store failed; `__cause__` holds the driver's exception. Retrying later may succeed."""
+
+
+class StoreConflict(Exception):
+    """The store refused a write because the session is not what the caller read (a turn, summary,
+    fork or import against a history that moved, or an id that exists). Nothing was written;
+    retrying from a fresh read may succeed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 # What the drivers raise when the database, not memproxy, is at fault: every sqlite3 error (locked,

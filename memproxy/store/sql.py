@@ -32,7 +32,6 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar, overload
 
-from ..errors import Conflict
 from ..messages import chain_hash
 from ..timing import charge_store
 from .base import (
@@ -49,6 +48,7 @@ from .base import (
     TurnRecord,
     UsageTotals,
 )
+from .errors import StoreConflict
 
 Row = Sequence[Any]
 T = TypeVar("T")
@@ -317,7 +317,7 @@ class SQLStore:
                          (tenant, session_id, now, now))
         row = created[0] if created else (yield from self._locked(tenant, session_id))
         if row is None:
-            raise Conflict("the session was deleted while it was being written; retry")
+            raise StoreConflict("the session was deleted while it was being written; retry")
         return row
 
     async def _write_one(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
@@ -346,7 +346,7 @@ class SQLStore:
             row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
             if row is None:
                 if turn.expected_length != 0:
-                    raise Conflict("the session was deleted while this turn was in flight")
+                    raise StoreConflict("the session was deleted while this turn was in flight")
                 row = yield from self._new_session(turn.tenant, turn.session_id)
             pk = int(row[0])
             if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
@@ -405,11 +405,11 @@ class SQLStore:
         the point it forked from may be gone."""
         _, length, head_hash, head_cum, head_compact_cum = head
         if turn.base != turn.expected_length or length < turn.base:
-            raise Conflict("the session changed while this turn was in flight; retry it")
+            raise StoreConflict("the session changed while this turn was in flight; retry it")
         if turn.base:
             found = yield QUERIES["chain_hash_at"], (pk, turn.base - 1)
             if not found or found[0][0] != turn.base_hash:
-                raise Conflict("the session changed while this turn was in flight; retry it")
+                raise StoreConflict("the session changed while this turn was in flight; retry it")
         chain, messages = head_hash, []
         for message in turn.messages:
             chain = chain_hash(chain, message.body)
@@ -433,11 +433,11 @@ class SQLStore:
         yield from self._locked(session.tenant, session.session_id)
         [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
         if version != expected_version:
-            raise Conflict("another summary of this session was saved meanwhile")
+            raise StoreConflict("another summary of this session was saved meanwhile")
         covered = yield ("SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
                          (session.pk, summary.covers - 1, summary.covers_hash))
         if not covered:
-            raise Conflict("the history this summary covers has changed since it was read")
+            raise StoreConflict("the history this summary covers has changed since it was read")
         yield ("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens, replaced_tokens,"
                " model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                (session.pk, expected_version + 1, _text_in(summary.text), summary.covers, summary.covers_hash,
@@ -639,7 +639,7 @@ class SQLStore:
                          f" VALUES (?, ?, {_marks(_SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
                          " RETURNING pk", (tenant, session_id, *_values(_SESSION_COLUMNS, head)))
         if not created:
-            raise Conflict(f"a session '{session_id}' already exists")
+            raise StoreConflict(f"a session '{session_id}' already exists")
         pk = created[0][0]
         turn_ids: dict[int, int] = {}
         for record in (r for r in records if r["type"] == "turn"):
