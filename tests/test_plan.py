@@ -190,7 +190,7 @@ def conversations(draw: st.DrawFn) -> tuple[list[Message], list[Message]]:
 
 @settings(max_examples=300, deadline=None)
 @given(conversation=conversations(), window=st.integers(300, 6000), reserve=st.integers(1, 400),
-       trim=st.sampled_from([0, 60]), dedupe=st.sampled_from([0, 50]), marker=st.booleans(),
+       trim=st.sampled_from([0, 64]), dedupe=st.sampled_from([0, 50]), marker=st.booleans(),
        system=st.booleans(), summarised=st.integers(0, 30))
 def test_fit_properties(
     conversation: tuple[list[Message], list[Message]], window: int, reserve: int, trim: int, dedupe: int,
