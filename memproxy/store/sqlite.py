@@ -29,7 +29,6 @@ without the database.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sqlite3
 from collections.abc import Sequence
@@ -50,6 +49,11 @@ log = logging.getLogger("memproxy.store")
 _CHECKPOINT_EVERY = 64  # writes between two checkpoints
 _TRUNCATE_AT_FRAMES = 1024  # a log this long (4 MiB at 4 KiB pages; a turn writes ~14) is started afresh
 _CACHED_STATEMENTS = 256  # prepared statements kept per connection: every text the store runs, and then some
+
+
+# Statements before which Python's sqlite3 begins a transaction itself when none is open and the
+# connection has an `isolation_level` (its "legacy" transaction control): the writer's is IMMEDIATE.
+_BEGINS_ITSELF = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 def sqlite_path(url: str) -> str:
@@ -90,9 +94,11 @@ def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
     return run_script(_checkpoint_policy(), lambda sql, params: conn.execute(sql, params).fetchall())
 
 
-async def _connect(path: str, pragmas: Sequence[str]) -> aiosqlite.Connection:
-    """An aiosqlite connection in autocommit mode (the store begins its own transactions)."""
-    conn = await aiosqlite.connect(path, isolation_level=None, cached_statements=_CACHED_STATEMENTS)
+async def _connect(path: str, pragmas: Sequence[str], writer: bool = False) -> aiosqlite.Connection:
+    """An aiosqlite connection. Readers run in autocommit mode, each read its own snapshot; the
+    writer begins a transaction before a first statement that writes (`_BEGINS_ITSELF`)."""
+    conn = await aiosqlite.connect(path, isolation_level="IMMEDIATE" if writer else None,
+                                   cached_statements=_CACHED_STATEMENTS)
     try:
         for pragma in pragmas:
             await conn.execute_fetchall(f"PRAGMA {pragma}")
@@ -122,6 +128,7 @@ class SQLiteBackend:
         self._checkpointing: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._writes = 0
+        self._unsure = False  # a rollback failed: begin the next write explicitly
         self._in_flight: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -153,15 +160,32 @@ class SQLiteBackend:
     async def _write(self, script: Script[T]) -> T:
         writer = self._writer
         async with self._write_lock:
-            await writer.execute_fetchall("BEGIN IMMEDIATE")  # waits, on the writer's thread, for other processes
             try:
-                result = await run_script_async(script, lambda sql, params: _fetch(writer, sql, params))
-                await writer.execute_fetchall("COMMIT")
+                step = next(script)
+                # A first statement that writes begins the transaction itself, in the same trip (the
+                # writer's `isolation_level`); any other (a locking read, DDL) needs its own BEGIN.
+                if self._unsure or not step[0].lstrip()[:7].upper().startswith(_BEGINS_ITSELF):
+                    await _fetch(writer, "BEGIN IMMEDIATE", ())  # waits, on its thread, for other processes
+                while True:
+                    rows = await _fetch(writer, *step)
+                    try:
+                        step = script.send(rows)
+                    except StopIteration as done:
+                        result: T = done.value
+                        break
+                await _fetch(writer, "COMMIT", ())
+                self._unsure = False
+            except StopIteration as done:  # a script with no statement at all
+                return cast(T, done.value)
             except BaseException:
-                # SQLite may have rolled back already (a full disk): then there is nothing to undo,
-                # and the error worth raising is the first.
-                with contextlib.suppress(sqlite3.Error):
-                    await writer.execute_fetchall("ROLLBACK")
+                # Nothing to undo if the script failed before its first statement, or SQLite rolled
+                # back already (a full disk); the error worth raising is the first.
+                try:
+                    await _fetch(writer, "ROLLBACK", ())
+                except sqlite3.Error:
+                    # Should a transaction still be open, the next write's own BEGIN fails rather
+                    # than let an implicit one join it.
+                    self._unsure = True
                 raise
         self._writes += 1
         if self._writes % _CHECKPOINT_EVERY == 0 and self._checkpointer is not None and (
@@ -219,12 +243,13 @@ class SQLiteStore(SQLStore):
 async def _open_backend(path: str, busy_timeout_ms: int) -> SQLiteBackend:
     """The writer first (it puts the file in WAL mode), then the readers and the checkpointer."""
     if path == ":memory:":
-        return SQLiteBackend(await _connect(path, ["foreign_keys = ON"]))
+        return SQLiteBackend(await _connect(path, ["foreign_keys = ON"], writer=True))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     opened: list[aiosqlite.Connection] = []
     try:
         opened.append(await _connect(path, [f"busy_timeout = {busy_timeout_ms}", "foreign_keys = ON",
-                                            "synchronous = NORMAL", "journal_mode = WAL", "wal_autocheckpoint = 0"]))
+                                            "synchronous = NORMAL", "journal_mode = WAL", "wal_autocheckpoint = 0"],
+                                    writer=True))
         for _ in range(2):  # the turn's lookups, and every other read
             opened.append(await _connect(path, [f"busy_timeout = {busy_timeout_ms}", "query_only = ON"]))
         opened.append(await _connect(path, ["busy_timeout = 0"]))
