@@ -230,6 +230,9 @@ class SQLiteStore(SQLStore):
     @classmethod
     async def open(cls, url: str, busy_timeout_ms: int = 5000) -> SQLiteStore:
         path = sqlite_path(url)
+        # aiosqlite logs every call at DEBUG with its parameters: stored content and metadata values,
+        # which memproxy never logs.
+        logging.getLogger("aiosqlite").setLevel(logging.WARNING)
         with translated():
             backend = await _open_backend(path, int(busy_timeout_ms))
         try:
