@@ -21,9 +21,12 @@ event loop: it only queues a statement and is woken with its rows.
 `:memory:` is one database per connection, so there one connection does it all, reads included,
 and a read waits for a write in progress rather than see it half done.
 
-A trip to a connection's thread and back costs some tens of microseconds, so the store makes few:
-one per statement (the statement cache keeps each text prepared), none for what can be decided
-without the database.
+A trip to a connection's thread and back costs some tens of microseconds idle, far more when the
+loop is busy (each result waits for the loop's next turn), so the store makes few: one per statement
+(`execute_fetchall`; the statement cache keeps each text prepared), the writer's BEGIN folded into
+the first statement. A script is not run whole on the writer's thread: aiosqlite has no public call
+for that, and measured through its private one it was slower still, the script's Python then
+contending for the GIL with the loop.
 """
 
 from __future__ import annotations
