@@ -22,6 +22,7 @@ import pytest
 
 from memproxy.config import StorageConfig
 from memproxy.store import Store, open_store
+from memproxy.store.postgres import numbered
 
 POSTGRES_URL = os.environ.get("MEMPROXY_TEST_POSTGRES_URL", "postgresql://root@127.0.0.1:5432/test")
 _reachable: bool | None = None
@@ -67,7 +68,7 @@ class StoreUnderTest:
                 return found
         conn = await self._postgres()
         try:
-            return [tuple(r) for r in await conn.fetch(_numbered(sql), *params)]
+            return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
         finally:
             await conn.close()
 
@@ -85,7 +86,7 @@ class StoreUnderTest:
         conn = await self._postgres()
         try:
             async with conn.transaction():
-                await conn.execute(_numbered(sql), *params)
+                await conn.execute(numbered(sql), *params)
                 yield
         finally:
             await conn.close()
@@ -101,12 +102,6 @@ class StoreUnderTest:
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{self.storage.schema}" CASCADE')
             finally:
                 await conn.close()
-
-
-def _numbered(sql: str) -> str:
-    for i in range(sql.count("?")):
-        sql = sql.replace("?", f"${i + 1}", 1)
-    return sql
 
 
 async def store_under_test(kind: str, tmp_path: Path) -> StoreUnderTest:

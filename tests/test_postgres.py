@@ -24,7 +24,7 @@ from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.store import SQLiteStore, Store, Summary, open_store
 from memproxy.store.postgres import numbered
 from memproxy.store.sql import QUERIES
-from memproxy.store.sqlite import migrations
+from memproxy.store.migrations import migrations
 from stores import POSTGRES_URL, StoreUnderTest, store_under_test
 from test_cli import run_cli
 from test_store_contract import assistant, tool, turn, user

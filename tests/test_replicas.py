@@ -28,7 +28,7 @@ import pytest
 from db import rows, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Received, Reply
 from memproxy.config import StorageConfig
-from memproxy.store.sqlite import migrations
+from memproxy.store.migrations import migrations
 from processes import Served, serve, storage_section, store_for_processes, write_config
 from stores import POSTGRES_URL
 

@@ -22,7 +22,8 @@ from memproxy.store.errors import StoreConflict
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
                             Usage)
-from memproxy.store.sqlite import _CHECKPOINT_EVERY, QUERIES, migrations, statements
+from memproxy.store.migrations import migrations, statements
+from memproxy.store.sqlite import _CHECKPOINT_EVERY, QUERIES
 from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]

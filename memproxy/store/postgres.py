@@ -1,9 +1,10 @@
 """The shared store for many replicas: PostgreSQL through an asyncpg connection pool.
 
 The SQL is the one SQLite runs (`memproxy.store.sql`); `?` placeholders become `$1, $2, ...` once per
-statement text. Writes that must not interleave lock the session's row (`SELECT ... FOR UPDATE`), so
-two replicas recording turns on one session are serialised by the database, and a turn planned
-against a history that moved meanwhile goes after it (a continuation) or is refused (an edit).
+statement text, by a scanner that leaves a `?` in a quoted literal, a quoted name or a comment
+alone. Writes that must not interleave lock the session's row (`SELECT ... FOR UPDATE`), so two
+replicas recording turns on one session are serialised by the database, and a turn planned against a
+history that moved meanwhile goes after it (a continuation) or is refused (an edit).
 Migrations run at start (and by `memproxy migrate`) under a transaction-scoped advisory lock, so
 replicas starting together apply each one exactly once.
 """
@@ -18,7 +19,7 @@ import asyncpg
 
 from .errors import translated
 from .sql import Row, Script, SQLStore, run_script_async
-from .sqlite import migrations, statements
+from .migrations import migrations, statements
 
 
 T = TypeVar("T")
@@ -26,9 +27,36 @@ T = TypeVar("T")
 
 @lru_cache(maxsize=1024)
 def numbered(sql: str) -> str:
-    """`?` placeholders as PostgreSQL's `$1, $2, ...` (the shared SQL has no `?` in literals)."""
-    parts = sql.split("?")
-    return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
+    """`?` placeholders as PostgreSQL's `$1, $2, ...`. A `?` inside a quoted literal ('...', with
+    `''` for a quote), a quoted name ("..."), or a comment (`--` to the line's end, `/* */`) is
+    text, not a placeholder, and is left as it is."""
+    out: list[str] = []
+    i, n, count = 0, len(sql), 0
+    while i < n:
+        c = sql[i]
+        if c == "?":
+            count += 1
+            out.append(f"${count}")
+            i += 1
+            continue
+        if c in "'\"":
+            end = sql.find(c, i + 1)
+            while end != -1 and end + 1 < n and sql[end + 1] == c:  # a doubled quote is one quote
+                end = sql.find(c, end + 2)
+            end = n if end == -1 else end + 1
+        elif sql.startswith("--", i):
+            end = sql.find("\n", i)
+            end = n if end == -1 else end
+        elif sql.startswith("/*", i):
+            end = sql.find("*/", i + 2)
+            end = n if end == -1 else end + 2
+        else:  # plain text up to the next character that may start something
+            end = i + 1
+            while end < n and sql[end] not in "?'\"-/":
+                end += 1
+        out.append(sql[i:end])
+        i = end
+    return "".join(out)
 
 
 class PostgresBackend:
