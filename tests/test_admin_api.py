@@ -27,6 +27,7 @@ import pytest
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from db import rows, table_query, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
+from helpers import assistant, send_turn, until, user
 from memproxy.config import Config, RetentionConfig, StorageConfig
 from memproxy.context import SUMMARY_PREFIX
 from memproxy.store.sqlite import sqlite_path
@@ -43,14 +44,6 @@ ADMIN_KEY = "admin-key-123"
 SYSTEM: Message = {"role": "system", "content": "You are terse."}
 TABLES = ("sessions", "turns", "messages", "summaries")
 USAGE = {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200}
-
-
-def user(text: str) -> Message:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> Message:
-    return {"role": "assistant", "content": text}
 
 
 def words(n: int, tag: str) -> str:
@@ -112,16 +105,6 @@ async def http(start_proxy: StartProxy) -> AsyncIterator[aiohttp.ClientSession]:
 
 def api_for(http: aiohttp.ClientSession, proxy: Proxy) -> Api:
     return Api(http, proxy)
-
-
-async def chat(proxy: Proxy, session: str, messages: list[Message], key: str = PROXY_KEY,
-               model: str = "small", **headers: str) -> httpx.Headers:
-    """One turn; the response headers."""
-    client = proxy.client(session=session, key=key, **headers)
-    sent: Any = messages
-    raw = await client.chat.completions.with_raw_response.create(model=model, messages=sent)
-    raw.parse()
-    return raw.headers
 
 
 async def preview_of(api: Api, session: str, text: str, **body: Any) -> Any:
@@ -189,16 +172,6 @@ async def age(config: Config, session: str, seconds: float, tenant: str = "a") -
     assert changed == 1
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """A bounded wait for an effect of a background task the test cannot be told about."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.01)
-
-
 # --- list ---------------------------------------------------------------------------------------
 
 
@@ -209,11 +182,11 @@ async def test_list_newest_activity_first_with_titles_sizes_and_usage(
     api, config = api_for(http, proxy), config_of(proxy)
     long_prompt = "  " + "Please plan a three week trip through Japan, Korea and Taiwan in spring " * 3
     upstream.enqueue(*[Reply(content=f"answer {i}", usage=USAGE) for i in range(5)])
-    await chat(proxy, "priced", [SYSTEM, user(long_prompt)], model="big")
-    await chat(proxy, "unpriced", [user("first question")])
-    await chat(proxy, "unpriced", [user("second question")])
-    await chat(proxy, "later", [user("hello")])
-    await chat(proxy, "priced", [user("and the budget?")], model="big")  # now the newest activity
+    await send_turn(proxy, "priced", [SYSTEM, user(long_prompt)], model="big")
+    await send_turn(proxy, "unpriced", [user("first question")])
+    await send_turn(proxy, "unpriced", [user("second question")])
+    await send_turn(proxy, "later", [user("hello")])
+    await send_turn(proxy, "priced", [user("and the budget?")], model="big")  # now the newest activity
 
     page = await api.get("/sessions")
     assert page["object"] == "list" and page["next"] is None
@@ -253,9 +226,9 @@ async def test_list_pages_cover_every_session_exactly_once(
     api, config = api_for(http, proxy), config_of(proxy)
     ids = [f"s{i}" for i in range(7)]
     for session in ids:
-        await chat(proxy, session, [user(f"hello from {session}")])
-    await chat(proxy, "s2", [user("s2 again")])  # an older session is now the newest
-    await chat(proxy, "other-tenant", [user("hi")], key=OTHER_KEY)
+        await send_turn(proxy, session, [user(f"hello from {session}")])
+    await send_turn(proxy, "s2", [user("s2 again")])  # an older session is now the newest
+    await send_turn(proxy, "other-tenant", [user("hi")], key=OTHER_KEY)
 
     async def walk() -> list[list[str]]:
         pages: list[list[str]] = []
@@ -302,15 +275,15 @@ async def test_show_lists_messages_in_order_and_superseded_branches_apart(
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
     history = [SYSTEM, user("q1")]
-    await chat(proxy, "s1", history)
+    await send_turn(proxy, "s1", history)
     history += [assistant("reply 1"), user("q2")]
-    await chat(proxy, "s1", history)
+    await send_turn(proxy, "s1", history)
     history += [assistant("reply 2"), user("q3")]
-    await chat(proxy, "s1", history)
+    await send_turn(proxy, "s1", history)
     # The user edits q2, then goes on from the edit.
     edited = history[:3] + [user("q2, edited")]
-    await chat(proxy, "s1", edited)
-    await chat(proxy, "s1", edited + [assistant("reply 4"), user("q5")])
+    await send_turn(proxy, "s1", edited)
+    await send_turn(proxy, "s1", edited + [assistant("reply 4"), user("q5")])
     await api.call("PUT", "/sessions/s1/metadata", json={"pending_question": "which city?"})
 
     detail = await api.get("/sessions/s1")
@@ -339,13 +312,13 @@ async def test_compact_and_show_give_the_summary_and_its_history(
     texts = iter(["First summary: the user asked q1 and q2.", "Second summary: q1 to q4 were answered."])
     upstream.summarizer = lambda received: Reply(content=next(texts))
     for i in range(1, 4):
-        await chat(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
+        await send_turn(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
     first = await api.post("/sessions/s1/compact", json={"model": "small"})
     assert first["outcome"] == "applied" and first["messages_folded"] == 4
     assert first["summary"]["version"] == 1 and first["summary"]["covers_messages"] == 4
     assert first["tokens_after"] < first["tokens_before"]
     for i in range(4, 6):
-        await chat(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
+        await send_turn(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
     second = await api.post("/sessions/s1/compact")
     assert second["outcome"] == "applied" and second["summary"]["version"] == 2
     assert (await api.post("/sessions/s1/compact"))["outcome"] == "nothing"  # only the tail is left
@@ -375,12 +348,12 @@ async def test_show_tells_for_each_turn_what_its_request_was_made_of(
                         chunk_threshold_tokens=100_000, tail_turns=1)
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
-    headers = [await chat(proxy, "s1", [SYSTEM, user("q1 " + words(60, "a"))]),
-               await chat(proxy, "s1", [user("q2 " + words(60, "b"))])]
+    headers = [await send_turn(proxy, "s1", [SYSTEM, user("q1 " + words(60, "a"))]),
+               await send_turn(proxy, "s1", [user("q2 " + words(60, "b"))])]
     assert (await api.post("/sessions/s1/compact"))["summary"]["version"] == 1
-    headers.append(await chat(proxy, "s1", [user("q3, short")]))  # sends the summary
+    headers.append(await send_turn(proxy, "s1", [user("q3, short")]))  # sends the summary
     for i in range(4, 7):  # each ~600 tokens: by the last, unsummarised turns no longer fit
-        headers.append(await chat(proxy, "s1", [user(f"q{i}: " + words(600, f"w{i}"))]))
+        headers.append(await send_turn(proxy, "s1", [user(f"q{i}: " + words(600, f"w{i}"))]))
     sent = [r.messages for r in upstream.chat_requests()]
     assert len(sent) == 6
 
@@ -432,12 +405,12 @@ async def converse(proxy: Proxy, upstream: FakeUpstream, scenario: str) -> None:
     """Session s1 of tenant a, as a client that sends only its new messages."""
     if scenario == "tool-output-trimmed":
         upstream.enqueue(Reply(tool_calls=[tool_call("call_1", "search")]))
-        await chat(proxy, "s1", [SYSTEM, user("look it up")])
-        await chat(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": words(600, "row")}])
+        await send_turn(proxy, "s1", [SYSTEM, user("look it up")])
+        await send_turn(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": words(600, "row")}])
         return
     size = {"plain": 5, "summary": 150}.get(scenario, 300)
     for i in range(6):
-        await chat(proxy, "s1", ([SYSTEM] if i == 0 else []) + [user(f"turn {i}: " + words(size, f"w{i}"))])
+        await send_turn(proxy, "s1", ([SYSTEM] if i == 0 else []) + [user(f"turn {i}: " + words(size, f"w{i}"))])
     if scenario == "summary":
         await proxy.app[SUMMARIZER].wait_idle()
 
@@ -495,7 +468,7 @@ async def test_context_is_exactly_what_the_next_request_sends(
     assert (parts["left_out"]["tokens_stored"] > 0) == (parts["left_out"]["messages"] > 0)
 
     # Now the client sends that message: upstream gets exactly the preview, byte for byte.
-    headers = await chat(proxy, "s1", [user("what next?")])
+    headers = await send_turn(proxy, "s1", [user("what next?")])
     assert headers["X-Memproxy-Reconcile"] == "append"
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     assert int(headers["X-Memproxy-Context-Tokens"]) == preview["tokens"]
@@ -515,11 +488,11 @@ async def test_context_says_when_the_next_request_will_summarise_first(
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     for i in range(6):  # on the large model everything fits
-        await chat(proxy, "s1", [user(f"turn {i}: " + words(300, f"w{i}"))], model="big")
+        await send_turn(proxy, "s1", [user(f"turn {i}: " + words(300, f"w{i}"))], model="big")
     preview = await preview_of(api, "s1", "next", model="small")
     assert preview["would_summarize"] is True and "marker" in {p["part"] for p in preview["parts"]}
     assert upstream.summary_requests() == []  # previewing folds nothing
-    await chat(proxy, "s1", [user("next")])
+    await send_turn(proxy, "s1", [user("next")])
     sent = upstream.last().messages
     assert upstream.summary_requests()  # folded first, then sent
     assert sent[0]["content"].startswith(SUMMARY_PREFIX) and sent != preview["messages"]
@@ -534,7 +507,7 @@ async def test_no_content_in_a_url_and_none_in_the_access_log(
     caplog.set_level(logging.DEBUG, logger="aiohttp.access")
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "s1", [user("hello")])
+    await send_turn(proxy, "s1", [user("hello")])
     for query in ("message=hi", "messages=hi", "model=small&message="):
         body = await api.get(f"/sessions/s1/context?{query}", status=400)
         assert_error(body, type="invalid_request_error", param="message")
@@ -551,7 +524,7 @@ async def test_context_counts_a_response_format_schema_as_the_chat_does(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "s1", [user("hello")])
+    await send_turn(proxy, "s1", [user("hello")])
     schema = {"name": "answer", "schema": {"type": "object", "properties": {
         "city": {"type": "string", "description": "the city the user lives in, as they wrote it"},
         "country": {"type": "string"}}}}
@@ -574,7 +547,7 @@ async def test_context_of_a_session_without_a_new_message_and_for_another_model(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "s1", [user("hello")])
+    await send_turn(proxy, "s1", [user("hello")])
     preview = await api.get("/sessions/s1/context")  # the model the session chatted with by default
     assert preview["model"] == "small"
     assert preview["messages"] == [user("hello"), assistant("reply 1")]
@@ -601,7 +574,7 @@ async def test_delete_removes_everything_about_a_session_for_good(
     upstream.summarizer = short_summary
     for session in ("doomed", "kept"):
         for i in range(3):
-            await chat(proxy, session, [user(f"{session} question {i} with enough words to fold")])
+            await send_turn(proxy, session, [user(f"{session} question {i} with enough words to fold")])
         await api.post(f"/sessions/{session}/compact")
         await api.call("PATCH", f"/sessions/{session}/metadata", json={"owner": session})
     pk, kept_pk = session_pk(config, "doomed"), session_pk(config, "kept")
@@ -620,7 +593,7 @@ async def test_delete_removes_everything_about_a_session_for_good(
     assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["kept"]
 
     # The id may be used again: a new conversation, nothing of the old one sent.
-    await chat(proxy, "doomed", [user("start over")])
+    await send_turn(proxy, "doomed", [user("start over")])
     assert upstream.last().messages == [user("start over")]
 
 
@@ -629,8 +602,8 @@ async def test_clear_keeps_the_record_and_sends_nothing_from_before(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "s1", [SYSTEM, user("my name is Ada")])
-    await chat(proxy, "s1", [user("I live in Paris")])
+    await send_turn(proxy, "s1", [SYSTEM, user("my name is Ada")])
+    await send_turn(proxy, "s1", [user("I live in Paris")])
     await api.call("PUT", "/sessions/s1/metadata", json={"step": 2})
     created = (await api.get("/sessions/s1"))["created_at"]
 
@@ -643,9 +616,9 @@ async def test_clear_keeps_the_record_and_sends_nothing_from_before(
         user("my name is Ada"), assistant("reply 1"), user("I live in Paris"), assistant("reply 2")]
     assert (await preview_of(api, "s1", "who am I?"))["messages"] == [user("who am I?")]
 
-    await chat(proxy, "s1", [user("who am I?")])
+    await send_turn(proxy, "s1", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
-    await chat(proxy, "s1", [user("and where?")])
+    await send_turn(proxy, "s1", [user("and where?")])
     assert upstream.last().messages == [user("who am I?"), assistant("reply 3"), user("and where?")]
     assert (await api.get("/sessions/s1"))["title"] == "my name is Ada"  # the record is the same one
 
@@ -655,9 +628,9 @@ async def test_fork_at_a_message_continues_independently(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "s1", [SYSTEM, user("q1")])
-    await chat(proxy, "s1", [user("q2")])
-    await chat(proxy, "s1", [user("q3")])
+    await send_turn(proxy, "s1", [SYSTEM, user("q1")])
+    await send_turn(proxy, "s1", [user("q2")])
+    await send_turn(proxy, "s1", [user("q3")])
     original = await api.get("/sessions/s1")
 
     body = await api.post("/sessions/s1/fork", json={"new_id": "s1-alt", "at": 2}, status=201)
@@ -666,9 +639,9 @@ async def test_fork_at_a_message_continues_independently(
     assert [m["message"] for m in fork["messages"]] == [user("q1"), assistant("reply 1")]
     assert fork["system"] == [SYSTEM] and fork["superseded"] == []
 
-    await chat(proxy, "s1-alt", [user("q2, another way")])
+    await send_turn(proxy, "s1-alt", [user("q2, another way")])
     assert upstream.last().messages == [SYSTEM, user("q1"), assistant("reply 1"), user("q2, another way")]
-    await chat(proxy, "s1", [user("q4")])
+    await send_turn(proxy, "s1", [user("q4")])
     assert upstream.last().messages == [SYSTEM, user("q1"), assistant("reply 1"), user("q2"), assistant("reply 2"),
                                         user("q3"), assistant("reply 3"), user("q4")]
     after = await api.get("/sessions/s1")
@@ -697,8 +670,8 @@ async def test_fork_never_cuts_between_a_tool_call_and_its_results(
     api, config = api_for(http, proxy), config_of(proxy)
     calls = [tool_call("call_1", "search"), tool_call("call_2", "lookup")]
     upstream.enqueue(Reply(tool_calls=calls), Reply(content="found it"))
-    await chat(proxy, "s1", [user("search twice")])
-    await chat(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": "result one"},
+    await send_turn(proxy, "s1", [user("search twice")])
+    await send_turn(proxy, "s1", [{"role": "tool", "tool_call_id": "call_1", "content": "result one"},
                              {"role": "tool", "tool_call_id": "call_2", "content": "result two"}])
     roles = [m["message"]["role"] for m in (await api.get("/sessions/s1"))["messages"]]
     assert roles == ["user", "assistant", "tool", "tool", "assistant"]
@@ -712,7 +685,7 @@ async def test_fork_never_cuts_between_a_tool_call_and_its_results(
         fork = await api.get(f"/sessions/fork-{at}")
         assert [m["message"]["role"] for m in fork["messages"]] == kept
     # A fork that ends with a call and its results sends them whole.
-    await chat(proxy, "fork-4", [user("and then?")])
+    await send_turn(proxy, "fork-4", [user("and then?")])
     assert [m["role"] for m in upstream.last().messages] == ["user", "assistant", "tool", "tool", "user"]
 
 
@@ -727,13 +700,13 @@ async def test_export_imports_back_exactly(
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     history = [SYSTEM, user("q1 — with ünïcode " + words(80, "q"))]
-    await chat(proxy, "orig", history)
+    await send_turn(proxy, "orig", history)
     history += [assistant("reply 1"), user("q2")]
-    await chat(proxy, "orig", history)
-    await chat(proxy, "orig", history[:3] + [user("q2, edited")])  # a superseded branch
+    await send_turn(proxy, "orig", history)
+    await send_turn(proxy, "orig", history[:3] + [user("q2, edited")])  # a superseded branch
     upstream.enqueue(Reply(tool_calls=[tool_call("call_1", "search")]))
-    await chat(proxy, "orig", history[:3] + [user("q2, edited"), assistant("reply 3"), user("search")])
-    await chat(proxy, "orig", history[:3] + [user("q2, edited"), assistant("reply 3"), user("search"),
+    await send_turn(proxy, "orig", history[:3] + [user("q2, edited"), assistant("reply 3"), user("search")])
+    await send_turn(proxy, "orig", history[:3] + [user("q2, edited"), assistant("reply 3"), user("search"),
                                              {"role": "assistant", "content": None,
                                               "tool_calls": [tool_call("call_1", "search")]},
                                              {"role": "tool", "tool_call_id": "call_1", "content": words(300, "r")}])
@@ -765,7 +738,7 @@ async def test_export_imports_back_exactly(
 
     # The copy goes on as the original would.
     preview = await preview_of(api, "orig", "next")
-    await chat(proxy, "copy", [user("next")], **{"X-Memproxy-History": "new"})
+    await send_turn(proxy, "copy", [user("next")], **{"X-Memproxy-History": "new"})
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
     await proxy.app[SUMMARIZER].wait_idle()
 
@@ -844,9 +817,9 @@ ABOUT_THE_WHOLE_EXPORT = {"head not the last message", "head tokens wrong", "len
 async def exported_session(proxy: Proxy, upstream: FakeUpstream, api: Api) -> str:
     """An export with every kind of record: system prompt, metadata, turns, messages, a summary."""
     upstream.summarizer = short_summary
-    await chat(proxy, "orig", [SYSTEM, user("q1 " + words(80, "q"))])
-    await chat(proxy, "orig", [user("q2")])
-    await chat(proxy, "orig", [user("q3")])
+    await send_turn(proxy, "orig", [SYSTEM, user("q1 " + words(80, "q"))])
+    await send_turn(proxy, "orig", [user("q2")])
+    await send_turn(proxy, "orig", [user("q3")])
     assert (await api.post("/sessions/orig/compact"))["outcome"] == "applied"
     await api.call("PUT", "/sessions/orig/metadata", json={"k": "v"})
     export: str = await api.get("/sessions/orig/export")
@@ -889,7 +862,7 @@ async def test_import_refuses_a_damaged_field_naming_its_line_and_stores_nothing
     await api.get("/sessions/copy", status=404)
     # The undamaged export still imports, and the copy chats like the original.
     await api.post("/sessions/import?session_id=copy", data=exported.encode(), status=201)
-    await chat(proxy, "copy", [user("q4")], **{"X-Memproxy-History": "new"})
+    await send_turn(proxy, "copy", [user("q4")], **{"X-Memproxy-History": "new"})
     await proxy.app[SUMMARIZER].wait_idle()
 
 
@@ -952,7 +925,7 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
     listed = (await api.get("/sessions"))["data"]
     assert [(s["id"], s["message_count"]) for s in listed] == [("agent-7", 0)]
 
-    await chat(proxy, "agent-7", [user("hello")])
+    await send_turn(proxy, "agent-7", [user("hello")])
     assert upstream.last().messages == [user("hello")]  # metadata is never sent upstream
     merged = await api.call("PATCH", "/sessions/agent-7/metadata",
                             json={"pending_question": None, "password": secrets[1], "attempts": 2})
@@ -1043,9 +1016,9 @@ async def test_another_tenants_session_is_a_404_like_one_that_does_not_exist(
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     for i in range(3):
-        await chat(proxy, "private", [user(f"a secret plan, part {i}, in enough words to fold")])
+        await send_turn(proxy, "private", [user(f"a secret plan, part {i}, in enough words to fold")])
     await api.call("PUT", "/sessions/private/metadata", json={"owner": "alice"})
-    await chat(proxy, "mine", [user("hello")], key=OTHER_KEY)
+    await send_turn(proxy, "mine", [user("hello")], key=OTHER_KEY)
     before = await snapshot(api, "private")
     received = len(upstream.received)
 
@@ -1071,8 +1044,8 @@ async def test_list_usage_and_metadata_are_per_tenant(
     other = api.as_(OTHER_KEY)
     upstream.enqueue(Reply(content="a1", usage={"prompt_tokens": 7, "completion_tokens": 3}),
                      Reply(content="b1", usage={"prompt_tokens": 50, "completion_tokens": 20}))
-    await chat(proxy, "same-id", [user("from a")])
-    await chat(proxy, "same-id", [user("from b")], key=OTHER_KEY)  # the same id, another tenant
+    await send_turn(proxy, "same-id", [user("from a")])
+    await send_turn(proxy, "same-id", [user("from b")], key=OTHER_KEY)  # the same id, another tenant
     await api.call("PUT", "/sessions/same-id/metadata", json={"owner": "alice"})
     await other.call("PUT", "/sessions/same-id/metadata", json={"owner": "bob"})  # its own, not a's
 
@@ -1101,8 +1074,8 @@ async def test_admin_key_sees_every_tenant_and_names_one_per_session(
     admin = api.as_(ADMIN_KEY)
     upstream.enqueue(Reply(content="a1", usage={"prompt_tokens": 7, "completion_tokens": 3}),
                      Reply(content="b1", usage={"prompt_tokens": 50, "completion_tokens": 20}))
-    await chat(proxy, "alpha", [user("from a")])
-    await chat(proxy, "beta", [user("from b")], key=OTHER_KEY)
+    await send_turn(proxy, "alpha", [user("from a")])
+    await send_turn(proxy, "beta", [user("from b")], key=OTHER_KEY)
 
     listed = (await admin.get("/sessions"))["data"]
     assert [(s["tenant"], s["id"]) for s in listed] == [("b", "beta"), ("a", "alpha")]
@@ -1127,7 +1100,7 @@ async def test_admin_key_sees_every_tenant_and_names_one_per_session(
     # An admin key manages sessions; it does not chat.
     received = len(upstream.received)
     with pytest.raises(openai.PermissionDeniedError) as caught:
-        await chat(proxy, "alpha", [user("let me in")], key=ADMIN_KEY)
+        await send_turn(proxy, "alpha", [user("let me in")], key=ADMIN_KEY)
     assert_error(caught.value.response.json(), type="permission_error", code="forbidden")
     with pytest.raises(openai.PermissionDeniedError):
         await proxy.client(session=None, key=ADMIN_KEY).chat.completions.create(
@@ -1144,7 +1117,7 @@ async def test_admin_key_without_a_tenant_on_a_session_endpoint_is_400(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     api = api_for(http, proxy)
-    await chat(proxy, "alpha", [user("from a")])
+    await send_turn(proxy, "alpha", [user("from a")])
     export = await api.get("/sessions/alpha/export")
     before = await snapshot(api, "alpha")
     kwargs: dict[str, Any] = {"json": body} if body is not None else {}
@@ -1172,9 +1145,9 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
     upstream.enqueue(*[Reply(content=f"answer {i}", usage=u) for i, u in enumerate(usages)])
     omitted = []
     for i in range(5):  # ~300 tokens a turn in a 1724-token budget: older turns get left out
-        headers = await chat(proxy, "long", [user(f"turn {i}: " + words(300, f"w{i}"))])
+        headers = await send_turn(proxy, "long", [user(f"turn {i}: " + words(300, f"w{i}"))])
         omitted.append(int(headers["X-Memproxy-Stored-Omitted"]))
-    await chat(proxy, "priced", [user("what does this cost?")], model="big")
+    await send_turn(proxy, "priced", [user("what does this cost?")], model="big")
     assert omitted[0] == 0 and omitted[-1] > 0
 
     turns = rows(config, "SELECT s.session_id, t.context_tokens, t.full_tokens, t.cost FROM turns t"
@@ -1220,7 +1193,7 @@ async def test_summariser_calls_are_spending_too(
     api, config = api_for(http, proxy), config_of(proxy)
     for i in range(3):
         upstream.enqueue(Reply(content=f"answer {i}", usage={"prompt_tokens": 100, "completion_tokens": 10}))
-        await chat(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
+        await send_turn(proxy, "s1", [user(f"question number {i}, with some words to summarise")])
     before = await api.get("/usage")
     bloated = Reply(content=words(2000, "bloat"), usage={"prompt_tokens": 400, "completion_tokens": 300})
     upstream.summarizer = lambda received: bloated
@@ -1252,9 +1225,9 @@ async def test_retention_is_off_by_default(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream)
     assert config_of(proxy).retention == RetentionConfig(idle_ttl_seconds=None, max_messages_per_session=None)
-    await chat(proxy, "s1", [user("remember me")])
+    await send_turn(proxy, "s1", [user("remember me")])
     await age(config_of(proxy), "s1", 10 * 365 * 86400)
-    await chat(proxy, "s1", [user("ten years later")])
+    await send_turn(proxy, "s1", [user("ten years later")])
     assert upstream.last().messages == [user("remember me"), assistant("reply 1"), user("ten years later")]
 
 
@@ -1263,17 +1236,17 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
     api, config = api_for(http, proxy), config_of(proxy)
-    await chat(proxy, "idle", [SYSTEM, user("my name is Ada")])
-    await chat(proxy, "idle", [user("I live in Paris")])
+    await send_turn(proxy, "idle", [SYSTEM, user("my name is Ada")])
+    await send_turn(proxy, "idle", [user("I live in Paris")])
     await api.call("PATCH", "/sessions/idle/metadata", json={"step": 2})
-    await chat(proxy, "busy", [user("still here")])
+    await send_turn(proxy, "busy", [user("still here")])
     old_pk = session_pk(config, "idle")
     assert old_pk is not None
     await age(config, "idle", 61)
 
     preview = await preview_of(api, "idle", "who am I?")
     assert preview["expired"] is True and preview["messages"] == [user("who am I?")]
-    await chat(proxy, "idle", [user("who am I?")])
+    await send_turn(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
     assert stored_bodies(config, "idle") == [user("who am I?"), assistant("reply 4")]
     assert rows_of(config, old_pk) == {table: 0 for table in TABLES}
@@ -1284,7 +1257,7 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     assert (usage["sessions"], usage["turns"], usage["deleted_sessions"]["turns"]) == (2, 4, 2)
 
     # The session that was not idle is untouched.
-    await chat(proxy, "busy", [user("and now?")])
+    await send_turn(proxy, "busy", [user("and now?")])
     assert upstream.last().messages == [user("still here"), assistant("reply 3"), user("and now?")]
 
 
@@ -1307,8 +1280,8 @@ async def test_a_write_to_an_expired_session_starts_it_afresh_first(
     api, config = api_for(http, proxy), config_of(proxy)
     upstream.enqueue(*[Reply(content=f"reply {i}", usage={"prompt_tokens": 10, "completion_tokens": 1})
                        for i in range(1, 4)])
-    await chat(proxy, "idle", [SYSTEM, user("my name is Ada")])
-    await chat(proxy, "idle", [user("I live in Paris")])
+    await send_turn(proxy, "idle", [SYSTEM, user("my name is Ada")])
+    await send_turn(proxy, "idle", [user("I live in Paris")])
     await api.call("PATCH", "/sessions/idle/metadata", json={"step": 2, "secret": "the old state"})
     await age(config, "idle", 61)
     assert await api.get("/sessions/idle/metadata") == {}  # expired: nothing of it is current
@@ -1322,7 +1295,7 @@ async def test_a_write_to_an_expired_session_starts_it_afresh_first(
     detail = await api.get("/sessions/idle")
     assert detail["metadata"] == metadata and detail["messages"] == [] and detail["superseded"] == []
     assert detail["system"] is None and detail["title"] is None and detail["usage"]["turns"] == 0
-    await chat(proxy, "idle", [user("who am I?")])
+    await send_turn(proxy, "idle", [user("who am I?")])
     assert upstream.last().messages == [user("who am I?")]
     # What the old session spent still counts for the tenant.
     usage = await api.get("/usage")
@@ -1336,10 +1309,10 @@ async def test_delete_every_session_of_a_tenant_whatever_the_clock(
     api, config = api_for(http, proxy), config_of(proxy)
     admin, other = api.as_(ADMIN_KEY), api.as_(OTHER_KEY)
     for session in ("one", "two", "future"):
-        await chat(proxy, session, [user(f"{session} in a")])
+        await send_turn(proxy, session, [user(f"{session} in a")])
     await api.call("PUT", "/sessions/only-metadata/metadata", json={"k": 1})
     for session in ("one", "b-only"):
-        await chat(proxy, session, [user(f"{session} in b")], key=OTHER_KEY)
+        await send_turn(proxy, session, [user(f"{session} in b")], key=OTHER_KEY)
     # Written by a replica whose clock is a day ahead: `prune --older-than 0s` would skip it.
     await asyncio.to_thread(write_db, config, "UPDATE sessions SET updated_at = updated_at + 86400"
                                               " WHERE session_id = 'future'")
@@ -1365,7 +1338,7 @@ async def test_delete_every_session_of_a_tenant_whatever_the_clock(
     assert await admin.call("DELETE", "/sessions?all=true&tenant=b") == {
         "object": "session.deleted", "tenant": "b", "deleted": 2}
     assert rows(config, "SELECT count(*) FROM sessions") == [(0,)]
-    await chat(proxy, "one", [user("back again")])
+    await send_turn(proxy, "one", [user("back again")])
     assert upstream.last().messages == [user("back again")]
 
 
@@ -1381,9 +1354,9 @@ async def test_usage_of_deleted_sessions_stays_with_their_tenant(
     spent = {"prompt_tokens": 100, "completion_tokens": 10}
     upstream.enqueue(*[Reply(content=f"answer {i}", usage=spent) for i in range(8)])
     for session in ("deleted", "swept", "expired", "kept"):
-        await chat(proxy, session, [user(f"{session}: first")])
-    await chat(proxy, "deleted", [user("deleted: second")], model="big")  # priced
-    await chat(proxy, "b1", [user("tenant b")], key=OTHER_KEY)
+        await send_turn(proxy, session, [user(f"{session}: first")])
+    await send_turn(proxy, "deleted", [user("deleted: second")], model="big")  # priced
+    await send_turn(proxy, "b1", [user("tenant b")], key=OTHER_KEY)
     before, before_b = await api.get("/usage"), await other.get("/usage")
     assert before["turns"] == 5 and before["cost"] > 0 and before["deleted_sessions"] == NOTHING_DELETED
 
@@ -1391,7 +1364,7 @@ async def test_usage_of_deleted_sessions_stays_with_their_tenant(
     await age(config, "swept", 7200)
     await until(lambda: session_pk(config, "swept") is None, "the sweep removed the idle session")
     await age(config, "expired", 7200)  # swept, or replaced by its next turn: deleted either way
-    await chat(proxy, "expired", [user("expired: again")])
+    await send_turn(proxy, "expired", [user("expired: again")])
 
     after = await api.get("/usage")
     deleted = after["deleted_sessions"]
@@ -1425,8 +1398,8 @@ async def test_the_sweep_removes_expired_sessions(
     proxy = await start(start_proxy, make_storage, upstream, retention=retention)
     api, config = api_for(http, proxy), config_of(proxy)
     for session in ("stale", "recent"):
-        await chat(proxy, session, [user(f"{session} conversation")])
-    await chat(proxy, "stale", [user("more")], key=OTHER_KEY)  # another tenant's, idle too
+        await send_turn(proxy, session, [user(f"{session} conversation")])
+    await send_turn(proxy, "stale", [user("more")], key=OTHER_KEY)  # another tenant's, idle too
     stale_pk, recent_pk = session_pk(config, "stale"), session_pk(config, "recent")
     assert stale_pk is not None and recent_pk is not None
     recent_rows = rows_of(config, recent_pk)
@@ -1449,7 +1422,7 @@ async def converse_with_edits(proxy: Proxy, upstream: FakeUpstream, api: Api,
 
     async def turn(n: int, sent: list[Message]) -> httpx.Headers:
         upstream.enqueue(Reply(content=f"answer {n}"))
-        headers = await chat(proxy, "s1", sent)
+        headers = await send_turn(proxy, "s1", sent)
         history[:] = sent + [assistant(f"answer {n}")]
         await pause(n)
         return headers

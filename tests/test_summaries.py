@@ -31,8 +31,10 @@ import httpx
 import pytest
 
 import db
+import helpers
 from conftest import OTHER_KEY, PROXY_KEY, Proxy, make_config
 from fake_upstream import FakeUpstream, Received, Reply
+from helpers import until
 from memproxy.config import Config, ModelConfig, StorageConfig
 from memproxy.context import marker_message
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
@@ -199,44 +201,25 @@ def check_against_store(sent: Sent, config: Config, history: Sequence[Message], 
     assert [without_none(m) for m in sent.history] == [without_none(m) for m in history[first:]]
 
 
-class Conversation:
-    """One session driven like a client: style "new" sends only the new turn, "full" everything."""
+class Conversation(helpers.Conversation):
+    """One session driven like a client: style "new" sends only the new turn, "full" everything.
+    Every request is checked against the invariants (`check_sent`) and, unless told not to, against
+    the store (`check_against_store`)."""
 
     def __init__(self, proxy: Proxy, upstream: FakeUpstream, session: str = "s1", *, style: str = "new",
                  system: Sequence[Message] = (SYSTEM,), model: str = "small", budget: int = BUDGET) -> None:
-        self.proxy = proxy
-        self.upstream = upstream
-        self.session = session
-        self.client = proxy.client(session=session)
-        self.style = style
-        self.system = list(system)
-        self.model = model
+        super().__init__(proxy, upstream, session, style=style, system=system, model=model)
         self.budget = budget
-        self.history: list[Message] = []  # the active chain as stored
         self.sent: list[Sent] = []
 
     async def send(self, new: Sequence[Message], reply: Reply | None = None, *, check: bool = True,
                    stream: bool = False) -> Sent:
         reply = reply or Reply(content=f"noted {len(self.history)}")
-        self.upstream.enqueue(reply)
-        before = len(self.upstream.chat_requests())
-        messages: Any = [*self.system, *(self.history if self.style == "full" else []), *new]
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model=self.model, messages=messages, stream=stream)
-        if stream:
-            async for _ in raw.parse():  # type: ignore[union-attr]
-                pass
-        else:
-            raw.parse()
-        requests = self.upstream.chat_requests()
-        assert len(requests) == before + 1
-        sent = check_sent(requests[-1], raw.headers, self.system, new, self.budget)
+        received, headers = await self.exchange(new, reply, stream=stream)
+        sent = check_sent(received, headers, self.system, new, self.budget)
         if check:
             check_against_store(sent, self.proxy.app[CONFIG], self.history, self.session)
-        answer: Message = {"role": "assistant", "content": reply.content}
-        if reply.tool_calls:
-            answer["tool_calls"] = reply.tool_calls
-        self.history += [*new, answer]
+        self.remember(new, reply)
         self.sent.append(sent)
         return sent
 
@@ -259,16 +242,6 @@ async def start(start_proxy: StartProxy, storage: StorageConfig, upstream: FakeU
     config = make_config(storage, upstream.url, **memory)
     proxy: Proxy = await start_proxy(config)
     return proxy
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """A bounded wait for an effect the test cannot be told about directly."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.005)
 
 
 async def compact(proxy: Proxy, session: str, key: str = PROXY_KEY, body: Any = None) -> tuple[int, Any]:
