@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -169,6 +170,14 @@ async def start_proxy(make_storage: Callable[..., StorageConfig]) -> AsyncIterat
 async def proxy(start_proxy: Callable[[Config], Any], config: Config) -> Proxy:
     result: Proxy = await start_proxy(config)
     return result
+
+
+@pytest.fixture
+async def http(start_proxy: Callable[[Config], Any]) -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain HTTP client for the endpoints the SDK does not cover (`/v1/sessions`, ...). It depends
+    on `start_proxy` so it closes before the proxies it talks to."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 def replace_model(config: Config, **changes: Any) -> Config:
