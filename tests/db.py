@@ -13,7 +13,10 @@ shares the test's event loop) or from a helper:
   waits; `writes_waiting(config)` counts PostgreSQL sessions waiting on it.
 
 `config` is a `Config` or its `StorageConfig`. SQLite is read with the stdlib `sqlite3`; PostgreSQL
-with asyncpg on a short-lived thread running its own event loop, in `storage.schema`.
+with asyncpg, in `storage.schema`. PostgreSQL reads go through a connection of the tests' own kept
+open for the last few schemas read, on one event loop thread: opening a connection for each read
+cost ~10 ms, and a polled condition or a property test reads thousands of times. Such a connection
+never holds a transaction open between reads, so each read still sees exactly what is committed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import closing, contextmanager
 from typing import Any, TypeVar
@@ -62,10 +66,10 @@ def run_async(work: Callable[[], Awaitable[T]]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-async def connect(storage: StorageConfig) -> asyncpg.Connection:
+async def connect(storage: StorageConfig, **options: Any) -> asyncpg.Connection:
     """A PostgreSQL connection of its own, in the store's schema."""
     settings = {"search_path": storage.schema} if storage.schema else None
-    return await asyncpg.connect(storage.url, server_settings=settings)
+    return await asyncpg.connect(storage.url, server_settings=settings, **options)
 
 
 def rows(config: Config | StorageConfig, sql: str, *params: Any) -> list[Row]:
@@ -105,14 +109,7 @@ def table_query(config: Config | StorageConfig, queries: list[tuple[str, tuple[A
         with closing(sqlite3.connect(f"file:{sqlite_path(storage.url)}?mode=ro", uri=True)) as db:
             return [[tuple(r) for r in db.execute(sql, params)] for sql, params in queries]
 
-    async def fetch() -> list[list[Row]]:
-        conn = await connect(storage)
-        try:
-            return [[tuple(r) for r in await conn.fetch(numbered(sql), *params)] for sql, params in queries]
-        finally:
-            await conn.close()
-
-    return run_async(fetch)
+    return _READER.fetch(storage, [(numbered(sql), params) for sql, params in queries])
 
 
 @contextmanager
@@ -143,6 +140,56 @@ def writes_waiting(config: Config | StorageConfig, table: str = "sessions") -> l
     """PostgreSQL: the server processes waiting for a lock on this schema's `table`."""
     found = rows(config, f"SELECT pid FROM pg_locks WHERE NOT granted AND relation = '{table}'::regclass")
     return [int(pid) for (pid,) in found]
+
+
+class _Reader:
+    """Reads of PostgreSQL for every thread of the tests, on one event loop thread of its own, through
+    a connection per schema kept open for the `KEEP` schemas read last."""
+
+    KEEP = 3
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start = threading.Lock()
+        self._open: OrderedDict[tuple[str, str | None], tuple[asyncpg.Connection, asyncio.Lock]] = OrderedDict()
+
+    def fetch(self, storage: StorageConfig, queries: list[tuple[str, tuple[Any, ...]]]) -> list[list[Row]]:
+        with self._start:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="tests-db-reader", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(self._fetch(storage, queries), self._loop).result(timeout=120)
+
+    async def _fetch(self, storage: StorageConfig, queries: list[tuple[str, tuple[Any, ...]]]) -> list[list[Row]]:
+        for attempt in (1, 2):
+            conn, lock = await self._connection(storage)
+            try:
+                async with lock:
+                    return [[tuple(r) for r in await conn.fetch(sql, *params)] for sql, params in queries]
+            except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError, OSError):
+                # A connection lost between reads (a test that restarts or cuts the server): the
+                # statement never ran; once more on a new connection.
+                self._open.pop((storage.url, storage.schema), None)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _connection(self, storage: StorageConfig) -> tuple[asyncpg.Connection, asyncio.Lock]:
+        key = (storage.url, storage.schema)
+        if key in self._open:
+            self._open.move_to_end(key)
+            return self._open[key]
+        # No statement cache: a schema migrated between two reads must not meet a stale plan.
+        opened = (await connect(storage, statement_cache_size=0), asyncio.Lock())
+        self._open[key] = opened
+        while len(self._open) > self.KEEP:
+            _, (old, old_lock) = self._open.popitem(last=False)
+            async with old_lock:
+                await old.close()
+        return opened
+
+
+_READER = _Reader()
 
 
 class _LoopThread:

@@ -24,6 +24,7 @@ import pytest
 from conftest import Proxy
 from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
+from helpers import Conversation
 from memproxy.store.sqlite import sqlite_path
 from memproxy.timing import PARTS
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
@@ -63,13 +64,6 @@ def tokens(messages: Sequence[Message]) -> int:
 
 def tool_call(call_id: str, arguments: str = '{"q": "x"}') -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}
-
-
-def assistant_from(reply: Reply) -> Message:
-    """The assistant message as a client echoes it back (and as the proxy stores it)."""
-    if reply.tool_calls:
-        return {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
-    return {"role": "assistant", "content": reply.content}
 
 
 def without_none(message: Message) -> Message:
@@ -181,7 +175,7 @@ def assert_context_length_exceeded(exc: openai.BadRequestError, param: str | Non
         assert error["param"] == param
 
 
-class Chat:
+class Chat(Conversation):
     """One session driven like a real client: "full" resends everything, "new" only the new turn.
 
     `history` is what the proxy has stored, in the form the client echoes it.
@@ -189,15 +183,7 @@ class Chat:
 
     def __init__(self, proxy: Proxy, upstream: FakeUpstream, style: str, session: str,
                  system: Sequence[Message] = (), tools: Sequence[dict[str, Any]] = ()) -> None:
-        self.client = proxy.client(session=session)
-        self.upstream = upstream
-        self.style = style
-        self.system = list(system)
-        self.tools = list(tools)
-        self.history: list[Message] = []
-
-    def request(self, new: Sequence[Message]) -> list[Message]:
-        return [*self.system, *(self.history if self.style == "full" else []), *new]
+        super().__init__(proxy, upstream, session, style=style, system=system, tools=tools)
 
     async def send(
         self, new: Sequence[Message], reply: Reply | None = None, budget: int = DEFAULT_BUDGET,
@@ -205,19 +191,11 @@ class Chat:
     ) -> tuple[int, Mapping[str, str]]:
         """Send, check the upstream request against the rule, remember the turn; returns kept."""
         reply = reply or Reply(content=f"answer {len(self.history)}: {words(30, len(self.history))}")
-        self.upstream.enqueue(reply)
-        before = len(self.upstream.chat_requests())
-        if self.tools:
-            params["tools"] = self.tools
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model="small", messages=self.request(new), **params)  # type: ignore[arg-type]
-        raw.parse()
-        requests = self.upstream.chat_requests()
-        assert len(requests) == before + 1
-        kept = check_sent(requests[-1], raw.headers, system=self.system, history=self.history,
+        received, headers = await self.exchange(new, reply, **params)
+        kept = check_sent(received, headers, system=self.system, history=self.history,
                           new=new, budget=budget)
-        self.history += [*new, assistant_from(reply)]
-        return kept, raw.headers
+        self.remember(new, reply)
+        return kept, headers
 
 
 # --- the budget over a long conversation -------------------------------------------------------

@@ -21,6 +21,7 @@ import pytest
 from conftest import Proxy, make_config
 from db import rows
 from fake_upstream import FakeUpstream, Reply
+from helpers import Conversation
 from memproxy.memory.shrink import dedupe_repeats, trimmed_tool_output
 from memproxy.config import Config, StorageConfig
 from memproxy.messages import starts_unit
@@ -35,7 +36,6 @@ from test_budget import (
     WINDOW,
     Message,
     assert_tool_units_whole,
-    assistant_from,
     tool_call,
     without_none,
     words,
@@ -116,7 +116,7 @@ class Sent:
         return int(self.headers["x-memproxy-stored-included"])
 
 
-class Agent:
+class Agent(Conversation):
     """One session, played by a client that resends everything ("full") or only new turns ("new").
 
     `history` is the conversation as the client knows it (and as the proxy stores it). Every request
@@ -127,30 +127,20 @@ class Agent:
     def __init__(self, proxy: Proxy, upstream: FakeUpstream, session: str, style: str = "full") -> None:
         # A client that sends only new turns says so: a repeated first message is then a new turn,
         # not a regeneration.
-        self.client = proxy.client(session=session, **({"X-Memproxy-History": "new"} if style == "new" else {}))
-        self.upstream = upstream
-        self.style = style
-        self.history: list[Message] = []
+        super().__init__(proxy, upstream, session, style=style, system=SYSTEM, tools=TOOLS,
+                         **({"X-Memproxy-History": "new"} if style == "new" else {}))
 
     async def send(self, new: list[Message], reply: Reply | None = None, **params: Any) -> Sent:
         reply = reply or Reply(content=f"answer {len(self.history)}")
-        self.upstream.enqueue(reply)
-        before = len(self.upstream.chat_requests())
-        history = self.history if self.style == "full" else []
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model="small", messages=[*SYSTEM, *history, *new], tools=TOOLS,  # type: ignore[arg-type, list-item]
-            **params)
-        raw.parse()
-        requests = self.upstream.chat_requests()
-        assert len(requests) == before + 1
-        messages = requests[-1].messages
-        assert int(raw.headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, messages, TOOLS)
-        assert int(raw.headers["x-memproxy-context-tokens"]) <= int(raw.headers["x-memproxy-input-budget"])
+        received, headers = await self.exchange(new, reply, **params)
+        messages = received.messages
+        assert int(headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, messages, TOOLS)
+        assert int(headers["x-memproxy-context-tokens"]) <= int(headers["x-memproxy-input-budget"])
         assert messages[: len(SYSTEM)] == SYSTEM
         assert messages[len(messages) - len(new):] == new, "the new messages are not last and verbatim"
         assert_tool_units_whole(messages[len(SYSTEM):])
-        self.history += [*new, assistant_from(reply)]
-        return Sent(messages, raw.headers, new)
+        self.remember(new, reply)
+        return Sent(messages, headers, new)
 
     async def ask(self, text: str, *calls: dict[str, Any]) -> Sent:
         """A user message; the model answers with `calls` if any."""

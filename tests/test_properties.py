@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from conftest import Proxy
 from fake_upstream import FakeUpstream, Reply
+from helpers import assistant_from
 from memproxy.tokens import REPLY_PRIMING
 from test_budget import (
     COUNTER,
@@ -36,7 +37,6 @@ from test_budget import (
     WINDOW,
     Message,
     assert_context_length_exceeded,
-    assistant_from,
     check_sent,
     db_state,
     mandatory_tail,

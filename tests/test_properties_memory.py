@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from conftest import Proxy, make_config
 from db import table_rows
 from fake_upstream import FakeUpstream, Received, Reply
+from helpers import assistant_from
 from memproxy.config import Config, StorageConfig
 from memproxy.memory.shrink import trimmed_tool_output
 from memproxy.tokens import request_tokens
@@ -47,7 +48,6 @@ from test_budget import (
     Message,
     assert_context_length_exceeded,
     assert_tool_units_whole,
-    assistant_from,
     mandatory_tail,
     tool_call,
     without_none,

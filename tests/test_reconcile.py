@@ -19,10 +19,11 @@ import pytest
 
 from conftest import Proxy
 from fake_upstream import FakeUpstream, Reply
+from helpers import assistant, chat, complete, user
 from memproxy.config import Config
 from memproxy.messages import ROOT_HASH, chain_hash, loosely_equal
 from memproxy.redact import session_digest
-from test_sessions import assert_chain_consistent, assistant, chat, complete, stored, user
+from test_sessions import assert_chain_consistent, stored
 
 pytestmark = pytest.mark.both_stores
 

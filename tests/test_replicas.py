@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from db import rows, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Received, Reply
+from helpers import assistant, chat, until, user
 from memproxy.config import StorageConfig
 from memproxy.store.migrations import migrations
 from processes import Served, serve, storage_section, store_for_processes, write_config
@@ -106,32 +108,8 @@ def turn_count(storage: StorageConfig, session: str) -> int:
     return int(count)
 
 
-def user(text: str) -> Message:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> Message:
-    return {"role": "assistant", "content": text}
-
-
-async def chat(client: openai.AsyncOpenAI, messages: list[Message]) -> str:
-    sent: Any = messages
-    completion = await client.chat.completions.create(model="small", messages=sent)
-    return completion.choices[0].message.content or ""
-
-
 async def in_thread(wait: Callable[[], Any]) -> None:
     await asyncio.get_running_loop().run_in_executor(None, wait)
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Bounded polling of an effect in the database that nothing announces."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.05)
 
 
 def session_id(name: str) -> str:
@@ -154,7 +132,7 @@ async def test_turns_alternating_between_replicas_see_one_history(
     try:
         for i in range(4):
             question = user(f"question {i}")
-            reply = await chat(clients[i % 2], [*(history if style == "full" else []), question])
+            reply, _ = await chat(clients[i % 2], [*(history if style == "full" else []), question])
             assert upstream.last().messages == [*history, question]
             history += [question, assistant(reply)]
     finally:
@@ -176,7 +154,7 @@ async def overlapping_turns(
     gates = (threading.Event(), threading.Event())
     upstream.enqueue(Reply(content="answer via A", gate=gates[0]), Reply(content="answer via B", gate=gates[1]))
     clients = (cluster.a.async_client(session), cluster.b.async_client(session))
-    tasks: list[asyncio.Task[str]] = []
+    tasks: list[asyncio.Task[tuple[str, httpx.Headers]]] = []
     try:
         tasks.append(asyncio.create_task(chat(clients[0], requests[0])))
         await in_thread(upstream.wait_for_request)  # A's request is held by the provider
@@ -192,13 +170,13 @@ async def overlapping_turns(
     for result in results:
         if isinstance(result, BaseException):
             raise result
-    return results[0], results[1]  # type: ignore[return-value]
+    return results[0][0], results[1][0]  # type: ignore[index]
 
 
 async def first_turn(cluster: Cluster, upstream: FakeUpstream, session: str) -> list[Message]:
     client = cluster.a.async_client(session)
     try:
-        reply = await chat(client, [user("q1")])
+        reply, _ = await chat(client, [user("q1")])
     finally:
         await client.close()
     upstream.wait_for_request()  # take its arrival off the count
@@ -306,7 +284,8 @@ async def test_one_summarisation_per_session_across_replicas(cluster: Cluster, u
         await b.close()
     # A's fold completes and lets the session go; only then is the lease free.
     await until(lambda: rows(cluster.storage, "SELECT count(*) FROM summary_leases")[0][0] == 0
-                and rows(cluster.storage, "SELECT count(*) FROM summaries")[0][0] > 0, "A's summary is saved")
+                and rows(cluster.storage, "SELECT count(*) FROM summaries")[0][0] > 0, "A's summary is saved",
+                timeout=30.0, interval=0.05)
     assert rows(cluster.storage, "SELECT s.version, s.covers FROM summaries s JOIN sessions x ON x.pk = s.session_pk"
                                  " WHERE x.session_id = ?", session) == [(1, 2)]
     assert len(upstream.summary_requests()) == 1
@@ -322,7 +301,7 @@ async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continu
     victim = cluster.victim.async_client(session)
     held = threading.Event()
     try:
-        first = await chat(victim, [user("q1")])
+        first, _ = await chat(victim, [user("q1")])
         upstream.enqueue(Reply(content="an answer that the replica never finishes", gate_after_first_chunk=held))
         question: Any = [user("q2")]
         stream = await victim.chat.completions.create(model="small", stream=True, messages=question)
@@ -346,7 +325,7 @@ async def test_replica_killed_mid_stream_leaves_no_half_turn_and_another_continu
     # The other replica serves the retry: q2 once, no trace of the partial answer.
     client = cluster.a.async_client(session)
     try:
-        reply = await chat(client, [user("q2")])
+        reply, _ = await chat(client, [user("q2")])
     finally:
         await client.close()
     assert upstream.last().messages == [*expected, user("q2")]
@@ -363,10 +342,11 @@ async def test_replica_killed_halfway_through_writing_a_turn_leaves_none_of_it(
     [doomed] = serve(cluster.config, [tmp_path / "doomed.log"])
     client = doomed.async_client(session)
     try:
-        first = await chat(client, [user("q1")])
+        first, _ = await chat(client, [user("q1")])
         with write_lock_held(cluster.storage, table="messages"):
             second = asyncio.create_task(chat(client, [user("q2")]))
-            await until(lambda: bool(writes_waiting(cluster.storage, "messages")), "the turn's write is halfway")
+            await until(lambda: bool(writes_waiting(cluster.storage, "messages")), "the turn's write is halfway",
+                        timeout=30.0, interval=0.05)
             [writer] = writes_waiting(cluster.storage, "messages")
             # Halfway indeed: the same transaction has already inserted its row into `turns`.
             assert rows(cluster.storage, "SELECT count(*) FROM pg_locks WHERE pid = ? AND granted"
@@ -383,7 +363,7 @@ async def test_replica_killed_halfway_through_writing_a_turn_leaves_none_of_it(
     # The other replica's turn waits for the dead transaction's row lock, then sees none of it.
     other = cluster.a.async_client(session)
     try:
-        reply = await chat(other, [user("q2")])
+        reply, _ = await chat(other, [user("q2")])
     finally:
         await other.close()
     expected = [user("q1"), assistant(first), user("q2"), assistant(reply)]

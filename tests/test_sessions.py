@@ -15,17 +15,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import aiohttp
-import httpx
 import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from openai import AsyncStream
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from db import rows, write_lock_held, writes_waiting
 from fake_upstream import FakeUpstream, Reply
+from helpers import assistant, chat, complete, stream_chat, until, user
 from memproxy.app import create_app
 from memproxy.config import Config
 from memproxy.typedefs import LOCKS, TASKS
@@ -35,14 +33,6 @@ pytestmark = pytest.mark.both_stores
 Message = dict[str, Any]
 T = TypeVar("T")
 StartProxy = Callable[[Config], Any]
-
-
-def user(text: str) -> Message:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> Message:
-    return {"role": "assistant", "content": text}
 
 
 # --- reading the store from a connection of the test's own (tests/db.py) -----------------------
@@ -87,45 +77,6 @@ def system_prompts(config: Config) -> list[Any]:
 
 
 # --- talking to the proxy ------------------------------------------------------------------------
-
-
-async def complete(
-    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
-) -> tuple[ChatCompletion, httpx.Headers]:
-    """One non-streaming request (plain dicts as messages, as most apps send them): the completion and
-    the response headers."""
-    sent: Any = messages
-    raw = await client.chat.completions.with_raw_response.create(model=params.pop("model", "small"),
-                                                                 messages=sent, **params)
-    return raw.parse(), raw.headers
-
-
-async def chat(
-    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
-) -> tuple[str, httpx.Headers]:
-    """One non-streaming turn: the reply text and the response headers."""
-    completion, headers = await complete(client, messages, **params)
-    return completion.choices[0].message.content or "", headers
-
-
-async def stream_chat(
-    client: openai.AsyncOpenAI, messages: list[Message], **params: Any
-) -> tuple[AsyncStream[ChatCompletionChunk], httpx.Headers]:
-    """One streaming request: the stream of chunks and the response headers."""
-    sent: Any = messages
-    raw = await client.chat.completions.with_raw_response.create(model=params.pop("model", "small"),
-                                                                 messages=sent, stream=True, **params)
-    return raw.parse(), raw.headers
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """A bounded wait for an effect the test cannot be told about directly."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.01)
 
 
 async def wait_for_upstream(upstream: FakeUpstream) -> None:
