@@ -1,62 +1,45 @@
-"""The embedded default store: one SQLite file in WAL mode (SQLite 3.35 or newer), through aiosqlite.
+"""The embedded default store: one SQLite file in WAL mode (SQLite 3.35 or newer).
 
-Each aiosqlite connection owns a thread that runs its calls in turn, so nothing of SQLite runs on the
-event loop: it only queues a statement and is woken with its rows.
+Every write is a script (`memproxy.store.sql`) run whole as one `BEGIN IMMEDIATE` transaction, so a
+reader never sees half a turn. A turn's write is small (a few rows, some tens of B-tree pages) and,
+in WAL mode with `synchronous = NORMAL`, its commit appends to the log without waiting for the disk:
+about 0.2 ms. So a write runs on the event loop's own connection when the file is free, where a trip
+to a thread and back would cost the loop as much again, and waiting for the thread under load far
+more. It never waits there: that connection has no busy timeout, so when another process (the CLI,
+a second server) holds the write lock, `BEGIN` fails at once and the same script goes to the writer
+thread, which waits on the busy timeout instead. Checkpoints, which do wait for the disk, never run
+on the loop: its connection does not checkpoint on commit; after every `_CHECKPOINT_EVERY` writes it
+made, a third connection, on its own thread, checkpoints the log by a policy that never waits for a
+reader (`checkpoint_log`), so no write ever queues behind an outside reader (a backup, a `sqlite3`
+shell, `memproxy sessions` on the same file).
 
-- **One writer** makes every write. A write is a script (`memproxy.store.sql`) run as one
-  `BEGIN IMMEDIATE` transaction, statement by statement, and writes take turns on an asyncio lock, so
-  a reader never sees half a turn and no two scripts interleave. The writer waits for another
-  process holding the file (the CLI, a second server) on its own thread, for the busy timeout. A
-  write, once started, runs to its end even if its caller is cancelled: it commits or rolls back as a
-  whole, and the caller only stops waiting. In WAL mode with `synchronous = NORMAL` a commit appends
-  to the log without waiting for the disk, and the writer never checkpoints on commit
-  (`wal_autocheckpoint = 0`).
-- **Two readers** see committed data only: one answers the indexed lookups that serve a turn
-  (`Backend.lookup`: a few B-tree pages each), the other every read as long as its data (listings,
-  usage, exports), so an export never delays a turn. A WAL reader takes no lock a writer holds.
-- **A checkpointer**, with no busy timeout, copies the log back into the database every
-  `_CHECKPOINT_EVERY` writes by a policy that never waits for a reader (`checkpoint_log`), so no
-  write ever queues behind an outside reader (a backup, a `sqlite3` shell, `memproxy sessions`).
-
-`:memory:` is one database per connection, so there one connection does it all, reads included,
-and a read waits for a write in progress rather than see it half done.
-
-A trip to a connection's thread and back costs some tens of microseconds idle, far more when the
-loop is busy (each result waits for the loop's next turn), so the store makes few: one per statement
-(`execute_fetchall`; the statement cache keeps each text prepared), the writer's BEGIN folded into
-the first statement. A script is not run whole on the writer's thread: aiosqlite has no public call
-for that, and measured through its private one it was slower still, the script's Python then
-contending for the GIL with the loop.
+Reads see only committed data. The indexed reads that serve a turn (`Backend.lookup`) are answered
+on the event loop's connection too: a few B-tree pages each, some tens of microseconds. A WAL reader
+takes no lock a writer holds; should it ever find the file busy (another process rebuilding the WAL
+index after a crash), it fails at once and the read goes to the reader's thread, which waits there.
+Every other read (listings, usage, exports, long ranges: as long as the data) goes to that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
 import sqlite3
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
-
-import aiosqlite
+from typing import Any, TypeVar
 
 from .errors import translated
 from .migrations import migrations, statements
-from .sql import QUERIES, Row, Script, SQLStore, run_script, run_script_async
+from .sql import QUERIES, Row, Script, SQLStore, run_script
 
-__all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "sqlite_path"]
+__all__ = ["QUERIES", "SQLiteStore", "migrations", "sqlite_path"]
 
 T = TypeVar("T")
 log = logging.getLogger("memproxy.store")
-
-_CHECKPOINT_EVERY = 64  # writes between two checkpoints
-_TRUNCATE_AT_FRAMES = 1024  # a log this long (4 MiB at 4 KiB pages; a turn writes ~14) is started afresh
-_CACHED_STATEMENTS = 256  # prepared statements kept per connection: every text the store runs, and then some
-
-
-# Statements before which Python's sqlite3 begins a transaction itself when none is open and the
-# connection has an `isolation_level` (its "legacy" transaction control): the writer's is IMMEDIATE.
-_BEGINS_ITSELF = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 def sqlite_path(url: str) -> str:
@@ -66,17 +49,96 @@ def sqlite_path(url: str) -> str:
     return url[len("sqlite:///"):]
 
 
-_PASSIVE = "PRAGMA wal_checkpoint(PASSIVE)"
-_TRUNCATE = "PRAGMA wal_checkpoint(TRUNCATE)"
+_CHECKPOINT_EVERY = 64  # writes on the loop's connection between two checkpoints
+_TRUNCATE_AT_FRAMES = 1024  # a log this long (4 MiB at 4 KiB pages; a turn writes ~14) is started afresh
+_Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
 
 
-def _checkpoint_policy() -> Script[tuple[int, int]]:
-    [(_, frames, copied)] = yield _PASSIVE, ()
-    if frames >= _TRUNCATE_AT_FRAMES and copied == frames:
-        [(busy, frames, copied)] = yield _TRUNCATE, ()
-        if not busy:
-            return 0, 0
-    return int(frames), int(copied)
+class _Connection:
+    """A sqlite3 connection used only from its own thread, which runs the calls queued to it in turn.
+
+    A call runs once queued, even if its caller is cancelled meanwhile (a write is one whole
+    transaction: it commits or not as a whole); the caller only stops waiting. The thread hands each
+    result straight to the caller's loop: a ThreadPoolExecutor's futures cost every trip some 25 µs
+    more, and a turn waits for one trip (its write).
+    """
+
+    def __init__(self, path: str, busy_timeout_ms: int, wal: bool) -> None:
+        self._path, self._busy, self._wal = path, busy_timeout_ms, wal
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="memproxy-sqlite", daemon=True)
+        self._thread.start()
+
+    async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise sqlite3.ProgrammingError("the store is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((fn, loop, future))
+        return await future
+
+    def _serve(self) -> None:
+        while (queued := self._calls.get()) is not None:
+            fn, loop, future = queued
+            try:
+                outcome: tuple[Any, BaseException | None] = (self._call(fn), None)
+            except BaseException as exc:  # the caller's to handle
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._conn is None:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+            pragmas = [f"busy_timeout = {int(self._busy)}", "foreign_keys = ON", "synchronous = NORMAL"]
+            for pragma in pragmas + (["journal_mode = WAL"] if self._wal else []):
+                conn.execute(f"PRAGMA {pragma}").fetchall()
+            self._conn = conn
+        return fn(self._conn)
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return await self.call(lambda conn: conn.execute(sql, params).fetchall())
+
+    async def close(self) -> None:
+        """Close the connection and stop its thread; closing again does nothing."""
+        def close(conn: sqlite3.Connection) -> None:
+            conn.close()
+        if self._closed:
+            return
+        if self._conn is not None:
+            await self.call(close)
+        self._closed = True
+        self._calls.put(None)
+        self._thread.join()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _in_transaction(script: Script[T]) -> Callable[[sqlite3.Connection], T]:
+    def run(conn: sqlite3.Connection) -> T:
+        conn.execute("BEGIN IMMEDIATE")
+        return _finish(conn, script)
+    return run
+
+
+def _finish(conn: sqlite3.Connection, script: Script[T]) -> T:
+    """Run `script` in the transaction `conn` has begun, and commit it (or roll it back)."""
+    try:
+        result = run_script(script, lambda sql, params: conn.execute(sql, params).fetchall())
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
 
 
 def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
@@ -89,181 +151,116 @@ def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
     it grows without bound (190 MB measured). So once the log is long and every frame of it is
     copied, a TRUNCATE checkpoint copies the few frames written since and empties the file. TRUNCATE
     (and RESTART) waits for readers on the log: with no busy timeout it gives up at once instead
-    (`busy` = 1); when it goes ahead it holds the write lock for the moment it takes, which the
-    writer, on its own thread, waits out. An outside reader holding an old snapshot keeps the frames
-    it needs in the log, as SQLite must; the first checkpoint after it lets go copies them and
-    empties the log. The store runs the same policy on its aiosqlite checkpointer (`_checkpoint`).
+    (`busy` = 1), and a write that finds the write lock it holds goes to the writer thread for the
+    moment it takes. An outside reader holding an old snapshot keeps the frames it needs in the log,
+    as SQLite must; the first checkpoint after it lets go copies them and empties the log.
     """
-    return run_script(_checkpoint_policy(), lambda sql, params: conn.execute(sql, params).fetchall())
+    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    if frames >= _TRUNCATE_AT_FRAMES and copied == frames:
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if not busy:
+            return 0, 0
+    return int(frames), int(copied)
 
 
-async def _connect(path: str, pragmas: Sequence[str], writer: bool = False) -> aiosqlite.Connection:
-    """An aiosqlite connection. Readers run in autocommit mode, each read its own snapshot; the
-    writer begins a transaction before a first statement that writes (`_BEGINS_ITSELF`)."""
-    conn = await aiosqlite.connect(path, isolation_level="IMMEDIATE" if writer else None,
-                                   cached_statements=_CACHED_STATEMENTS)
-    try:
-        for pragma in pragmas:
-            await conn.execute_fetchall(f"PRAGMA {pragma}")
-    except BaseException:
-        await conn.close()
-        raise
-    return conn
-
-
-async def _fetch(conn: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> list[Row]:
-    # `execute_fetchall` is one trip: the statement and its rows (`fetchall` builds a list).
-    return cast(list[Row], await conn.execute_fetchall(sql, params))
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
 
-    def __init__(self, writer: aiosqlite.Connection, lookups: aiosqlite.Connection | None = None,
-                 reader: aiosqlite.Connection | None = None,
-                 checkpointer: aiosqlite.Connection | None = None) -> None:
-        """Without readers (`:memory:`), the writer answers reads too, between writes."""
+    def __init__(self, reader: _Connection, writer: _Connection, local: sqlite3.Connection | None,
+                 checkpointer: _Connection | None = None) -> None:
+        self._reader = reader
         self._writer = writer
-        self._lookups = lookups or writer
-        self._reader = reader or writer
-        self._shared = lookups is None  # reads must not see a write half done on the same connection
-        self._checkpointer = checkpointer  # no busy timeout; one checkpoint at a time
+        self._local = local  # on the loop's thread; None for `:memory:`, where one connection holds it all
+        self._local_writes = 0
+        # No busy timeout; runs `checkpoint_log` while writes go on (one checkpoint at a time).
+        self._checkpointer = checkpointer
         self._checkpointing: asyncio.Task[None] | None = None
-        self._write_lock = asyncio.Lock()
-        self._writes = 0
-        self._unsure = False  # a rollback failed: begin the next write explicitly
-        self._in_flight: set[asyncio.Task[Any]] = set()
-        self._closed = False
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
-            return await self._read(self._reader, sql, params)
+            return await self._reader.fetch(sql, params)
 
     async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
-            return await self._read(self._lookups, sql, params)
+            return await self._lookup(sql, params)
 
-    async def _read(self, conn: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> list[Row]:
-        self._check_open()
-        if self._shared:
-            async with self._write_lock:
-                return await _fetch(conn, sql, params)
-        return await _fetch(conn, sql, params)
+    async def _lookup(self, sql: str, params: Sequence[Any]) -> list[Row]:
+        if self._local is not None:
+            try:
+                return self._local.execute(sql, params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    raise
+        return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
 
     async def write(self, script: Script[T]) -> T:
-        """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`.
-        Runs to its end even if the caller is cancelled meanwhile."""
+        """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
         with translated():
-            self._check_open()
-            task = asyncio.get_running_loop().create_task(self._write(script))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
-            return await asyncio.shield(task)
+            return await self._write(script)
 
     async def _write(self, script: Script[T]) -> T:
-        writer = self._writer
-        async with self._write_lock:
+        if self._local is not None:
             try:
-                step = next(script)
-                # A first statement that writes begins the transaction itself, in the same trip (the
-                # writer's `isolation_level`); any other (a locking read, DDL) needs its own BEGIN.
-                if self._unsure or not step[0].lstrip()[:7].upper().startswith(_BEGINS_ITSELF):
-                    await _fetch(writer, "BEGIN IMMEDIATE", ())  # waits, on its thread, for other processes
-                while True:
-                    rows = await _fetch(writer, *step)
-                    try:
-                        step = script.send(rows)
-                    except StopIteration as done:
-                        result: T = done.value
-                        break
-                await _fetch(writer, "COMMIT", ())
-                self._unsure = False
-            except StopIteration as done:  # a script with no statement at all
-                return cast(T, done.value)
-            except BaseException:
-                # Nothing to undo if the script failed before its first statement, or SQLite rolled
-                # back already (a full disk); the error worth raising is the first.
-                try:
-                    await _fetch(writer, "ROLLBACK", ())
-                except sqlite3.Error:
-                    # Should a transaction still be open, the next write's own BEGIN fails rather
-                    # than let an implicit one join it.
-                    self._unsure = True
-                raise
-        self._writes += 1
-        if self._writes % _CHECKPOINT_EVERY == 0 and self._checkpointer is not None and (
-                self._checkpointing is None or self._checkpointing.done()):
-            self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint(self._checkpointer))
-        return result
+                self._local.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    raise
+            else:  # the write lock is ours: in WAL mode nothing after this waits for another process
+                result = _finish(self._local, script)
+                self._local_writes += 1
+                if self._local_writes % _CHECKPOINT_EVERY == 0 and self._checkpointer is not None and (
+                        self._checkpointing is None or self._checkpointing.done()):
+                    self._checkpointing = asyncio.get_running_loop().create_task(
+                        self._checkpoint(self._checkpointer))
+                return result
+        return await self._writer.call(_in_transaction(script))  # busy: the writer's thread waits
 
-    async def _checkpoint(self, checkpointer: aiosqlite.Connection) -> None:
-        """`checkpoint_log`'s policy. Its TRUNCATE needs the write lock, which this process's writer
-        holds across the trips of each write: it is tried between two writes (they wait the moment
-        it takes), so only another process can make it give up."""
-        async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
-            if sql != _TRUNCATE:
-                return await _fetch(checkpointer, sql, params)
-            async with self._write_lock:
-                return await _fetch(checkpointer, sql, params)
-
+    @staticmethod
+    async def _checkpoint(checkpointer: _Connection) -> None:
         try:
-            await run_script_async(_checkpoint_policy(), fetch)
+            await checkpointer.call(checkpoint_log)
         except sqlite3.Error as exc:  # the next one tries again
             log.warning("sqlite checkpoint failed: %s", type(exc).__name__)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise sqlite3.ProgrammingError("the store is closed")
-
     async def close(self) -> None:
-        """Let the writes under way finish, then close every connection; closing again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._in_flight:
-            await asyncio.wait(set(self._in_flight))
         if self._checkpointing is not None:
             await self._checkpointing
-        for conn in dict.fromkeys((self._checkpointer, self._lookups, self._reader, self._writer)):
-            if conn is not None:
-                await conn.close()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if self._checkpointer is not None:
+            await self._checkpointer.close()
+        if self._reader is not self._writer:
+            await self._reader.close()
+        await self._writer.close()
 
 
 class SQLiteStore(SQLStore):
     @classmethod
     async def open(cls, url: str, busy_timeout_ms: int = 5000) -> SQLiteStore:
         path = sqlite_path(url)
-        # aiosqlite logs every call at DEBUG with its parameters: stored content and metadata values,
-        # which memproxy never logs.
-        logging.getLogger("aiosqlite").setLevel(logging.WARNING)
-        with translated():
-            backend = await _open_backend(path, int(busy_timeout_ms))
-        try:
-            await _migrate(backend)
-        except BaseException:
-            await backend.close()
-            raise
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        writer = _Connection(path, busy_timeout_ms, wal=True)
+        await writer.fetch("SELECT 1")  # opens the file (in WAL mode) before the reader does
+        in_memory = path == ":memory:"
+        reader = writer if in_memory else _Connection(path, busy_timeout_ms, wal=False)
+        checkpointer = None if in_memory else _Connection(path, 0, wal=False)
+        backend = SQLiteBackend(reader, writer, None if in_memory else _local(path), checkpointer)
+        await _migrate(backend)
         return cls(backend)
 
 
-async def _open_backend(path: str, busy_timeout_ms: int) -> SQLiteBackend:
-    """The writer first (it puts the file in WAL mode), then the readers and the checkpointer."""
-    if path == ":memory:":
-        return SQLiteBackend(await _connect(path, ["foreign_keys = ON"], writer=True))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    opened: list[aiosqlite.Connection] = []
-    try:
-        opened.append(await _connect(path, [f"busy_timeout = {busy_timeout_ms}", "foreign_keys = ON",
-                                            "synchronous = NORMAL", "journal_mode = WAL", "wal_autocheckpoint = 0"],
-                                    writer=True))
-        for _ in range(2):  # the turn's lookups, and every other read
-            opened.append(await _connect(path, [f"busy_timeout = {busy_timeout_ms}", "query_only = ON"]))
-        opened.append(await _connect(path, ["busy_timeout = 0"]))
-    except BaseException:
-        for conn in opened:
-            await conn.close()
-        raise
-    return SQLiteBackend(*opened)
+def _local(path: str) -> sqlite3.Connection:
+    """The event loop's connection: never waiting on a busy file, never checkpointing on commit."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    for pragma in ("busy_timeout = 0", "foreign_keys = ON", "synchronous = NORMAL", "wal_autocheckpoint = 0"):
+        conn.execute(f"PRAGMA {pragma}").fetchall()
+    return conn
 
 
 async def _migrate(backend: SQLiteBackend) -> None:
@@ -271,7 +268,7 @@ async def _migrate(backend: SQLiteBackend) -> None:
     processes starting on one file at once apply each migration exactly once."""
     await backend.write(_statements(
         ["CREATE TABLE IF NOT EXISTS schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)"]))
-    for migration_id, sql in migrations("sqlite"):
+    for migration_id, sql in migrations():
         await backend.write(_migration(migration_id, sql))
 
 
