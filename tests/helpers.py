@@ -43,8 +43,17 @@ def user(text: str) -> Message:
     return {"role": "user", "content": text}
 
 
-def assistant(text: str | None) -> Message:
-    return {"role": "assistant", "content": text}
+def assistant(text: str | None, calls: list[str] | None = None) -> Message:
+    """An assistant message; `calls`: the ids of tool calls it makes (function `f`, no arguments)."""
+    message: Message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                                 for c in calls]
+    return message
+
+
+def tool(call_id: str, text: str) -> Message:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
 def assistant_from(reply: Reply) -> Message:

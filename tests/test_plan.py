@@ -21,6 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_config
+from helpers import assistant, tool, user
 from memproxy.concurrency import BackgroundTasks
 from memproxy.config import MemoryConfig, ModelConfig
 from memproxy.errors import BadRequest, ContextLengthExceeded
@@ -49,20 +50,6 @@ MODEL = ModelConfig(name="small", model="openai/small", context_window=2000, max
 SYSTEM: Message = {"role": "system", "content": "You are terse."}
 
 
-def user(text: str) -> Message:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str | None, calls: list[str] | None = None) -> Message:
-    message: Message = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                                 for c in calls]
-    return message
-
-
-def tool(call: str, text: str) -> Message:
-    return {"role": "tool", "tool_call_id": call, "content": text}
 
 
 # --- plain snapshots -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.store import SQLiteStore, Store, Summary, open_store
@@ -27,7 +28,7 @@ from memproxy.store.sql import QUERIES
 from memproxy.store.migrations import migrations
 from stores import POSTGRES_URL, StoreUnderTest, store_under_test
 from test_cli import run_cli
-from test_store_contract import assistant, tool, turn, user
+from test_store_contract import turn
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
-from memproxy.store.errors import StoreConflict
+from helpers import assistant, tool, user
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
                             Usage)
+from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
 from memproxy.store.sqlite import _CHECKPOINT_EVERY, QUERIES
 from stores import StoreUnderTest, store_under_test
@@ -50,20 +51,6 @@ async def open_store(backend: StoreUnderTest) -> AsyncIterator[Opener]:
         await store.close()
 
 
-def user(text: str) -> Message:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str | None, calls: list[str] | None = None) -> Message:
-    message: Message = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                                 for c in calls]
-    return message
-
-
-def tool(call_id: str, text: str) -> Message:
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
 def turn(
