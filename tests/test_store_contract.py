@@ -24,7 +24,8 @@ from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summar
                             Usage)
 from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
-from memproxy.store.sqlite import _CHECKPOINT_EVERY, QUERIES
+from memproxy.store.sql import QUERIES
+from memproxy.store.sqlite import _CHECKPOINT_EVERY
 from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]
@@ -68,7 +69,7 @@ def turn(
         expected_head_hash=session.head_hash if session else "",
         base=base, base_totals=Totals(base * tokens, base * tokens), base_hash=base_hash,
         messages=[NewMessage(m, tokens, starts_unit(m), h) for m, h in zip(messages, hashes)],
-        system=system, model="small", kind="test",
+        system=system, model="small", kind="append",
         context_tokens=123, latency_ms=1.5, usage=Usage(7, 3),
     )
 
@@ -370,6 +371,7 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     assert session is not None
     hashes = chain_hashes(ROOT_HASH, history)
     assert await store.current_summary(session, 6) is None and session.summary_version == 0
+    assert await store.newest_summary_version(session) == 0
     await store.save_summary(session, 0, summary(2, hashes[1], "first"))
     await store.save_summary(session, 1, summary(4, hashes[3], "second"))
     summarised = await other.get_session("t", "s")
@@ -390,6 +392,9 @@ async def test_summaries_are_versioned_and_go_stale_when_their_history_changes(o
     rebased = await store.current_summary(edited, edited.length)
     assert rebased is not None and rebased.text == "first"
     assert [s.text for s in await other.summary_history(edited)] == ["first", "second"]
+    # The version a fold saves after is the newest saved, "second", though "first" is in use.
+    assert await other.newest_summary_version(edited) == 2
+    await store.save_summary(edited, 2, summary(2, hashes[1], "third"))
 
 
 async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, split_system
-from ..store import NewMessage, SessionState, Store
+from ..store import NewMessage, SessionState, TurnStore
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
@@ -87,7 +87,7 @@ def prompt_schemas(params: dict[str, Any]) -> list[Any]:
 
 
 async def prepare_turn(
-    store: Store,
+    store: TurnStore,
     summarizer: Summarizer,
     model: ModelConfig,
     counter: TokenCounter,

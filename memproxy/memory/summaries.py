@@ -31,7 +31,7 @@ from ..errors import ProxyError
 from ..messages import Message
 from ..provider import Provider
 from ..redact import session_digest
-from ..store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
+from ..store import SessionState, StoredMessage, Summary, SummaryCall, TurnStore, Usage
 from ..store.errors import StoreConflict
 from ..tokens import TokenCounter
 from .fit import summary_tokens
@@ -134,7 +134,7 @@ def chunks(
 
 
 class Summarizer:
-    def __init__(self, config: Config, store: Store, provider: Provider, tasks: BackgroundTasks) -> None:
+    def __init__(self, config: Config, store: TurnStore, provider: Provider, tasks: BackgroundTasks) -> None:
         self._config = config
         self._memory = config.memory
         self._store = store
@@ -268,8 +268,7 @@ class Summarizer:
         chat_window = self._provider.window(chat_model)
         chat_counter = self._provider.counter(chat_model)
         messages = await store.active_range(session, covers, upto)
-        versions = await store.summary_history(session)
-        version = versions[-1].version if versions else 0
+        version = await store.newest_summary_version(session)  # what `save_summary` expects, in use or not
         cap = self.summary_cap(chat_window, model)
         counter = self._provider.counter(model)
         room = self._transcript_room(model, counter, cap, current)
@@ -364,7 +363,7 @@ class Summarizer:
 class _Lease:
     """One fold's claim on a session, across every process sharing the store."""
 
-    store: Store
+    store: TurnStore
     session: SessionState
     holder: str
     seconds: float

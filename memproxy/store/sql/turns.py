@@ -1,0 +1,333 @@
+"""The SQL store's half that serves a chat turn and the summariser (`TurnStore`): the indexed
+reads a turn plans on, the turn written in one transaction, summaries and their leases, and the
+message cap.
+
+A turn planned against a history that has since moved is appended after the new head if it only
+continued that history, and refused with `StoreConflict` otherwise (an edit or regenerate whose fork
+point may be gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+from ...messages import chain_hash
+from ...timing import charge_store
+from ..base import SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord
+from ..errors import StoreConflict
+from .codec import TURN_COLUMNS, column_marks, dumps, sent_values, text_in, to_summary
+from .common import CHUNK, SQLBase
+from .script import Row, Script
+
+_LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) is no lookup
+
+# The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
+# the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
+# length of a session's history.
+QUERIES = {
+    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
+    " system_prompt, created_at, updated_at, summary_version FROM sessions"
+    " WHERE tenant = ? AND session_id = ?",
+    "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
+    " AND chain_hash IN ({marks})",
+    "totals_at": "SELECT cum_before, compact_cum_before FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "user_positions": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user'"
+    " AND seq < ? ORDER BY seq DESC LIMIT ?",
+    # What a turn's fit needs to know before reading the messages it may send (`Store.snapshot`):
+    # the last unit start before `base` (it walks back through one unit's tool results at most),
+    # the newest user message, and the first unit start whose tail fits the room, as stored and in
+    # compact form. One trip, four index lookups.
+    "snapshot_marks": "SELECT"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND seq < ?"
+    " ORDER BY seq DESC LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user' AND seq < ?"
+    " ORDER BY seq DESC LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND cum_before >= ?"
+    " ORDER BY cum_before LIMIT 1),"
+    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
+    " AND compact_cum_before >= ? ORDER BY compact_cum_before LIMIT 1)",
+    "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash, compact_body,"
+    " compact_tokens, compact_cum_before FROM messages"
+    " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
+    "current_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
+    " s.model, s.created_at FROM summaries s JOIN messages m ON m.session_pk = s.session_pk"
+    " AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
+    " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
+    # The summary in use, one version, with the totals at the position it covers up to.
+    "snapshot_summary": "SELECT s.version, s.text, s.covers, s.covers_hash, s.tokens, s.replaced_tokens,"
+    " s.model, s.created_at, m.cum_before + m.tokens,"
+    " m.compact_cum_before + coalesce(m.compact_tokens, m.tokens) FROM summaries s JOIN messages m"
+    " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
+    " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
+    "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
+}
+
+
+class SQLTurns(SQLBase):
+    """The `TurnStore` methods."""
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
+        row = await self._one(QUERIES["get_session"], (tenant, session_id), lookup=True)
+        if row is None:
+            return None
+        return SessionState(
+            pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
+            head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
+            created_at=row[8], updated_at=row[9], summary_version=row[10],
+        )
+
+    async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
+        best = -1
+        for i in range(0, len(hashes), CHUNK):
+            chunk = list(hashes[i : i + CHUNK])
+            sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
+            row = await self._one(sql, (session.pk, *chunk), lookup=True)
+            if row is not None and row[0] is not None:
+                best = max(best, int(row[0]))
+        return best + 1
+
+    async def totals_at(self, session: SessionState, seq: int) -> Totals:
+        if seq >= session.length:
+            return Totals(session.head_cum, session.head_compact_cum)
+        row = await self._one(QUERIES["totals_at"], (session.pk, seq), lookup=True)
+        if row is None:
+            raise LookupError(f"no active message at position {seq}")
+        return Totals(int(row[0]), int(row[1]))
+
+    async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
+        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit), lookup=True)
+        return [int(row[0]) for row in rows]
+
+    async def snapshot(self, session: SessionState, base: int, whole_last_unit: bool, room: int) -> Snapshot:
+        base_totals = await self.totals_at(session, base)  # no trip unless `base` is before the head
+        if base_totals.full <= room:
+            # The whole history fits as stored (most sessions): read it, and find the marks in it.
+            messages = await self.active_range(session, 0, base)
+            last_unit = next((m.seq for m in reversed(messages) if m.unit_start), None)
+            last_user = next((m.seq for m in reversed(messages) if m.body.get("role") == "user"), None)
+            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            start = 0
+        else:
+            marks = await self._one(QUERIES["snapshot_marks"], (
+                session.pk, base, session.pk, base, session.pk, base_totals.full - room,
+                session.pk, base_totals.compact - room), lookup=True)
+            assert marks is not None  # scalar subqueries: always one row
+            last_unit, last_user, fits, fits_compact = (None if v is None else int(v) for v in marks)
+            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            # A unit start before both of the first that fit costs more than `room` either way.
+            start = min(must_start, base if fits is None else fits, base if fits_compact is None else fits_compact)
+            messages = await self.active_range(session, start, base)
+        summary, summary_totals = None, None
+        if session.summary_version:  # a session never summarised needs no summary query
+            row = await self._one(QUERIES["snapshot_summary"], (session.pk, must_start), lookup=True)
+            if row is not None:
+                summary, summary_totals = to_summary(row), Totals(int(row[8]), int(row[9]))
+        return Snapshot(base=base, base_totals=base_totals, must_start=must_start, last_user=last_user,
+                        summary=summary, summary_totals=summary_totals, start=start, messages=messages)
+
+    async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
+        if start >= stop:
+            return []
+        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop),
+                                 lookup=stop - start <= _LOOKUP_ROWS)
+        return [
+            StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
+                          unit_start=bool(r[4]), chain_hash=r[5],
+                          compact_body=json.loads(r[6]) if r[6] else None, compact_tokens=r[7],
+                          compact_cum_before=r[8])
+            for r in rows
+        ]
+
+    async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
+        row = await self._one(QUERIES["current_summary"], (session.pk, upto), lookup=True)
+        return None if row is None else to_summary(row)
+
+    async def newest_summary_version(self, session: SessionState) -> int:
+        row = await self._one("SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,))
+        assert row is not None  # an aggregate: always one row
+        return int(row[0])
+
+    async def record_turn(self, turn: TurnRecord) -> None:
+        started = time.perf_counter()
+        try:
+            await self._db.write(self._record_turn(turn, time.time()))
+        finally:
+            charge_store(started)
+
+    def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
+        """A turn in as few statements as it takes (each is a round trip on PostgreSQL). Usually the
+        session is where the turn was planned, and one statement both checks that and moves its row to
+        the new head (a new session: inserts it with its head). Otherwise (the session moved
+        meanwhile, was created by another writer, or idled past its TTL) its row is locked and read
+        first, and the turn continues it, rebased (`_rebased`), or is refused."""
+        placement = _placement(turn)
+        pk = None
+        if turn.expired_before is None:
+            pk = yield from (self._insert_head(turn, placement[1], now) if turn.expected_length == 0
+                             else self._move_head(turn, placement[1], now))
+        if pk is None:
+            row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
+            if row is None:
+                if turn.expected_length != 0:
+                    raise StoreConflict("the session was deleted while this turn was in flight")
+                row = yield from self._new_session(turn.tenant, turn.session_id)
+            pk = int(row[0])
+            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+                turn = yield from self._rebased(turn, pk, row)
+                placement = _placement(turn)
+            yield from self._move_head(turn, placement[1], now, pk)
+        if turn.base < turn.expected_length:
+            yield QUERIES["supersede"], (pk, turn.base)
+        [(turn_id,)] = yield (
+            f"INSERT INTO turns (session_pk, {TURN_COLUMNS}) VALUES (?, {column_marks(TURN_COLUMNS)}) RETURNING id",
+            (pk, now, text_in(turn.model), turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
+             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens,
+             *sent_values(turn.sent)))
+        parent_id = None  # the first message's parent, the message before `base`, is looked up in its insert
+        for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement[0]):
+            [(parent_id,)] = yield (
+                "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
+                " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
+                f" compact_cum_before) VALUES (?, ?, coalesce(?, ({QUERIES['message_id']})),"
+                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (pk, turn_id, parent_id, pk, turn.base - 1, seq, message.body.get("role"),
+                 dumps(message.body), message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                 None if message.compact_body is None else dumps(message.compact_body),
+                 compact_tokens, compact_cum))
+
+    def _insert_head(self, turn: TurnRecord, head: Head, now: float) -> Script[int | None]:
+        """A new session inserted with the turn's head; None if one exists already."""
+        created = yield (
+            "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
+            " head_compact_cum, system_prompt, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+            (turn.tenant, turn.session_id, now, now, *head, dumps(turn.system) if turn.system else None,
+             text_in(turn.title)))
+        return int(created[0][0]) if created else None
+
+    def _move_head(self, turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Script[int | None]:
+        """The session's row moved to `head` (length, hash, running totals), with the turn's system
+        prompt and title: the row `pk` (locked already), or without one, the session
+        only if it is still where the turn was planned (the statement checks it, and on PostgreSQL
+        locks it). The session's key, or None if it had moved."""
+        where, params = ("pk = ?", [pk]) if pk is not None else (
+            "tenant = ? AND session_id = ? AND length = ? AND head_hash = ?",
+            [turn.tenant, turn.session_id, turn.expected_length, turn.expected_head_hash])
+        moved = yield (
+            "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
+            " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
+            f" title = coalesce(title, ?) WHERE {where} RETURNING pk",
+            (*head, now, dumps(turn.system) if turn.system else None, text_in(turn.title), *params))
+        return int(moved[0][0]) if moved else None
+
+    def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
+        """A turn planned on a history that another writer has since extended. If it only continued
+        that history (and what it continued is still there), it goes after the other writer's turn,
+        its chained hashes and running totals recomputed on the new head: overlapping turns on one
+        session are all kept, however many replicas race. An edit or regenerate is refused instead:
+        the point it forked from may be gone."""
+        _, length, head_hash, head_cum, head_compact_cum = head
+        if turn.base != turn.expected_length or length < turn.base:
+            raise StoreConflict("the session changed while this turn was in flight; retry it")
+        if turn.base:
+            found = yield QUERIES["chain_hash_at"], (pk, turn.base - 1)
+            if not found or found[0][0] != turn.base_hash:
+                raise StoreConflict("the session changed while this turn was in flight; retry it")
+        chain, messages = head_hash, []
+        for message in turn.messages:
+            chain = chain_hash(chain, message.body)
+            messages.append(dataclasses.replace(message, chain_hash=chain))
+        return dataclasses.replace(turn, base=length, base_hash=head_hash,
+                                   base_totals=Totals(head_cum, head_compact_cum), messages=messages)
+
+    async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
+        await self._write_one(
+            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+            " completion_tokens, latency_ms, cost, full_tokens)"
+            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
+            (time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
+             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+
+    async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
+        await self._db.write(self._save_summary(session, expected_version, summary, time.time()))
+
+    def _save_summary(self, session: SessionState, expected_version: int, summary: Summary,
+                      now: float) -> Script[None]:
+        yield from self._locked(session.tenant, session.session_id)
+        [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
+        if version != expected_version:
+            raise StoreConflict("another summary of this session was saved meanwhile")
+        covered = yield ("SELECT 1 FROM messages WHERE session_pk = ? AND active = 1 AND seq = ? AND chain_hash = ?",
+                         (session.pk, summary.covers - 1, summary.covers_hash))
+        if not covered:
+            raise StoreConflict("the history this summary covers has changed since it was read")
+        yield ("INSERT INTO summaries (session_pk, version, text, covers, covers_hash, tokens, replaced_tokens,"
+               " model, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (session.pk, expected_version + 1, text_in(summary.text), summary.covers, summary.covers_hash,
+                summary.tokens, summary.replaced_tokens, text_in(summary.model), now))
+        yield "UPDATE sessions SET summary_version = ? WHERE pk = ?", (expected_version + 1, session.pk)
+
+    async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
+        now = time.time()
+        taken = await self._write_one(
+            "INSERT INTO summary_leases (session_pk, holder, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (session_pk) DO UPDATE SET holder = excluded.holder,"
+            " expires_at = excluded.expires_at"
+            " WHERE summary_leases.expires_at < ? OR summary_leases.holder = excluded.holder"
+            " RETURNING holder",
+            (session.pk, holder, now + seconds, now))
+        return bool(taken)
+
+    async def release_summary_lease(self, session: SessionState, holder: str) -> None:
+        await self._write_one("DELETE FROM summary_leases WHERE session_pk = ? AND holder = ?", (session.pk, holder))
+
+    async def cap_messages(self, session: SessionState, keep: int) -> int:
+        return await self._db.write(self._cap_messages(session, keep))
+
+    def _cap_messages(self, session: SessionState, keep: int) -> Script[int]:
+        locked = yield from self._locked(session.tenant, session.session_id)
+        if locked is None or locked[0] != session.pk:
+            return 0
+        # The summary in use is read under the lock: read before it, an edit recorded meanwhile
+        # could make it stale and its `covers` would reach into the new branch, still to be sent.
+        summary = yield QUERIES["current_summary"], (session.pk, locked[1])
+        covers = to_summary(summary[0]).covers if summary else 0
+        [(count,)] = yield "SELECT count(*) FROM messages WHERE session_pk = ?", (session.pk,)
+        excess = int(count) - keep
+        if excess <= 0:
+            return 0
+        # Superseded messages first, then what the summary in use stands for (its last message
+        # stays: it proves the summary still matches the history).
+        rows = yield ("SELECT id FROM messages WHERE session_pk = ? AND (active = 0 OR seq < ?)"
+                      " ORDER BY active, id LIMIT ?", (session.pk, covers - 1, excess))
+        ids = [r[0] for r in rows]
+        if not ids:
+            return 0
+        marks = ",".join("?" * len(ids))
+        yield f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids
+        yield f"DELETE FROM messages WHERE id IN ({marks})", ids
+        return len(ids)
+
+
+Head = tuple[int, str, int, int]  # a session's length, head hash and running totals (full, compact)
+
+
+def _placement(turn: TurnRecord) -> tuple[list[tuple[int, int, int, int]], Head]:
+    """Where each of the turn's messages goes (seq, running total before it, its compact tokens and
+    compact running total), and the session's head after them (length, hash, running totals)."""
+    seq, head_hash = turn.base, turn.base_hash
+    cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
+    placed = []
+    for message in turn.messages:
+        compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        placed.append((seq, cum, compact_tokens, compact_cum))
+        seq, head_hash = seq + 1, message.chain_hash
+        cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
+    return placed, (seq, head_hash, cum, compact_cum)
+
