@@ -85,9 +85,10 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "active_range": ((1, 30, 50), "messages_active_seq"),
         "current_summary": ((1, 60), "summaries_session_pk_version_key"),
         "snapshot_summary": ((1, 60), "summaries_session_pk_version_key"),
-        "message_id": ((1, 40), "messages_active_seq"),
+        "newest_chat_turn": (("t", "s1"), "turns_session"),
+        "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
-        "supersede": ((1, 50), "messages_active_seq"),
+        "supersede": (("t", "s1", 50), "messages_active_seq"),
     }
 
 

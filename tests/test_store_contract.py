@@ -540,3 +540,33 @@ def test_sessions_summarised_before_0007_know_their_summary_version(tmp_path: Pa
             await store.close()
 
     asyncio.run(check())
+
+
+async def test_sqlite_runs_nothing_on_the_event_loops_thread(tmp_path: Path) -> None:
+    """Every statement of a turn, its reads and a checkpoint runs on a connection's own thread
+    (aiosqlite), never on the thread running the event loop."""
+    import threading
+
+    store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'threads.db'}")
+    backend: Any = getattr(store, "_db")
+    seen: list[tuple[int, str]] = []
+    for conn in {id(c): c for c in (backend._writer, backend._reader, backend._checkpointer)}.values():
+        await conn.set_trace_callback(lambda sql: seen.append((threading.get_ident(), sql)))
+    try:
+        await store.record_turn(turn(None, [user("q0"), assistant("a0")]))
+        session = await store.get_session("t", "s")
+        assert session is not None and session.head_message == assistant("a0")
+        await store.record_turn(turn(session, [user("q1"), assistant("a1")]))
+        session = await store.get_session("t", "s")
+        assert session is not None
+        await store.snapshot(session, session.length, False, 10_000)
+        for k in range(_CHECKPOINT_EVERY):
+            await store.record_turn(turn(None, [user(f"q{k}"), assistant(f"a{k}")], session_id=f"o{k}"))
+        if backend._checkpointing is not None:
+            await backend._checkpointing
+    finally:
+        await store.close()
+    statements_seen = [sql for _, sql in seen]
+    assert any("wal_checkpoint" in sql for sql in statements_seen)
+    assert any(sql.startswith("INSERT INTO messages") for sql in statements_seen)
+    assert threading.get_ident() not in {thread for thread, _ in seen}

@@ -98,14 +98,13 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
     """The longest k such that the client's first k messages repeat the newest k stored ones, up to
     the head (loosely compared); 0 if none.
 
-    Only the few client positions that equal the stored head are tried, and one read covers them
-    all (as many stored messages as the client sent at most), so the cost follows the request, not
-    the history.
+    Only the few client positions that equal the stored head (read with the session) are tried, and
+    one read covers them all (as many stored messages as the client sent at most), so the cost
+    follows the request, not the history; a request that repeats nothing reads nothing here.
     """
-    last = await store.active_range(session, session.length - 1, session.length)
-    if not last:
+    head = session.head_message  # read with the session
+    if head is None:
         return 0
-    head = last[0].body
     candidates = [j for j in range(min(len(conversation), session.length) - 1, -1, -1)
                   if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
     if not candidates:

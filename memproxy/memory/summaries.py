@@ -153,10 +153,15 @@ class Summarizer:
         until, _ = self._backoff.get((tenant, session_id), (0.0, 0))
         return self._memory.summaries and time.monotonic() >= until
 
-    def after_turn(self, tenant: str, session_id: str, chat_model: ModelConfig) -> None:
-        """Start a background fold if the session has outgrown its chunk threshold."""
+    def after_turn(self, tenant: str, session_id: str, chat_model: ModelConfig, unfolded: int | None = None) -> None:
+        """Start a background fold if the session has outgrown its chunk threshold. `unfolded`: the
+        summary and the history after it as the turn saw them, its own messages included
+        (`Context.unfolded`); at or under the threshold the store is not read at all (most turns:
+        three reads saved). The fold checks the stored totals again before it calls any model."""
         key = (tenant, session_id)
         if key in self._running or not self.may_fold(tenant, session_id):
+            return
+        if unfolded is not None and unfolded <= self._memory.chunk_threshold(self._provider.window(chat_model)):
             return
         self._start(key, chat_model, None, check_threshold=True)
 

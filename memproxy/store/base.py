@@ -43,6 +43,9 @@ class SessionState:
     created_at: float
     updated_at: float
     summary_version: int  # the newest summary saved (0: none, so there is none to look for)
+    # The newest active message, read with the row: whether a request echoes the stored tail is
+    # decided against it, with no read of its own on most turns (None: the session is empty).
+    head_message: Message | None = None
 
 
 @dataclass(frozen=True)

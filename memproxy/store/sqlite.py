@@ -37,14 +37,15 @@ import aiosqlite
 
 from .errors import translated
 from .migrations import migrations, statements
-from .sql import QUERIES, Row, Script, SQLStore, Step
-
-Outcome = list[Row] | BaseException  # a statement's rows, or the error it raised
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step
 
 __all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
 T = TypeVar("T")
 log = logging.getLogger("memproxy.store")
+# aiosqlite logs every call with its parameters (stored content, metadata values) at DEBUG: even a
+# server debugging at DEBUG level must never write those.
+logging.getLogger("aiosqlite").setLevel(logging.WARNING)
 
 
 def sqlite_path(url: str) -> str:

@@ -2,11 +2,11 @@
 
 A `Backend` supplies reads that see only committed data, write scripts, and the dialect's row lock.
 Every write is a script: a generator of statements, each `yield` answered with that statement's
-rows, run in one transaction. The same code runs statement by statement on PostgreSQL and whole in
-one trip to SQLite's writer thread, so no write there holds the thread across trips to the event
-loop, and writes queue on the thread instead of on a lock. Statements use `?` placeholders (the
-PostgreSQL backend numbers them), `RETURNING` for new ids and for what a statement changed, and
-`CAST(? AS TEXT) IS NULL` where a parameter may be null, so one text serves both.
+rows, run in one transaction. Where no statement needs another's answer, a write is a batch
+instead (`Backend.write_batch`): SQLite sends the whole batch to its writer's thread in one trip.
+Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING` for new ids and
+for what a statement changed, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one
+text serves both.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ Row = Sequence[Any]
 T = TypeVar("T")
 Step = tuple[str, Sequence[Any]]
 Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
+Outcome = list[Row] | BaseException  # what a statement of a batch returned, or the error it raised
 
 
 class Backend(Protocol):
@@ -29,11 +30,17 @@ class Backend(Protocol):
 
     async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
-        by the request rather than the history, so a backend may answer it on the event loop."""
+        by the request rather than the history (the plans are checked by the tests)."""
         ...
 
     async def write(self, script: Script[T]) -> T:
         """Run a script in one write transaction, rolled back if it raises."""
+        ...
+
+    async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
+        """Run `steps` in one write transaction, then `accept` their outcomes, in order, inside it:
+        committed if it returns, rolled back if it raises. A step's error does not stop the batch
+        (a backend may stop sending steps after one: those then carry the same error)."""
         ...
 
     async def close(self) -> None: ...

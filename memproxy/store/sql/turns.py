@@ -20,17 +20,21 @@ from ..base import SessionState, Snapshot, StoredMessage, Summary, SummaryCall, 
 from ..errors import StoreConflict
 from .codec import TURN_COLUMNS, column_marks, dumps, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
-from .script import Row, Script
+from .script import Outcome, Row, Script, Step
 
 _LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) is no lookup
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
 # length of a session's history.
+# A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
+_SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
+
 QUERIES = {
-    "get_session": "SELECT pk, tenant, session_id, length, head_hash, head_cum, head_compact_cum,"
-    " system_prompt, created_at, updated_at, summary_version FROM sessions"
-    " WHERE tenant = ? AND session_id = ?",
+    "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
+    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body FROM sessions s"
+    " LEFT JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq = s.length - 1"
+    " WHERE s.tenant = ? AND s.session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
     " AND chain_hash IN ({marks})",
     "totals_at": "SELECT cum_before, compact_cum_before FROM messages"
@@ -63,9 +67,14 @@ QUERIES = {
     " m.compact_cum_before + coalesce(m.compact_tokens, m.tokens) FROM summaries s JOIN messages m"
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
-    "message_id": "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
-    "supersede": "UPDATE messages SET active = 0 WHERE session_pk = ? AND active = 1 AND seq >= ?",
+    # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
+    # turns on a session are written one at a time, under its row's lock, a summariser call's
+    # `summary` turn is not), a message's parent, and what an edit supersedes.
+    "newest_chat_turn": f"SELECT id FROM turns WHERE session_pk = {_SESSION_PK} AND kind <> 'summary'"
+    " ORDER BY id DESC LIMIT 1",
+    "message_id": f"SELECT id FROM messages WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq = ?",
+    "supersede": f"UPDATE messages SET active = 0 WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq >= ?",
 }
 
 
@@ -80,6 +89,7 @@ class SQLTurns(SQLBase):
             pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
             head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
             created_at=row[8], updated_at=row[9], summary_version=row[10],
+            head_message=json.loads(row[11]) if row[11] else None,
         )
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
@@ -156,75 +166,90 @@ class SQLTurns(SQLBase):
     async def record_turn(self, turn: TurnRecord) -> None:
         started = time.perf_counter()
         try:
-            await self._db.write(self._record_turn(turn, time.time()))
+            now = time.time()
+            if turn.expired_before is None:
+                try:  # usually the session is where the turn was planned: one batch writes it all
+                    return await self._db.write_batch(self._planned_turn(turn, now), _head_moved)
+                except _HeadMoved:
+                    pass
+            await self._db.write(self._record_turn(turn, now))
         finally:
             charge_store(started)
 
-    def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
-        """A turn in as few statements as it takes (each is a round trip on PostgreSQL). Usually the
-        session is where the turn was planned, and one statement both checks that and moves its row to
-        the new head (a new session: inserts it with its head). Otherwise (the session moved
-        meanwhile, was created by another writer, or idled past its TTL) its row is locked and read
-        first, and the turn continues it, rebased (`_rebased`), or is refused."""
-        placement = _placement(turn)
-        pk = None
-        if turn.expired_before is None:
-            pk = yield from (self._insert_head(turn, placement[1], now) if turn.expected_length == 0
-                             else self._move_head(turn, placement[1], now))
-        if pk is None:
-            row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
-            if row is None:
-                if turn.expected_length != 0:
-                    raise StoreConflict("the session was deleted while this turn was in flight")
-                row = yield from self._new_session(turn.tenant, turn.session_id)
-            pk = int(row[0])
-            if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
-                turn = yield from self._rebased(turn, pk, row)
-                placement = _placement(turn)
-            yield from self._move_head(turn, placement[1], now, pk)
-        if turn.base < turn.expected_length:
-            yield QUERIES["supersede"], (pk, turn.base)
-        [(turn_id,)] = yield (
-            f"INSERT INTO turns (session_pk, {TURN_COLUMNS}) VALUES (?, {column_marks(TURN_COLUMNS)}) RETURNING id",
-            (pk, now, text_in(turn.model), turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
-             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens,
-             *sent_values(turn.sent)))
-        parent_id = None  # the first message's parent, the message before `base`, is looked up in its insert
-        for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement[0]):
-            [(parent_id,)] = yield (
-                "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens,"
-                " cum_before, unit_start, chain_hash, created_at, compact_body, compact_tokens,"
-                f" compact_cum_before) VALUES (?, ?, coalesce(?, ({QUERIES['message_id']})),"
-                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                (pk, turn_id, parent_id, pk, turn.base - 1, seq, message.body.get("role"),
-                 dumps(message.body), message.tokens, cum, int(message.unit_start), message.chain_hash, now,
-                 None if message.compact_body is None else dumps(message.compact_body),
-                 compact_tokens, compact_cum))
+    def _planned_turn(self, turn: TurnRecord, now: float) -> list[Step]:
+        """The turn as one batch, valid only if the session is still where the turn was planned: its
+        first statement moves the session's head only from there (a new session: inserts it only if
+        none exists), and returns nothing otherwise (`_head_moved`: the batch is rolled back)."""
+        placement, head = _placement(turn)
+        first = self._insert_head(turn, head, now) if turn.expected_length == 0 else self._move_head(turn, head, now)
+        return [first, *self._turn_rows(turn, placement, now)]
 
-    def _insert_head(self, turn: TurnRecord, head: Head, now: float) -> Script[int | None]:
-        """A new session inserted with the turn's head; None if one exists already."""
-        created = yield (
+    def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
+        """A turn whose session moved meanwhile (another writer's turn or its creation), or idled past
+        its TTL: its row is locked and read first, and the turn continues it, rebased (`_rebased`),
+        or is refused."""
+        row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
+        if row is None:
+            if turn.expected_length != 0:
+                raise StoreConflict("the session was deleted while this turn was in flight")
+            row = yield from self._new_session(turn.tenant, turn.session_id)
+        pk = int(row[0])
+        if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
+            turn = yield from self._rebased(turn, pk, row)
+        placement, head = _placement(turn)
+        yield self._move_head(turn, head, now, pk)
+        for step in self._turn_rows(turn, placement, now):
+            yield step
+
+    @staticmethod
+    def _turn_rows(turn: TurnRecord, placement: list[Placed], now: float) -> list[Step]:
+        """What a turn writes once its session's row is moved: the messages it supersedes, the turn,
+        its messages. No statement needs another's answer, so they can go in one batch: each looks
+        up the session, the turn and a message's parent (the active message before it) itself."""
+        session = (turn.tenant, turn.session_id)
+        steps: list[Step] = []
+        if turn.base < turn.expected_length:
+            steps.append((QUERIES["supersede"], (*session, turn.base)))
+        steps.append((
+            f"INSERT INTO turns (session_pk, {TURN_COLUMNS}) VALUES ({_SESSION_PK}, {column_marks(TURN_COLUMNS)})",
+            (*session, now, text_in(turn.model), turn.kind, turn.context_tokens, turn.usage.prompt_tokens,
+             turn.usage.completion_tokens, turn.latency_ms, turn.cost, turn.full_tokens, *sent_values(turn.sent))))
+        for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement):
+            steps.append((
+                "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens, cum_before,"
+                " unit_start, chain_hash, created_at, compact_body, compact_tokens, compact_cum_before)"
+                f" VALUES ({_SESSION_PK}, ({QUERIES['newest_chat_turn']}), ({QUERIES['message_id']}),"
+                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*session, *session, *session, seq - 1, seq, message.body.get("role"), dumps(message.body),
+                 message.tokens, cum, int(message.unit_start), message.chain_hash, now,
+                 None if message.compact_body is None else dumps(message.compact_body), compact_tokens,
+                 compact_cum)))
+        return steps
+
+    @staticmethod
+    def _insert_head(turn: TurnRecord, head: Head, now: float) -> Step:
+        """A new session inserted with the turn's head, returning its key; nothing if one exists."""
+        return (
             "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
             " head_compact_cum, system_prompt, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, dumps(turn.system) if turn.system else None,
              text_in(turn.title)))
-        return int(created[0][0]) if created else None
 
-    def _move_head(self, turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Script[int | None]:
+    @staticmethod
+    def _move_head(turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Step:
         """The session's row moved to `head` (length, hash, running totals), with the turn's system
-        prompt and title: the row `pk` (locked already), or without one, the session
-        only if it is still where the turn was planned (the statement checks it, and on PostgreSQL
-        locks it). The session's key, or None if it had moved."""
+        prompt and title, returning its key: the row `pk` (locked already), or without one, the
+        session only if it is still where the turn was planned (the statement checks it, and on
+        PostgreSQL locks it); nothing if it had moved."""
         where, params = ("pk = ?", [pk]) if pk is not None else (
             "tenant = ? AND session_id = ? AND length = ? AND head_hash = ?",
             [turn.tenant, turn.session_id, turn.expected_length, turn.expected_head_hash])
-        moved = yield (
+        return (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
             f" title = coalesce(title, ?) WHERE {where} RETURNING pk",
             (*head, now, dumps(turn.system) if turn.system else None, text_in(turn.title), *params))
-        return int(moved[0][0]) if moved else None
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
         """A turn planned on a history that another writer has since extended. If it only continued
@@ -316,9 +341,23 @@ class SQLTurns(SQLBase):
 
 
 Head = tuple[int, str, int, int]  # a session's length, head hash and running totals (full, compact)
+Placed = tuple[int, int, int, int]  # a message's seq, running total before it, compact tokens and running total
 
 
-def _placement(turn: TurnRecord) -> tuple[list[tuple[int, int, int, int]], Head]:
+class _HeadMoved(Exception):
+    """The session is not where the turn was planned: its batch is rolled back."""
+
+
+def _head_moved(outcomes: list[Outcome]) -> None:
+    """Accepts a planned turn's batch (`SQLTurns._planned_turn`) if its first statement moved the head."""
+    if not isinstance(outcomes[0], BaseException) and not outcomes[0]:
+        raise _HeadMoved
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+def _placement(turn: TurnRecord) -> tuple[list[Placed], Head]:
     """Where each of the turn's messages goes (seq, running total before it, its compact tokens and
     compact running total), and the session's head after them (length, hash, running totals)."""
     seq, head_hash = turn.base, turn.base_hash
