@@ -570,3 +570,43 @@ async def test_sqlite_runs_nothing_on_the_event_loops_thread(tmp_path: Path) -> 
     assert any("wal_checkpoint" in sql for sql in statements_seen)
     assert any(sql.startswith("INSERT INTO messages") for sql in statements_seen)
     assert threading.get_ident() not in {thread for thread, _ in seen}
+
+
+async def test_turns_written_together_are_each_whole_and_a_moved_one_goes_its_own_way(open_store: Opener) -> None:
+    """Turns recorded at once (on SQLite, one transaction and one commit for the batches queued
+    together): every one is stored whole on its own session; one planned against a head that has
+    since moved is rebased or refused by itself, and the others are kept."""
+    store, other = await open_store(), await open_store()
+    for k in range(6):
+        await store.record_turn(turn(None, [user(f"q{k}"), assistant(f"a{k}")], session_id=f"s{k}"))
+    sessions = [await store.get_session("t", f"s{k}") for k in range(6)]
+    # Another writer moves s0 after this store read it: s0's planned turn no longer fits its batch.
+    await other.record_turn(turn(sessions[0], [user("elsewhere"), assistant("moved")], session_id="s0"))
+    edit = turn(sessions[1], [user("edited"), assistant("e")], base=0, session_id="s1")
+    await other.record_turn(turn(sessions[1], [user("q1b"), assistant("a1b")], session_id="s1"))
+    results = await asyncio.gather(
+        store.record_turn(turn(sessions[0], [user("late"), assistant("l")], session_id="s0")),  # continues: rebased
+        store.record_turn(edit),  # an edit against a moved head: refused
+        *(store.record_turn(turn(sessions[k], [user(f"r{k}"), assistant(f"b{k}")], session_id=f"s{k}"))
+          for k in range(2, 6)),
+        *(store.record_turn(turn(None, [user(f"n{k}"), assistant(f"c{k}")], session_id=f"n{k}")) for k in range(4)),
+        return_exceptions=True)
+    assert results[0] is None and isinstance(results[1], StoreConflict)
+    assert all(r is None for r in results[2:]), results
+    s0 = await store.get_session("t", "s0")
+    assert s0 is not None
+    assert [m.body for m in await store.active_range(s0, 0, s0.length)] == [
+        user("q0"), assistant("a0"), user("elsewhere"), assistant("moved"), user("late"), assistant("l")]
+    s1 = await store.get_session("t", "s1")
+    assert s1 is not None and s1.length == 4  # the edit wrote nothing
+    for k in range(2, 6):
+        session = await store.get_session("t", f"s{k}")
+        assert session is not None
+        assert [m.body for m in await store.active_range(session, 0, session.length)] == [
+            user(f"q{k}"), assistant(f"a{k}"), user(f"r{k}"), assistant(f"b{k}")]
+        records = await store.export_session(session)
+        turn_ids = [r["id"] for r in records if r["type"] == "turn"]
+        assert [r["turn"] for r in records if r["type"] == "message"] == [turn_ids[0]] * 2 + [turn_ids[1]] * 2
+    for k in range(4):
+        session = await store.get_session("t", f"n{k}")
+        assert session is not None and session.length == 2

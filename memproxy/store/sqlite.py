@@ -2,24 +2,25 @@
 
 aiosqlite gives each connection a thread of its own and runs the calls queued to it there, in order;
 nothing of SQLite runs on the event loop's thread. Each call is a trip to that thread and back (some
-60 µs here, against a few µs for the indexed read itself), so the store is written to make few of
-them: every read is one `execute_fetchall`, and a write sends its statements together where none
-needs another's answer (`Backend.write_batch`: a turn's write is two trips, its statements and the
-commit).
+60 µs here, against a few µs for the indexed read itself), and under load each answer waits its turn
+on the busy loop, so the store is written to make few of them: every read is one `execute_fetchall`,
+and a write sends its statements together where none needs another's answer (`Backend.write_batch`).
 
 Three connections, each with its own thread:
-- the writer, for every write. A write is one `BEGIN IMMEDIATE` transaction, so a reader never sees
-  half a turn, and writes run one at a time (`_WriteLock`). The connection is in Python's implicit
-  transaction mode (`isolation_level="IMMEDIATE"`), so no statement of a write can ever commit on its
-  own: if the `BEGIN` sent with a write's first statements fails (another process held the file past
-  the busy timeout), those statements start a transaction of their own, which is rolled back. In WAL
+- the writer, for every write, one transaction at a time. A turn's write is a batch: its statements
+  go in one trip, then the commit. Batches that queue while the writer is busy share one transaction
+  and one commit (`_commit_group`), so under load a turn waits for the writer once, not once per turn
+  ahead of it. The connection is in Python's implicit transaction mode (`isolation_level =
+  "IMMEDIATE"`), so no statement of a write ever commits on its own: a batch's first statement begins
+  the transaction, a script sends `BEGIN IMMEDIATE` with its first statement, and if that `BEGIN`
+  fails (another process held the file past the busy timeout) whatever began is rolled back. In WAL
   mode with `synchronous = NORMAL` a commit appends to the log without waiting for the disk.
 - the reader, for every read: it sees committed data only, and waits on its own thread for a busy
   file.
-- the checkpointer, with no busy timeout: the writer does not checkpoint on commit; after every
-  `_CHECKPOINT_EVERY` writes the checkpointer copies the log into the database by a policy that never
-  waits for a reader (`checkpoint_log`), so no write ever queues behind an outside reader (a backup, a
-  `sqlite3` shell, `memproxy sessions` on the same file).
+- the checkpointer, with no busy timeout: the writer does not checkpoint on commit; at least
+  `_CHECKPOINT_EVERY` writes apart the checkpointer copies the log into the database by a policy that
+  never waits for a reader (`checkpoint_log`), so no write ever queues behind an outside reader (a
+  backup, a `sqlite3` shell, `memproxy sessions` on the same file).
 
 `:memory:` is one connection for everything: a second would open a second, empty database.
 """
@@ -31,7 +32,8 @@ import logging
 import sqlite3
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import aiosqlite
 
@@ -102,6 +104,8 @@ class SQLiteBackend:
         self._checkpointer = checkpointer  # None for `:memory:`
         self._checkpointing: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        self._queued: list[_Batch] = []  # batches waiting for the writer
+        self._draining: asyncio.Task[None] | None = None
         self._closed = False
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
@@ -120,7 +124,18 @@ class SQLiteBackend:
         return await self._transaction(lambda: self._run_script(script))
 
     async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
-        return await self._transaction(lambda: self._run_batch(steps, accept))
+        """Batches queued while the writer is busy share one transaction and one commit (`_commit_group`):
+        under load, a turn's write waits for the writer once, not once per turn queued before it."""
+        with translated():
+            self._check_open()
+        loop = asyncio.get_running_loop()
+        batch = _Batch(steps, accept, loop.create_future())
+        batch.done.add_done_callback(_retrieved)
+        self._queued.append(batch)
+        if self._draining is None or self._draining.done():
+            self._draining = loop.create_task(self._drain())
+        with translated():
+            return cast(T, await asyncio.shield(batch.done))  # run to its end even if the caller goes
 
     async def _transaction(self, body: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run `body` as one write transaction on the writer, to its commit or rollback even if the
@@ -143,16 +158,56 @@ class SQLiteBackend:
         async with self._write_lock:
             try:
                 result = await body()
+                await self._writer.commit()
             except BaseException:
-                await self._writer.rollback()  # a no-op if nothing began
+                await self._writer.rollback()  # a no-op if nothing began (or a commit ended it)
                 raise
-            await self._writer.commit()
-        self._writes += 1  # since the last checkpoint began; one may take as long as hundreds of writes
+        self._wrote(1)
+        return result
+
+    async def _drain(self) -> None:
+        while self._queued:
+            group, self._queued = self._queued, []
+            async with self._write_lock:
+                try:
+                    await self._commit_group(group)
+                except Exception as exc:  # the store failed: every batch not yet answered gets why
+                    for batch in group:
+                        _settle(batch.done, None, exc)
+            self._wrote(len(group))
+
+    async def _commit_group(self, group: list[_Batch]) -> None:
+        """Run the batches in one transaction, all their statements in one trip, and commit them
+        together if each accepts its outcomes. If one does not, the transaction is rolled back, that
+        batch gets its error, and the others run again without it (one is refused at most rounds)."""
+        while group:
+            outcomes = await self._send([step for batch in group for step in batch.steps])
+            accepted: list[tuple[_Batch, Any]] = []
+            refused = False
+            for batch in group:
+                mine, outcomes = outcomes[:len(batch.steps)], outcomes[len(batch.steps):]
+                try:
+                    accepted.append((batch, batch.accept(mine)))
+                except BaseException as exc:  # the caller's to handle
+                    refused = True
+                    _settle(batch.done, None, exc)
+            try:
+                await (self._writer.rollback() if refused else self._writer.commit())
+            except BaseException:
+                await self._writer.rollback()  # a commit that failed may leave the transaction open
+                raise
+            if not refused:
+                for batch, result in accepted:
+                    _settle(batch.done, result, None)
+                return
+            group = [batch for batch, _ in accepted]
+
+    def _wrote(self, count: int) -> None:
+        self._writes += count  # since the last checkpoint began; one may take as long as hundreds of writes
         if self._writes >= _CHECKPOINT_EVERY and self._checkpointer is not None and (
                 self._checkpointing is None or self._checkpointing.done()):
             self._writes = 0
             self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint(self._checkpointer))
-        return result
 
     async def _run_script(self, script: Script[T]) -> T:
         """A script's first statement goes with the `BEGIN`, each next one when the last is answered."""
@@ -170,11 +225,6 @@ class SQLiteBackend:
                 result = done.value
                 return result
             rows = list(await self._writer.execute_fetchall(*step))
-
-    async def _run_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
-        begun, *outcomes = await self._send([("BEGIN IMMEDIATE", ()), *steps])
-        _raise(begun)
-        return accept(outcomes)
 
     async def _send(self, steps: Sequence[Step]) -> list[Outcome]:
         """Queue `steps` on the writer's thread all at once, in order (tasks start in the order they
@@ -202,10 +252,33 @@ class SQLiteBackend:
         self._closed = True
         if self._pending:
             await asyncio.wait(self._pending)
+        if self._draining is not None:
+            await asyncio.wait([self._draining])
         if self._checkpointing is not None:
             await self._checkpointing
         for conn in {id(c): c for c in (self._checkpointer, self._reader, self._writer) if c}.values():
             await conn.close()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    steps: Sequence[Step]
+    accept: Callable[[list[Outcome]], Any]
+    done: asyncio.Future[Any]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # a caller that stopped waiting has no use for it
 
 
 def _raise(outcome: Outcome) -> None:

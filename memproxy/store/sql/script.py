@@ -21,6 +21,7 @@ Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a 
 Outcome = list[Row] | BaseException  # what a statement of a batch returned, or the error it raised
 
 
+
 class Backend(Protocol):
     row_lock: str  # appended to a SELECT that must lock the rows it reads
 
@@ -39,8 +40,9 @@ class Backend(Protocol):
 
     async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
         """Run `steps` in one write transaction, then `accept` their outcomes, in order, inside it:
-        committed if it returns, rolled back if it raises. A step's error does not stop the batch
-        (a backend may stop sending steps after one: those then carry the same error)."""
+        committed if it returns, rolled back if it raises. The first step changes data (on SQLite it
+        begins the transaction). A step's error does not stop the batch (a backend may stop sending
+        steps after one: those then carry the same error)."""
         ...
 
     async def close(self) -> None: ...
