@@ -13,8 +13,8 @@ from .admin import SQLAdmin
 from .script import Backend, Outcome, Row, Script, Step, run_script, run_script_async
 from .turns import QUERIES, SQLTurns
 
-__all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLStore", "SQLTurns", "Script", "Step", "run_script",
-           "run_script_async"]
+__all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLStore", "SQLTurns", "Script", "Step",
+           "run_script", "run_script_async"]
 
 
 class SQLStore(SQLTurns, SQLAdmin):
