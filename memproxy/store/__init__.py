@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import StorageConfig
 from .base import (
+    Loaded,
     AdminStore,
     ChatKind,
     MessageRecord,
@@ -29,6 +30,7 @@ from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
 __all__ = [
+    "Loaded",
     "AdminStore",
     "ChatKind",
     "MessageRecord",

@@ -132,6 +132,37 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """A session read together with what fitting a turn at its head can need (`TurnStore.load`):
+    the snapshot for `base` = the session's length and any room up to `room`. A turn that continues
+    the session (most turns) needs nothing more from the store to plan."""
+
+    session: SessionState
+    room: int
+    last_unit: int | None  # the newest unit start
+    last_user: int | None  # the newest user message
+    start: int  # position of `messages[0]`
+    messages: list[StoredMessage]  # every message that any room up to `room` could send
+    summary: Summary | None  # the session's newest summary, if it is in use
+    summary_totals: Totals | None
+    summary_known: bool = True  # False: the newest summary is not in use, and an older one may be
+
+    def snapshot(self, base: int, whole_last_unit: bool, room: int) -> Snapshot | None:
+        """What `TurnStore.snapshot` would give (it may hold more messages, never fewer), or None
+        where this read cannot tell: a base before the head, a larger room, a newest summary not in
+        use (an older one may be), or a summary that reaches into the unit that must be sent."""
+        session = self.session
+        if base != session.length or room > self.room or not self.summary_known:
+            return None
+        must_start = base if not whole_last_unit or self.last_unit is None else self.last_unit
+        if self.summary is not None and self.summary.covers > must_start:
+            return None
+        return Snapshot(base=base, base_totals=Totals(session.head_cum, session.head_compact_cum),
+                        must_start=must_start, last_user=self.last_user, summary=self.summary,
+                        summary_totals=self.summary_totals, start=self.start, messages=self.messages)
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -285,6 +316,11 @@ class TurnStore(Protocol):
     async def ping(self) -> None: ...
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None: ...
+
+    async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
+        """The session and, read with it, its snapshot at the head for any room up to `room`
+        (`Loaded.snapshot`); None if there is no such session. One trip on SQLite, two reads."""
+        ...
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
         """How many leading `hashes` are on the session's active chain (they match position by position)."""

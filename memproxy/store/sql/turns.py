@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord
+from ..base import Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord
 from ..errors import StoreConflict
 from .codec import TURN_COLUMNS, column_marks, dumps, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
@@ -29,6 +29,19 @@ _LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) 
 # length of a session's history.
 # A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
 _SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
+
+# The marks of a session `s` at its head: its newest unit start and user message, and the first unit
+# starts whose tails fit in `?` tokens, as stored and in compact form. Each one index lookup.
+_HEAD_MARKS = {
+    "last_unit": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
+    " AND seq < s.length ORDER BY seq DESC LIMIT 1)",
+    "last_user": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND role = 'user'"
+    " AND seq < s.length ORDER BY seq DESC LIMIT 1)",
+    "fits": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
+    " AND cum_before >= s.head_cum - ? ORDER BY cum_before LIMIT 1)",
+    "fits_compact": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
+    " AND compact_cum_before >= s.head_compact_cum - ? ORDER BY compact_cum_before LIMIT 1)",
+}
 
 QUERIES = {
     "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
@@ -68,6 +81,24 @@ QUERIES = {
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    # `load`: a session and its snapshot at the head, named by tenant and id so that both go in one
+    # trip. The session row with its newest message, its marks (`_HEAD_MARKS`) and its newest summary
+    # with the totals where it ends (null if that history has changed since); then the messages any room up to `?` could send (from the
+    # earliest of the last unit start and the first unit starts whose tails fit; all of them when
+    # the whole history fits).
+    "head_messages": "SELECT m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
+    " m.compact_tokens, m.compact_cum_before FROM sessions s JOIN messages m ON m.session_pk = s.pk"
+    " AND m.active = 1 AND m.seq >= CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES"
+    " (coalesce({last_unit}, s.length)), (coalesce({fits}, s.length)), (coalesce({fits_compact}, s.length))) v)"
+    " END WHERE s.tenant = ? AND s.session_id = ? ORDER BY m.seq",
+    "head_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
+    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {marks},"
+    " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
+    " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens) FROM sessions s"
+    " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
+    " LEFT JOIN summaries su ON su.session_pk = s.pk AND su.version = s.summary_version"
+    " LEFT JOIN messages sm ON sm.session_pk = su.session_pk AND sm.active = 1 AND sm.seq = su.covers - 1"
+    " AND sm.chain_hash = su.covers_hash WHERE s.tenant = ? AND s.session_id = ?",
     # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
     # turns on a session are written one at a time, under its row's lock, a summariser call's
     # `summary` turn is not), a message's parent, and what an edit supersedes.
@@ -76,6 +107,8 @@ QUERIES = {
     "message_id": f"SELECT id FROM messages WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq = ?",
     "supersede": f"UPDATE messages SET active = 0 WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq >= ?",
 }
+QUERIES["head_session"] = QUERIES["head_session"].format(marks=", ".join(_HEAD_MARKS.values()))
+QUERIES["head_messages"] = QUERIES["head_messages"].format(**_HEAD_MARKS)
 
 
 class SQLTurns(SQLBase):
@@ -83,14 +116,33 @@ class SQLTurns(SQLBase):
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
         row = await self._one(QUERIES["get_session"], (tenant, session_id), lookup=True)
-        if row is None:
+        return None if row is None else _session(row)
+
+    async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
+        started = time.perf_counter()
+        try:
+            key = (tenant, session_id)
+            heads, messages = await self._db.fetch_together([
+                (QUERIES["head_session"], (room, room, *key)), (QUERIES["head_messages"], (room, room, room, *key))])
+        finally:
+            charge_store(started)
+        if not heads:
             return None
-        return SessionState(
-            pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
-            head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
-            created_at=row[8], updated_at=row[9], summary_version=row[10],
-            head_message=json.loads(row[11]) if row[11] else None,
-        )
+        head = heads[0]
+        session = _session(head)
+        last_unit, last_user = (None if v is None else int(v) for v in head[12:14])
+        # Read apart, the messages may be a moment newer than the row (another process's turn): what
+        # lies past the row's head is not part of this snapshot.
+        stored = [_stored(r) for r in messages if r[0] < session.length]
+        summary = head[16:26]
+        # The newest summary is the one in use unless the history it covers has changed since (an
+        # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
+        in_use = summary[0] is not None and summary[8] is not None and summary[2] <= session.length
+        return Loaded(session=session, room=room, last_unit=last_unit, last_user=last_user,
+                      start=stored[0].seq if stored else session.length, messages=stored,
+                      summary=to_summary(summary) if in_use else None,
+                      summary_totals=Totals(int(summary[8]), int(summary[9])) if in_use else None,
+                      summary_known=session.summary_version == 0 or in_use)
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
         best = -1
@@ -146,13 +198,7 @@ class SQLTurns(SQLBase):
             return []
         rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop),
                                  lookup=stop - start <= _LOOKUP_ROWS)
-        return [
-            StoredMessage(seq=r[0], body=json.loads(r[1]), tokens=r[2], cum_before=r[3],
-                          unit_start=bool(r[4]), chain_hash=r[5],
-                          compact_body=json.loads(r[6]) if r[6] else None, compact_tokens=r[7],
-                          compact_cum_before=r[8])
-            for r in rows
-        ]
+        return [_stored(r) for r in rows]
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
         row = await self._one(QUERIES["current_summary"], (session.pk, upto), lookup=True)
@@ -338,6 +384,24 @@ class SQLTurns(SQLBase):
         yield f"UPDATE messages SET parent_id = NULL WHERE parent_id IN ({marks})", ids
         yield f"DELETE FROM messages WHERE id IN ({marks})", ids
         return len(ids)
+
+
+def _session(row: Row) -> SessionState:
+    """A `get_session` row."""
+    return SessionState(
+        pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
+        head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
+        created_at=row[8], updated_at=row[9], summary_version=row[10],
+        head_message=json.loads(row[11]) if row[11] else None,
+    )
+
+
+def _stored(row: Row) -> StoredMessage:
+    """An `active_range` row."""
+    return StoredMessage(seq=row[0], body=json.loads(row[1]), tokens=row[2], cum_before=row[3],
+                         unit_start=bool(row[4]), chain_hash=row[5],
+                         compact_body=json.loads(row[6]) if row[6] else None, compact_tokens=row[7],
+                         compact_cum_before=row[8])
 
 
 Head = tuple[int, str, int, int]  # a session's length, head hash and running totals (full, compact)
