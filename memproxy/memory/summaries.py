@@ -1,8 +1,9 @@
 """Rolling summaries: older turns folded into one summary, in chunks, by a (cheap) model.
 
-After a turn is recorded and its response sent, `after_turn` checks, from stored totals alone,
-whether the summary plus the messages it does not cover exceed the chunk threshold; if so, one
-background task per session folds everything older than the verbatim tail into the summary. The
+After a turn is recorded and its response sent, `after_turn` checks whether the summary plus the
+messages it does not cover exceed the chunk threshold (from what the turn itself saw, then, past
+the threshold, from stored totals); if so, one background task per session folds everything older
+than the verbatim tail into the summary. The
 invariants the peers broke, held here:
 
 - the summariser gets the previous summary plus the new turns, and is told to keep goals, decisions,

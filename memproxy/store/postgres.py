@@ -71,9 +71,6 @@ class PostgresBackend:
 
     lookup = fetch  # a round trip to the server either way
 
-    async def fetch_together(self, steps: Sequence[Step]) -> list[list[Row]]:
-        return [await self.fetch(sql, params) for sql, params in steps]
-
     async def write(self, script: Script[T]) -> T:
         # A connection the server dropped (a restart, a cut network) fails its next statement here;
         # the pool replaces it on the next acquire, so the store recovers once the server is back.

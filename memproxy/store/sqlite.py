@@ -119,17 +119,6 @@ class SQLiteBackend:
 
     lookup = fetch  # every read is one trip to the reader's thread
 
-    async def fetch_together(self, steps: Sequence[Step]) -> list[list[Row]]:
-        """All queued on the reader at once: one trip."""
-        with translated():
-            self._check_open()
-            outcomes = await asyncio.gather(*(self._reader.execute_fetchall(sql, params) for sql, params in steps),
-                                            return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            return [list(cast(Sequence[Row], rows)) for rows in outcomes]
-
     async def write(self, script: Script[T]) -> T:
         """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
         return await self._transaction(lambda: self._run_script(script))

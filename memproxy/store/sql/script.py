@@ -34,11 +34,6 @@ class Backend(Protocol):
         by the request rather than the history (the plans are checked by the tests)."""
         ...
 
-    async def fetch_together(self, steps: Sequence[Step]) -> list[list[Row]]:
-        """Reads sent together (one trip on SQLite), each seeing committed data as `fetch` does: not
-        one snapshot of the database, so a query names the bounds it needs itself."""
-        ...
-
     async def write(self, script: Script[T]) -> T:
         """Run a script in one write transaction, rolled back if it raises."""
         ...

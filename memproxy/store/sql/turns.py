@@ -81,24 +81,26 @@ QUERIES = {
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
-    # `load`: a session and its snapshot at the head, named by tenant and id so that both go in one
-    # trip. The session row with its newest message, its marks (`_HEAD_MARKS`) and its newest summary
-    # with the totals where it ends (null if that history has changed since); then the messages any room up to `?` could send (from the
+    # `load`: a session and its snapshot at the head, in one statement (one read of one state, one
+    # trip), its rows told apart by the first column. 0: the session row with its newest message,
+    # its marks (`_HEAD_MARKS`) and its newest summary with the totals where it ends (null if that
+    # history has changed since). 1: the messages any room up to `?` could send, in order (from the
     # earliest of the last unit start and the first unit starts whose tails fit; all of them when
     # the whole history fits).
-    "head_messages": "SELECT m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
-    " m.compact_tokens, m.compact_cum_before FROM sessions s JOIN messages m ON m.session_pk = s.pk"
-    " AND m.active = 1 AND m.seq >= CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES"
-    " (coalesce({last_unit}, s.length)), (coalesce({fits}, s.length)), (coalesce({fits_compact}, s.length))) v)"
-    " END WHERE s.tenant = ? AND s.session_id = ? ORDER BY m.seq",
-    "head_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
+    "head": "SELECT 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,"
+    " s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
     " s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
     " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens) FROM sessions s"
     " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
     " LEFT JOIN summaries su ON su.session_pk = s.pk AND su.version = s.summary_version"
     " LEFT JOIN messages sm ON sm.session_pk = su.session_pk AND sm.active = 1 AND sm.seq = su.covers - 1"
-    " AND sm.chain_hash = su.covers_hash WHERE s.tenant = ? AND s.session_id = ?",
+    " AND sm.chain_hash = su.covers_hash WHERE s.tenant = ? AND s.session_id = ?"
+    " UNION ALL SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
+    " m.compact_tokens, m.compact_cum_before, {nulls} FROM sessions s JOIN messages m ON m.session_pk = s.pk"
+    " AND m.active = 1 AND m.seq >= CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES"
+    " (coalesce({last_unit}, s.length)), (coalesce({fits}, s.length)), (coalesce({fits_compact}, s.length))) v)"
+    " END WHERE s.tenant = ? AND s.session_id = ? ORDER BY 1, 2",
     # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
     # turns on a session are written one at a time, under its row's lock, a summariser call's
     # `summary` turn is not), a message's parent, and what an edit supersedes.
@@ -107,8 +109,8 @@ QUERIES = {
     "message_id": f"SELECT id FROM messages WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq = ?",
     "supersede": f"UPDATE messages SET active = 0 WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq >= ?",
 }
-QUERIES["head_session"] = QUERIES["head_session"].format(marks=", ".join(_HEAD_MARKS.values()))
-QUERIES["head_messages"] = QUERIES["head_messages"].format(**_HEAD_MARKS)
+QUERIES["head"] = QUERIES["head"].format(marks=", ".join(_HEAD_MARKS.values()), nulls=", ".join(["NULL"] * 26),
+                                          **_HEAD_MARKS)
 
 
 class SQLTurns(SQLBase):
@@ -119,21 +121,14 @@ class SQLTurns(SQLBase):
         return None if row is None else _session(row)
 
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
-        started = time.perf_counter()
-        try:
-            key = (tenant, session_id)
-            heads, messages = await self._db.fetch_together([
-                (QUERIES["head_session"], (room, room, *key)), (QUERIES["head_messages"], (room, room, room, *key))])
-        finally:
-            charge_store(started)
-        if not heads:
+        key = (tenant, session_id)
+        rows = await self._fetch(QUERIES["head"], (room, room, *key, room, room, room, *key), lookup=True)
+        if not rows:
             return None
-        head = heads[0]
+        head = rows[0][10:]
         session = _session(head)
         last_unit, last_user = (None if v is None else int(v) for v in head[12:14])
-        # Read apart, the messages may be a moment newer than the row (another process's turn): what
-        # lies past the row's head is not part of this snapshot.
-        stored = [_stored(r) for r in messages if r[0] < session.length]
+        stored = [_stored(row[1:10]) for row in rows[1:]]
         summary = head[16:26]
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
