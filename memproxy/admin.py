@@ -23,7 +23,17 @@ from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
 from .provider import Provider
 from .session_ids import is_session_id
-from .store import MessageRecord, SessionInfo, SessionState, Store, Summary, TurnInfo, UsageTotals
+from .store import (
+    AdminStore,
+    MessageRecord,
+    SessionInfo,
+    SessionState,
+    Store,
+    Summary,
+    TurnInfo,
+    TurnStore,
+    UsageTotals,
+)
 from .tokens import REPLY_PRIMING
 
 
@@ -82,7 +92,7 @@ def info_json(info: SessionInfo) -> dict[str, Any]:
     }
 
 
-async def list_sessions(store: Store, tenant: str | None, limit: int, after: str | None) -> dict[str, Any]:
+async def list_sessions(store: AdminStore, tenant: str | None, limit: int, after: str | None) -> dict[str, Any]:
     if not 1 <= limit <= 1000:
         raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
     page, cursor = await store.list_sessions(tenant, limit, _parse_cursor(after, tenant))
@@ -168,7 +178,7 @@ def _totals_json(usage: UsageTotals) -> dict[str, Any]:
     }
 
 
-async def usage(store: Store, tenant: str | None) -> dict[str, Any]:
+async def usage(store: AdminStore, tenant: str | None) -> dict[str, Any]:
     return usage_json(tenant, await store.usage(tenant), await store.deleted_usage(tenant))
 
 
@@ -185,7 +195,7 @@ def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:
     }
 
 
-async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at: Any = None) -> int:
+async def fork(store: AdminStore, session: SessionState, tenant: str, new_id: Any, at: Any = None) -> int:
     """A new session holding the first `at` active messages (default all) and the summaries
     covering no more; returns `at`. A fork never cuts a unit: the session it makes must be one a
     turn could have left, or it would send a tool call without its results."""
@@ -222,7 +232,7 @@ async def fork(store: Store, session: SessionState, tenant: str, new_id: Any, at
     return at
 
 
-async def _tokens_before(store: Store, turn: PreparedTurn) -> int:
+async def _tokens_before(store: TurnStore, turn: PreparedTurn) -> int:
     """What the stored messages left out of a request hold, as stored (before trimming): the
     tokens the summary, the marker or nothing stand in for."""
     if turn.session is None or not turn.context.omitted:
@@ -230,7 +240,7 @@ async def _tokens_before(store: Store, turn: PreparedTurn) -> int:
     return (await store.totals_at(turn.session, turn.context.first_sent)).full
 
 
-async def session_model(store: Store, config: Config, session: SessionState, name: Any) -> ModelConfig:
+async def session_model(store: AdminStore, config: Config, session: SessionState, name: Any) -> ModelConfig:
     """The model a preview or a compaction is sized for: the one named, else the one the session
     last chatted with, else the summariser's, else the first configured."""
     if not name:
@@ -245,7 +255,7 @@ async def session_model(store: Store, config: Config, session: SessionState, nam
 
 
 async def context(
-    store: Store, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
+    store: TurnStore, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
     tenant: str, session: SessionState, new: list[Any], params: dict[str, Any],
 ) -> dict[str, Any]:
     """The request the session's next turn would send, labelled part by part; `new` and `params`

@@ -74,6 +74,7 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     turn: PreparedTurn | None = None
     recorded: bool = False
+    recorded_tokens: int = 0  # the recorded messages' compact tokens: what the turn added to the session
 
     @property
     def stream(self) -> bool:
@@ -296,6 +297,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
                          exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.recorded = True
+    exchange.recorded_tokens = sum(m.tokens if m.compact_tokens is None else m.compact_tokens for m in record.messages)
     exchange.timings.lap("record")
 
 
@@ -306,7 +308,8 @@ def _after_response(request: web.Request, exchange: Exchange) -> None:
     if not exchange.recorded or turn is None:
         return
     app = request.app
-    app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model)
+    app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model,
+                               turn.context.unfolded + exchange.recorded_tokens)
     cap = app[CONFIG].retention.max_messages_per_session
     if cap is not None:
         app[TASKS].spawn(cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)

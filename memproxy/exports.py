@@ -27,6 +27,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from .bodies import parse_json
 from .errors import BadRequest
 from .messages import SYSTEM_ROLES, validate_message
+from .store.base import TurnKind
 
 Record = dict[str, Any]
 
@@ -121,7 +122,7 @@ class TurnRecord(_Record):
     id: Big
     created_at: Number
     model: str
-    kind: str
+    kind: TurnKind  # every kind memproxy has written
     context_tokens: Int
     prompt_tokens: Int | None = None
     completion_tokens: Int | None = None

@@ -49,6 +49,8 @@ def test_a_good_export_reads_back_as_written() -> None:
     (2, {**TURN, "prompt_tokens": "lots"}, "line 2: turn field 'prompt_tokens' must be an integer or null"),
     (2, {**TURN, "full_tokens": 2**63}, "line 2: turn field 'full_tokens' must be from 0 to 9223372036854775807"),
     (2, {**TURN, "latency_ms": False}, "line 2: turn field 'latency_ms' must be a number"),
+    (2, {**TURN, "kind": "chat"}, "line 2: turn field 'kind' must be one of new, continue, window, append, edit,"
+                                  " regenerate, summary, fork"),
     (2, {**TURN, "included": 1}, "line 2: turn fields summary_version, first_sent, included, omitted, "
                                  "unsummarised_omitted, trimmed, deduplicated, marker are all null or all set"),
     (3, {**MESSAGE, "active": True}, "line 3: message field 'active' must be an integer"),

@@ -85,9 +85,11 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "active_range": ((1, 30, 50), "messages_active_seq"),
         "current_summary": ((1, 60), "summaries_session_pk_version_key"),
         "snapshot_summary": ((1, 60), "summaries_session_pk_version_key"),
-        "message_id": ((1, 40), "messages_active_seq"),
+        "head": ((300, 300, "t", "s1", 300, 300, 300, "t", "s1"), "messages_fit_compact"),
+        "newest_chat_turn": (("t", "s1"), "turns_session"),
+        "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
-        "supersede": ((1, 50), "messages_active_seq"),
+        "supersede": (("t", "s1", 50), "messages_active_seq"),
     }
 
 
@@ -117,6 +119,14 @@ async def test_queries_that_serve_a_turn_use_indexes_on_postgres(postgres: Store
     try:
         for s in range(1, 9):
             await conversation(store, "t", f"s{s}", 25)
+        for s in range(2, 9):  # summaries of other sessions, as a store holds: not this session's to read
+            other = await store.get_session("t", f"s{s}")
+            assert other is not None
+            for version in range(3):
+                [end] = await store.active_range(other, 2 * version + 1, 2 * version + 2)
+                await store.save_summary(other, version, Summary(version=0, text="o", covers=end.seq + 1,
+                                                                  covers_hash=end.chain_hash, tokens=5,
+                                                                  replaced_tokens=20, model="small"))
         session = await store.get_session("t", "s1")
         assert session is not None and session.pk == 1
         [first] = await store.active_range(session, 1, 2)

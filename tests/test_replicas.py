@@ -5,7 +5,7 @@ replicas are started at once for the module on one fresh schema (so they migrate
 serve the conversations, and a third is the one killed with SIGKILL mid-stream. What is checked is what reached the provider and what the
 database holds, read from a connection of the test's own (`tests/db.py`).
 
-How concurrent turns on one session are kept whole (memproxy/store/sql.py, `record_turn`): a turn
+How concurrent turns on one session are kept whole (memproxy/store/sql/turns.py, `record_turn`): a turn
 is written in one transaction that first locks the session's row (`FOR UPDATE`) and checks the
 session is still where the turn was planned; a turn that only continues the history is then
 appended after the other replica's turn, an edit or regenerate that lost the race gets 409.

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiosqlite
 from conftest import Proxy, make_config
 from fake_upstream import FakeUpstream
 from memproxy.store.sqlite import _CHECKPOINT_EVERY, _TRUNCATE_AT_FRAMES, checkpoint_log
@@ -92,8 +93,8 @@ async def test_no_turn_waits_for_a_reader_in_another_process(
     assert wal.stat().st_size < grown / 4, "the log was not checkpointed after the reader closed"
 
 
-def test_the_checkpoint_policy_never_waits_and_empties_a_long_log_once_free(tmp_path: Path) -> None:
-    """`checkpoint_log` alone, on plain connections: with a reader holding an old snapshot it copies
+async def test_the_checkpoint_policy_never_waits_and_empties_a_long_log_once_free(tmp_path: Path) -> None:
+    """`checkpoint_log` alone, on plain connections (the checkpointer's through aiosqlite, as the store's): with a reader holding an old snapshot it copies
     what it may and leaves the log (no waiting: the connection has no busy timeout); once the reader
     is gone, a log past the threshold is emptied."""
     db = str(tmp_path / "policy.db")
@@ -102,25 +103,26 @@ def test_the_checkpoint_policy_never_waits_and_empties_a_long_log_once_free(tmp_
     writer.execute("PRAGMA wal_autocheckpoint = 0").fetchall()
     writer.execute("CREATE TABLE t (x BLOB)")
     reader = sqlite3.connect(db, isolation_level=None)
-    checkpointer = sqlite3.connect(db, isolation_level=None)
-    checkpointer.execute("PRAGMA busy_timeout = 0").fetchall()
+    checkpointer = await aiosqlite.connect(db, isolation_level=None)
+    await checkpointer.execute_fetchall("PRAGMA busy_timeout = 0")
     try:
         reader.execute("BEGIN")
         reader.execute("SELECT count(*) FROM t").fetchall()  # the snapshot: before every row below
         for _ in range(2 * _TRUNCATE_AT_FRAMES):
             writer.execute("INSERT INTO t VALUES (randomblob(3000))")
         start = time.perf_counter()
-        frames, copied = checkpoint_log(checkpointer)
+        frames, copied = await checkpoint_log(checkpointer)
         assert time.perf_counter() - start < 1.0
         assert frames >= 2 * _TRUNCATE_AT_FRAMES and copied < frames  # the reader's frames stay
         assert Path(db + "-wal").stat().st_size >= frames * PAGE
         reader.execute("COMMIT")
-        assert checkpoint_log(checkpointer) == (0, 0)
+        assert await checkpoint_log(checkpointer) == (0, 0)
         assert Path(db + "-wal").stat().st_size == 0
         # A short log is copied but left in place: no truncation for a few frames.
         writer.execute("INSERT INTO t VALUES (randomblob(3000))")
-        frames, copied = checkpoint_log(checkpointer)
+        frames, copied = await checkpoint_log(checkpointer)
         assert 0 < frames < _TRUNCATE_AT_FRAMES and copied == frames
     finally:
-        for conn in (reader, writer, checkpointer):
+        for conn in (reader, writer):
             conn.close()
+        await checkpointer.close()

@@ -75,6 +75,9 @@ class Context:
     marker: bool = False
     trimmed: int = 0  # stored tool outputs sent in their compact form
     deduplicated: int = 0  # stored contents sent as a reference to an earlier copy
+    # What a background fold would weigh against its threshold, as this turn saw the session: the
+    # summary in use and the stored history after it, in compact tokens (`Summarizer.after_turn`).
+    unfolded: int = 0
 
 
 def summary_message(text: str) -> Message:
@@ -124,6 +127,9 @@ def fit(
     if snapshot is None or snapshot.base == 0:
         _check_fits(available, 0, fixed, budget, model_name)
         return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, 0, empty)
+    unfolded = snapshot.base_totals.compact
+    if snapshot.summary is not None and snapshot.summary_totals is not None:
+        unfolded += summary_tokens(counter, snapshot.summary.text) - snapshot.summary_totals.compact
     base, base_totals, must_start = snapshot.base, snapshot.base_totals, snapshot.must_start
     must_tokens = base_totals.full - _known(snapshot, must_start).full
     _check_fits(available, must_tokens, fixed, budget, model_name)
@@ -173,6 +179,7 @@ def fit(
         marker=marker,
         trimmed=trimmed,
         deduplicated=deduplicated,
+        unfolded=unfolded,
     )
 
 

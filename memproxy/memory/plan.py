@@ -21,7 +21,7 @@ from typing import Any
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, split_system
-from ..store import NewMessage, SessionState, Store
+from ..store import NewMessage, SessionState, TurnStore
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
@@ -87,7 +87,7 @@ def prompt_schemas(params: dict[str, Any]) -> list[Any]:
 
 
 async def prepare_turn(
-    store: Store,
+    store: TurnStore,
     summarizer: Summarizer,
     model: ModelConfig,
     counter: TokenCounter,
@@ -104,7 +104,12 @@ async def prepare_turn(
     """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
     budget = request_budget(params, model, window, memory)
     schemas = prompt_schemas(params)
-    session = await store.get_session(tenant, session_id)
+    tools = counter.tools(schemas)
+    # The session and its snapshot at the head, in one read: sized for the most room history can
+    # have (no system prompt or new message), so whatever the reconcile finds new, a turn at the
+    # head needs nothing more from the store to plan.
+    loaded = await store.load(tenant, session_id, budget.input_tokens - tools - REPLY_PRIMING)
+    session = loaded.session if loaded else None
     cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
     if cutoff is not None:
         session = None  # planned as new; the store restarts the old one when the turn is written
@@ -120,15 +125,19 @@ async def prepare_turn(
         system=system,
         new=reconciled.new,
         tokens=sum(counter.message(m) for m in system) + sum(m.tokens for m in new)
-        + counter.tools(schemas) + REPLY_PRIMING,
+        + tools + REPLY_PRIMING,
     )
 
     async def build(session: SessionState | None) -> Context:
-        # One store call loads what fitting needs; the fit itself reads nothing else.
+        # The snapshot read with the session, or one store call where that read cannot tell (a
+        # base before the head, a summary saved since); the fit itself reads nothing else.
         snapshot = None
         if session is not None and reconciled.base > 0:
-            snapshot = await store.snapshot(session, reconciled.base, must_send_last_unit(fixed.new),
-                                            room_for_history(fixed, budget))
+            whole_last_unit, room = must_send_last_unit(fixed.new), room_for_history(fixed, budget)
+            if loaded is not None and session is loaded.session:
+                snapshot = loaded.snapshot(reconciled.base, whole_last_unit, room)
+            if snapshot is None:
+                snapshot = await store.snapshot(session, reconciled.base, whole_last_unit, room)
         return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop")
 
     context = await build(session)

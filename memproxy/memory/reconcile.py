@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
-from ..store import SessionState, Store
+from ..store import ChatKind, SessionState, TurnStore
 
 HistoryMode = Literal["auto", "full", "new"]
 HISTORY_MODES: tuple[HistoryMode, ...] = ("auto", "full", "new")
-Kind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
+Kind = ChatKind  # the store keeps it with the turn (`TurnRecord.kind`), so it is declared there
 _WINDOW_CANDIDATES = 3
 
 
@@ -56,7 +56,7 @@ class Reconciled:
 
 
 async def reconcile(
-    store: Store, session: SessionState | None, conversation: list[Message], requested: str = "auto"
+    store: TurnStore, session: SessionState | None, conversation: list[Message], requested: str = "auto"
 ) -> Reconciled:
     if session is None or session.length == 0:
         return Reconciled("new", 0, ROOT_HASH, conversation)
@@ -94,18 +94,17 @@ async def reconcile(
     return Reconciled(kind, fork, fork_hash, conversation[fork:], superseded=stored - fork)
 
 
-async def _echoed_tail(store: Store, session: SessionState, conversation: Sequence[Message]) -> int:
+async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message]) -> int:
     """The longest k such that the client's first k messages repeat the newest k stored ones, up to
     the head (loosely compared); 0 if none.
 
-    Only the few client positions that equal the stored head are tried, and one read covers them
-    all (as many stored messages as the client sent at most), so the cost follows the request, not
-    the history.
+    Only the few client positions that equal the stored head (read with the session) are tried, and
+    one read covers them all (as many stored messages as the client sent at most), so the cost
+    follows the request, not the history; a request that repeats nothing reads nothing here.
     """
-    last = await store.active_range(session, session.length - 1, session.length)
-    if not last:
+    head = session.head_message  # read with the session
+    if head is None:
         return 0
-    head = last[0].body
     candidates = [j for j in range(min(len(conversation), session.length) - 1, -1, -1)
                   if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
     if not candidates:
@@ -119,7 +118,7 @@ async def _echoed_tail(store: Store, session: SessionState, conversation: Sequen
 
 
 async def _loose_fork(
-    store: Store, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str
+    store: TurnStore, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str
 ) -> tuple[int, str]:
     """Where the client's history really leaves the stored one: past the hash-matched prefix, the
     messages that equal the stored ones loosely (tool arguments spelt differently) still match. The

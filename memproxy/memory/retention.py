@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from ..store import SessionState, Store
+from ..store import AdminStore, SessionState, TurnStore
 
 log = logging.getLogger("memproxy")  # the logger the sweep always logged to
 
@@ -28,7 +28,7 @@ def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
     return session is not None and cutoff is not None and session.updated_at < cutoff
 
 
-async def sweep(store: Store, ttl: float, interval: float) -> None:
+async def sweep(store: AdminStore, ttl: float, interval: float) -> None:
     """Delete expired sessions every `interval` seconds, for as long as the app runs."""
     while True:
         try:
@@ -40,7 +40,7 @@ async def sweep(store: Store, ttl: float, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
-async def cap_messages(store: Store, tenant: str, session_id: str, cap: int) -> None:
+async def cap_messages(store: TurnStore, tenant: str, session_id: str, cap: int) -> None:
     """After a recorded turn: delete the session's oldest messages beyond `cap` that can never be
     sent again (superseded, or covered by the summary in use)."""
     session = await store.get_session(tenant, session_id)

@@ -1,8 +1,9 @@
 """Rolling summaries: older turns folded into one summary, in chunks, by a (cheap) model.
 
-After a turn is recorded and its response sent, `after_turn` checks, from stored totals alone,
-whether the summary plus the messages it does not cover exceed the chunk threshold; if so, one
-background task per session folds everything older than the verbatim tail into the summary. The
+After a turn is recorded and its response sent, `after_turn` checks whether the summary plus the
+messages it does not cover exceed the chunk threshold (from what the turn itself saw, then, past
+the threshold, from stored totals); if so, one background task per session folds everything older
+than the verbatim tail into the summary. The
 invariants the peers broke, held here:
 
 - the summariser gets the previous summary plus the new turns, and is told to keep goals, decisions,
@@ -31,7 +32,7 @@ from ..errors import ProxyError
 from ..messages import Message
 from ..provider import Provider
 from ..redact import session_digest
-from ..store import SessionState, Store, StoredMessage, Summary, SummaryCall, Usage
+from ..store import SessionState, StoredMessage, Summary, SummaryCall, TurnStore, Usage
 from ..store.errors import StoreConflict
 from ..tokens import TokenCounter
 from .fit import summary_tokens
@@ -134,7 +135,7 @@ def chunks(
 
 
 class Summarizer:
-    def __init__(self, config: Config, store: Store, provider: Provider, tasks: BackgroundTasks) -> None:
+    def __init__(self, config: Config, store: TurnStore, provider: Provider, tasks: BackgroundTasks) -> None:
         self._config = config
         self._memory = config.memory
         self._store = store
@@ -153,10 +154,15 @@ class Summarizer:
         until, _ = self._backoff.get((tenant, session_id), (0.0, 0))
         return self._memory.summaries and time.monotonic() >= until
 
-    def after_turn(self, tenant: str, session_id: str, chat_model: ModelConfig) -> None:
-        """Start a background fold if the session has outgrown its chunk threshold."""
+    def after_turn(self, tenant: str, session_id: str, chat_model: ModelConfig, unfolded: int | None = None) -> None:
+        """Start a background fold if the session has outgrown its chunk threshold. `unfolded`: the
+        summary and the history after it as the turn saw them, its own messages included
+        (`Context.unfolded`); at or under the threshold the store is not read at all (most turns:
+        three reads saved). The fold checks the stored totals again before it calls any model."""
         key = (tenant, session_id)
         if key in self._running or not self.may_fold(tenant, session_id):
+            return
+        if unfolded is not None and unfolded <= self._memory.chunk_threshold(self._provider.window(chat_model)):
             return
         self._start(key, chat_model, None, check_threshold=True)
 
@@ -268,8 +274,7 @@ class Summarizer:
         chat_window = self._provider.window(chat_model)
         chat_counter = self._provider.counter(chat_model)
         messages = await store.active_range(session, covers, upto)
-        versions = await store.summary_history(session)
-        version = versions[-1].version if versions else 0
+        version = await store.newest_summary_version(session)  # what `save_summary` expects, in use or not
         cap = self.summary_cap(chat_window, model)
         counter = self._provider.counter(model)
         room = self._transcript_room(model, counter, cap, current)
@@ -364,7 +369,7 @@ class Summarizer:
 class _Lease:
     """One fold's claim on a session, across every process sharing the store."""
 
-    store: Store
+    store: TurnStore
     session: SessionState
     holder: str
     seconds: float

@@ -1,9 +1,12 @@
-"""Stores: the `Store` protocol and its backends, chosen by `storage.url`."""
+"""Stores: the `Store` protocol (`TurnStore` and `AdminStore`) and its backends, chosen by `storage.url`."""
 
 from __future__ import annotations
 
 from ..config import StorageConfig
 from .base import (
+    Loaded,
+    AdminStore,
+    ChatKind,
     MessageRecord,
     NewMessage,
     SentContext,
@@ -16,7 +19,9 @@ from .base import (
     SummaryCall,
     Totals,
     TurnInfo,
+    TurnKind,
     TurnRecord,
+    TurnStore,
     Usage,
     UsageTotals,
 )
@@ -25,6 +30,9 @@ from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
 __all__ = [
+    "Loaded",
+    "AdminStore",
+    "ChatKind",
     "MessageRecord",
     "SessionInfo",
     "UsageTotals",
@@ -41,7 +49,9 @@ __all__ = [
     "SummaryCall",
     "Totals",
     "TurnInfo",
+    "TurnKind",
     "TurnRecord",
+    "TurnStore",
     "Usage",
     "open_store",
 ]

@@ -6,9 +6,12 @@ stored messages themselves are never rewritten. Every message carries its token 
 the active chain before it (`cum_before`) and its chained hash, so serving a turn is a few indexed
 lookups whatever the length of the history. `record_turn` writes a whole turn in one transaction; if
 the session moved since the turn was planned, a turn that only continued the history goes after the
-new head, and any other is refused (`Conflict`).
+new head, and any other is refused (`StoreConflict`, `memproxy.store.errors`).
 
-Every backend passes the one contract suite in `tests/test_store_contract.py`.
+The protocol is split by who calls it: `TurnStore` is what a chat turn and the summariser need,
+`AdminStore` what managing sessions needs (the admin API, the CLI, the retention sweep). Each caller
+is typed against the narrower one it uses; `Store`, both, is what `open_store` returns. Every backend
+passes the one contract suite in `tests/test_store_contract.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ..messages import Message
+
+# How a chat turn's messages matched the stored ones (`memory.reconcile`), kept with the turn.
+ChatKind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
+# What a stored turn was: a chat turn, a summariser call (`record_summary_call`), or the turn a
+# fork's copy starts with (`memproxy.admin.fork`).
+TurnKind = Literal[ChatKind, "summary", "fork"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,9 @@ class SessionState:
     created_at: float
     updated_at: float
     summary_version: int  # the newest summary saved (0: none, so there is none to look for)
+    # The newest active message, read with the row: whether a request echoes the stored tail is
+    # decided against it, with no read of its own on most turns (None: the session is empty).
+    head_message: Message | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,37 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """A session read together with what fitting a turn at its head can need (`TurnStore.load`):
+    the snapshot for `base` = the session's length and any room up to `room`. A turn that continues
+    the session (most turns) needs nothing more from the store to plan."""
+
+    session: SessionState
+    room: int
+    last_unit: int | None  # the newest unit start
+    last_user: int | None  # the newest user message
+    start: int  # position of `messages[0]`
+    messages: list[StoredMessage]  # every message that any room up to `room` could send
+    summary: Summary | None  # the session's newest summary, if it is in use
+    summary_totals: Totals | None
+    summary_known: bool = True  # False: the newest summary is not in use, and an older one may be
+
+    def snapshot(self, base: int, whole_last_unit: bool, room: int) -> Snapshot | None:
+        """What `TurnStore.snapshot` would give (it may hold more messages, never fewer), or None
+        where this read cannot tell: a base before the head, a larger room, a newest summary not in
+        use (an older one may be), or a summary that reaches into the unit that must be sent."""
+        session = self.session
+        if base != session.length or room > self.room or not self.summary_known:
+            return None
+        must_start = base if not whole_last_unit or self.last_unit is None else self.last_unit
+        if self.summary is not None and self.summary.covers > must_start:
+            return None
+        return Snapshot(base=base, base_totals=Totals(session.head_cum, session.head_compact_cum),
+                        must_start=must_start, last_user=self.last_user, summary=self.summary,
+                        summary_totals=self.summary_totals, start=self.start, messages=self.messages)
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -178,7 +221,7 @@ class TurnRecord:
     messages: Sequence[NewMessage]
     system: list[Message] | None
     model: str
-    kind: str
+    kind: ChatKind
     context_tokens: int
     latency_ms: float
     usage: Usage = field(default_factory=Usage)
@@ -228,7 +271,7 @@ class MessageRecord:
 class TurnInfo:
     """A stored turn (a chat turn, a summariser call or a fork) as `show` lists it."""
 
-    kind: str
+    kind: TurnKind
     model: str
     created_at: float
     context_tokens: int
@@ -266,10 +309,18 @@ class UsageTotals:
             full_tokens=self.full_tokens + other.full_tokens, summary_calls=self.summary_calls + other.summary_calls)
 
 
-class Store(Protocol):
+class TurnStore(Protocol):
+    """What a chat turn and the summariser need: a session read, its snapshot and summary, the turn
+    written in one transaction, summaries saved under a lease, and the message cap."""
+
     async def ping(self) -> None: ...
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None: ...
+
+    async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
+        """The session and, read with it, its snapshot at the head for any room up to `room`
+        (`Loaded.snapshot`); None if there is no such session. One trip on SQLite, two reads."""
+        ...
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
         """How many leading `hashes` are on the session's active chain (they match position by position)."""
@@ -290,8 +341,21 @@ class Store(Protocol):
         take, which bounds the messages read."""
         ...
 
+    async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
+
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
         """The newest summary covering at most `upto` messages that are still the active history."""
+        ...
+
+    async def newest_summary_version(self, session: SessionState) -> int:
+        """The newest summary version saved, in use or not (0: none): the `expected_version` a fold
+        passes to `save_summary`. One row, where `summary_history` reads every version."""
+        ...
+
+    async def record_turn(self, turn: TurnRecord) -> None:
+        """Write the turn in one transaction. If the session moved since the turn was planned, a
+        continuation (`base == expected_length`, its base still on the active chain) is appended
+        after the new head; anything else raises `StoreConflict` and writes nothing."""
         ...
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
@@ -301,11 +365,9 @@ class Store(Protocol):
         ...
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
-        """Store `summary` as version `expected_version + 1`; `Conflict` if another version was saved
-        meanwhile or the messages it covers are no longer the active history."""
+        """Store `summary` as version `expected_version + 1`; `StoreConflict` if another version
+        was saved meanwhile or the messages it covers are no longer the active history."""
         ...
-
-    async def summary_history(self, session: SessionState) -> list[Summary]: ...
 
     async def take_summary_lease(self, session: SessionState, holder: str, seconds: float) -> bool:
         """Claim the right to summarise the session for `seconds`, across every process sharing
@@ -314,7 +376,18 @@ class Store(Protocol):
 
     async def release_summary_lease(self, session: SessionState, holder: str) -> None: ...
 
-    # Managing sessions (the admin API and the CLI). `tenant=None` means every tenant.
+    async def cap_messages(self, session: SessionState, keep: int) -> int:
+        """Delete the oldest stored messages beyond `keep` that can never be sent again (superseded,
+        or covered by the summary in use); returns how many."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class AdminStore(Protocol):
+    """What managing sessions needs (the admin API, the CLI, the retention sweep): listing,
+    showing, exporting and importing, deleting and clearing, metadata and usage. `tenant=None`
+    means every tenant. A session to manage is found with `TurnStore.get_session`."""
 
     async def list_sessions(
         self, tenant: str | None, limit: int, before: tuple[float, str, str] | None = None
@@ -334,6 +407,10 @@ class Store(Protocol):
 
     async def turns(self, session: SessionState) -> list[TurnInfo]:
         """Every stored turn of the session, oldest first."""
+        ...
+
+    async def summary_history(self, session: SessionState) -> list[Summary]:
+        """Every summary version saved, oldest first, in use or not (what `show` lists)."""
         ...
 
     # Deleting sessions, by any of these or by a turn replacing an expired session, first adds
@@ -384,7 +461,7 @@ class Store(Protocol):
         ...
 
     async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:
-        """Recreate an exported session under `session_id`; `Conflict` if that id exists."""
+        """Recreate an exported session under `session_id`; `StoreConflict` if that id exists."""
         ...
 
     async def prune(self, older_than: float, tenant: str | None = None) -> int:
@@ -399,19 +476,10 @@ class Store(Protocol):
         """Add to what the tenant's deleted sessions had spent (a copy of another store's rollup)."""
         ...
 
-    async def tenants_sessions(self) -> list[tuple[str, str]]: ...
-
-    async def cap_messages(self, session: SessionState, keep: int) -> int:
-        """Delete the oldest stored messages beyond `keep` that can never be sent again (superseded,
-        or covered by the summary in use); returns how many."""
+    async def tenants_sessions(self) -> list[tuple[str, str]]:
+        """Every (tenant, session id), for copying a whole store."""
         ...
 
-    async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
-    async def record_turn(self, turn: TurnRecord) -> None:
-        """Write the turn in one transaction. If the session moved since the turn was planned, a
-        continuation (`base == expected_length`, its base still on the active chain) is appended
-        after the new head; anything else raises `Conflict` and writes nothing."""
-        ...
-
-    async def close(self) -> None: ...
+class Store(TurnStore, AdminStore, Protocol):
+    """A whole store, as `open_store` returns it: what serves turns and what manages sessions."""

@@ -11,14 +11,14 @@ replicas starting together apply each one exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, TypeVar
 
 import asyncpg
 
 from .errors import translated
-from .sql import Row, Script, SQLStore, run_script_async
+from .sql import Outcome, Row, Script, SQLStore, Step, run_script_async
 from .migrations import migrations, statements
 
 
@@ -80,6 +80,18 @@ class PostgresBackend:
                     return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
 
                 return await run_script_async(script, fetch)
+
+    async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
+        with translated():
+            async with self._pool.acquire() as conn, conn.transaction():
+                outcomes: list[Outcome] = []
+                for sql, params in steps:
+                    try:
+                        outcomes.append([tuple(r) for r in await conn.fetch(numbered(sql), *params)])
+                    except asyncpg.PostgresError as exc:  # the transaction is aborted: nothing more runs
+                        outcomes += [exc] * (len(steps) - len(outcomes))
+                        break
+                return accept(outcomes)
 
     async def close(self) -> None:
         await self._pool.close()

@@ -1,45 +1,53 @@
-"""The embedded default store: one SQLite file in WAL mode (SQLite 3.35 or newer).
+"""The embedded default store: one SQLite file in WAL mode (SQLite 3.35 or newer), through aiosqlite.
 
-Every write is a script (`memproxy.store.sql`) run whole as one `BEGIN IMMEDIATE` transaction, so a
-reader never sees half a turn. A turn's write is small (a few rows, some tens of B-tree pages) and,
-in WAL mode with `synchronous = NORMAL`, its commit appends to the log without waiting for the disk:
-about 0.2 ms. So a write runs on the event loop's own connection when the file is free, where a trip
-to a thread and back would cost the loop as much again, and waiting for the thread under load far
-more. It never waits there: that connection has no busy timeout, so when another process (the CLI,
-a second server) holds the write lock, `BEGIN` fails at once and the same script goes to the writer
-thread, which waits on the busy timeout instead. Checkpoints, which do wait for the disk, never run
-on the loop: its connection does not checkpoint on commit; after every `_CHECKPOINT_EVERY` writes it
-made, a third connection, on its own thread, checkpoints the log by a policy that never waits for a
-reader (`checkpoint_log`), so no write ever queues behind an outside reader (a backup, a `sqlite3`
-shell, `memproxy sessions` on the same file).
+aiosqlite gives each connection a thread of its own and runs the calls queued to it there, in order;
+nothing of SQLite runs on the event loop's thread. Each call is a trip to that thread and back (some
+60 µs here, against a few µs for the indexed read itself), and under load each answer waits its turn
+on the busy loop, so the store is written to make few of them: every read is one `execute_fetchall`,
+and a write sends its statements together where none needs another's answer (`Backend.write_batch`).
 
-Reads see only committed data. The indexed reads that serve a turn (`Backend.lookup`) are answered
-on the event loop's connection too: a few B-tree pages each, some tens of microseconds. A WAL reader
-takes no lock a writer holds; should it ever find the file busy (another process rebuilding the WAL
-index after a crash), it fails at once and the read goes to the reader's thread, which waits there.
-Every other read (listings, usage, exports, long ranges: as long as the data) goes to that thread.
+Three connections, each with its own thread:
+- the writer, for every write, one transaction at a time. A turn's write is a batch: its statements
+  go in one trip, then the commit. Batches that queue while the writer is busy share one transaction
+  and one commit (`_commit_group`), so under load a turn waits for the writer once, not once per turn
+  ahead of it. The connection is in Python's implicit transaction mode (`isolation_level =
+  "IMMEDIATE"`), so no statement of a write ever commits on its own: a batch's first statement begins
+  the transaction, a script sends `BEGIN IMMEDIATE` with its first statement, and if that `BEGIN`
+  fails (another process held the file past the busy timeout) whatever began is rolled back. In WAL
+  mode with `synchronous = NORMAL` a commit appends to the log without waiting for the disk.
+- the reader, for every read: it sees committed data only, and waits on its own thread for a busy
+  file.
+- the checkpointer, with no busy timeout: the writer does not checkpoint on commit; at least
+  `_CHECKPOINT_EVERY` writes apart the checkpointer copies the log into the database by a policy that
+  never waits for a reader (`checkpoint_log`), so no write ever queues behind an outside reader (a
+  backup, a `sqlite3` shell, `memproxy sessions` on the same file).
+
+`:memory:` is one connection for everything: a second would open a second, empty database.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import queue
 import sqlite3
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import aiosqlite
 
 from .errors import translated
 from .migrations import migrations, statements
-from .sql import QUERIES, Row, Script, SQLStore, run_script
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step
 
-__all__ = ["QUERIES", "SQLiteStore", "migrations", "sqlite_path"]
+__all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
 T = TypeVar("T")
 log = logging.getLogger("memproxy.store")
+# aiosqlite logs every call with its parameters (stored content, metadata values) at DEBUG: even a
+# server debugging at DEBUG level must never write those.
+logging.getLogger("aiosqlite").setLevel(logging.WARNING)
 
 
 def sqlite_path(url: str) -> str:
@@ -49,99 +57,11 @@ def sqlite_path(url: str) -> str:
     return url[len("sqlite:///"):]
 
 
-_CHECKPOINT_EVERY = 64  # writes on the loop's connection between two checkpoints
+_CHECKPOINT_EVERY = 64  # writes between the starts of two checkpoints, at least
 _TRUNCATE_AT_FRAMES = 1024  # a log this long (4 MiB at 4 KiB pages; a turn writes ~14) is started afresh
-_Call = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
 
 
-class _Connection:
-    """A sqlite3 connection used only from its own thread, which runs the calls queued to it in turn.
-
-    A call runs once queued, even if its caller is cancelled meanwhile (a write is one whole
-    transaction: it commits or not as a whole); the caller only stops waiting. The thread hands each
-    result straight to the caller's loop: a ThreadPoolExecutor's futures cost every trip some 25 µs
-    more, and a turn waits for one trip (its write).
-    """
-
-    def __init__(self, path: str, busy_timeout_ms: int, wal: bool) -> None:
-        self._path, self._busy, self._wal = path, busy_timeout_ms, wal
-        self._conn: sqlite3.Connection | None = None
-        self._closed = False
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="memproxy-sqlite", daemon=True)
-        self._thread.start()
-
-    async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        if self._closed:
-            raise sqlite3.ProgrammingError("the store is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._calls.put((fn, loop, future))
-        return await future
-
-    def _serve(self) -> None:
-        while (queued := self._calls.get()) is not None:
-            fn, loop, future = queued
-            try:
-                outcome: tuple[Any, BaseException | None] = (self._call(fn), None)
-            except BaseException as exc:  # the caller's to handle
-                outcome = (None, exc)
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-
-    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        if self._conn is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-            pragmas = [f"busy_timeout = {int(self._busy)}", "foreign_keys = ON", "synchronous = NORMAL"]
-            for pragma in pragmas + (["journal_mode = WAL"] if self._wal else []):
-                conn.execute(f"PRAGMA {pragma}").fetchall()
-            self._conn = conn
-        return fn(self._conn)
-
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return await self.call(lambda conn: conn.execute(sql, params).fetchall())
-
-    async def close(self) -> None:
-        """Close the connection and stop its thread; closing again does nothing."""
-        def close(conn: sqlite3.Connection) -> None:
-            conn.close()
-        if self._closed:
-            return
-        if self._conn is not None:
-            await self.call(close)
-        self._closed = True
-        self._calls.put(None)
-        self._thread.join()
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _in_transaction(script: Script[T]) -> Callable[[sqlite3.Connection], T]:
-    def run(conn: sqlite3.Connection) -> T:
-        conn.execute("BEGIN IMMEDIATE")
-        return _finish(conn, script)
-    return run
-
-
-def _finish(conn: sqlite3.Connection, script: Script[T]) -> T:
-    """Run `script` in the transaction `conn` has begun, and commit it (or roll it back)."""
-    try:
-        result = run_script(script, lambda sql, params: conn.execute(sql, params).fetchall())
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-    return result
-
-
-def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
+async def checkpoint_log(conn: aiosqlite.Connection) -> tuple[int, int]:
     """The checkpoint policy, on a connection with no busy timeout: it never waits for anyone.
     Returns the log's length in frames and how many of them are now in the database.
 
@@ -151,116 +71,243 @@ def checkpoint_log(conn: sqlite3.Connection) -> tuple[int, int]:
     it grows without bound (190 MB measured). So once the log is long and every frame of it is
     copied, a TRUNCATE checkpoint copies the few frames written since and empties the file. TRUNCATE
     (and RESTART) waits for readers on the log: with no busy timeout it gives up at once instead
-    (`busy` = 1), and a write that finds the write lock it holds goes to the writer thread for the
-    moment it takes. An outside reader holding an old snapshot keeps the frames it needs in the log,
+    (`busy` = 1), and a write that finds the write lock it holds waits the moment it takes on the
+    writer's thread. An outside reader holding an old snapshot keeps the frames it needs in the log,
     as SQLite must; the first checkpoint after it lets go copies them and empties the log.
     """
-    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    [(_, frames, copied)] = await conn.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)")
     if frames >= _TRUNCATE_AT_FRAMES and copied == frames:
-        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        [(busy, frames, copied)] = await conn.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
         if not busy:
             return 0, 0
     return int(frames), int(copied)
 
 
-def _busy(exc: sqlite3.OperationalError) -> bool:
-    return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = False) -> aiosqlite.Connection:
+    # Implicit transactions: a data-changing statement always runs inside one (see the module's note).
+    conn = await aiosqlite.connect(path, isolation_level="IMMEDIATE")
+    setup = [f"busy_timeout = {int(busy_timeout_ms)}", "foreign_keys = ON", "synchronous = NORMAL", *pragmas]
+    for pragma in setup + (["journal_mode = WAL"] if wal else []):
+        await conn.execute_fetchall(f"PRAGMA {pragma}")
+    return conn
 
 
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
 
-    def __init__(self, reader: _Connection, writer: _Connection, local: sqlite3.Connection | None,
-                 checkpointer: _Connection | None = None) -> None:
-        self._reader = reader
+    def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection,
+                 checkpointer: aiosqlite.Connection | None = None) -> None:
         self._writer = writer
-        self._local = local  # on the loop's thread; None for `:memory:`, where one connection holds it all
-        self._local_writes = 0
-        # No busy timeout; runs `checkpoint_log` while writes go on (one checkpoint at a time).
-        self._checkpointer = checkpointer
+        self._reader = reader
+        self._write_lock = asyncio.Lock()  # one transaction at a time on the writer
+        self._writes = 0
+        self._checkpointer = checkpointer  # None for `:memory:`
         self._checkpointing: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._queued: list[_Batch] = []  # batches waiting for the writer
+        self._draining: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
-            return await self._reader.fetch(sql, params)
+            self._check_open()
+            return list(await self._reader.execute_fetchall(sql, params))
 
-    async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        with translated():
-            return await self._lookup(sql, params)
+    def _check_open(self) -> None:
+        if self._closed:  # as sqlite3 says it, not as aiosqlite does (a ValueError)
+            raise sqlite3.ProgrammingError("the store is closed")
 
-    async def _lookup(self, sql: str, params: Sequence[Any]) -> list[Row]:
-        if self._local is not None:
-            try:
-                return self._local.execute(sql, params).fetchall()
-            except sqlite3.OperationalError as exc:
-                if not _busy(exc):
-                    raise
-        return await self._reader.fetch(sql, params)  # busy: the reader's thread waits, not the loop
+    lookup = fetch  # every read is one trip to the reader's thread
 
     async def write(self, script: Script[T]) -> T:
         """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
+        return await self._transaction(lambda: self._run_script(script))
+
+    async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
+        """Batches queued while the writer is busy share one transaction and one commit (`_commit_group`):
+        under load, a turn's write waits for the writer once, not once per turn queued before it."""
         with translated():
-            return await self._write(script)
+            self._check_open()
+        loop = asyncio.get_running_loop()
+        batch = _Batch(steps, accept, loop.create_future())
+        batch.done.add_done_callback(_retrieved)
+        self._queued.append(batch)
+        if self._draining is None or self._draining.done():
+            self._draining = loop.create_task(self._drain())
+        with translated():
+            return cast(T, await asyncio.shield(batch.done))  # run to its end even if the caller goes
 
-    async def _write(self, script: Script[T]) -> T:
-        if self._local is not None:
+    async def _transaction(self, body: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run `body` as one write transaction on the writer, to its commit or rollback even if the
+        caller stops waiting (a client gone): a write is whole or absent, and the writer is never left
+        inside a transaction."""
+        with translated():
+            self._check_open()
+        task = asyncio.get_running_loop().create_task(self._locked(body))
+        self._pending.add(task)
+        task.add_done_callback(self._settled)
+        with translated():
+            return await asyncio.shield(task)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that stopped waiting has no use for it
+
+    async def _locked(self, body: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        async with self._write_lock:
             try:
-                self._local.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if not _busy(exc):
-                    raise
-            else:  # the write lock is ours: in WAL mode nothing after this waits for another process
-                result = _finish(self._local, script)
-                self._local_writes += 1
-                if self._local_writes % _CHECKPOINT_EVERY == 0 and self._checkpointer is not None and (
-                        self._checkpointing is None or self._checkpointing.done()):
-                    self._checkpointing = asyncio.get_running_loop().create_task(
-                        self._checkpoint(self._checkpointer))
-                return result
-        return await self._writer.call(_in_transaction(script))  # busy: the writer's thread waits
+                result = await body()
+                await self._writer.commit()
+            except BaseException:
+                await self._writer.rollback()  # a no-op if nothing began (or a commit ended it)
+                raise
+        self._wrote(1)
+        return result
 
-    @staticmethod
-    async def _checkpoint(checkpointer: _Connection) -> None:
+    async def _drain(self) -> None:
+        while self._queued:
+            group, self._queued = self._queued, []
+            async with self._write_lock:
+                try:
+                    await self._commit_group(group)
+                except Exception as exc:  # the store failed: every batch not yet answered gets why
+                    for batch in group:
+                        _settle(batch.done, None, exc)
+            self._wrote(len(group))
+
+    async def _commit_group(self, group: list[_Batch]) -> None:
+        """Run the batches in one transaction, all their statements in one trip, and commit them
+        together if each accepts its outcomes. If one does not, the transaction is rolled back, that
+        batch gets its error, and the others run again without it (one is refused at most rounds)."""
+        while group:
+            outcomes = await self._send([step for batch in group for step in batch.steps])
+            accepted: list[tuple[_Batch, Any]] = []
+            refused = False
+            for batch in group:
+                mine, outcomes = outcomes[:len(batch.steps)], outcomes[len(batch.steps):]
+                try:
+                    accepted.append((batch, batch.accept(mine)))
+                except BaseException as exc:  # the caller's to handle
+                    refused = True
+                    _settle(batch.done, None, exc)
+            try:
+                await (self._writer.rollback() if refused else self._writer.commit())
+            except BaseException:
+                await self._writer.rollback()  # a commit that failed may leave the transaction open
+                raise
+            if not refused:
+                for batch, result in accepted:
+                    _settle(batch.done, result, None)
+                return
+            group = [batch for batch, _ in accepted]
+
+    def _wrote(self, count: int) -> None:
+        self._writes += count  # since the last checkpoint began; one may take as long as hundreds of writes
+        if self._writes >= _CHECKPOINT_EVERY and self._checkpointer is not None and (
+                self._checkpointing is None or self._checkpointing.done()):
+            self._writes = 0
+            self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint(self._checkpointer))
+
+    async def _run_script(self, script: Script[T]) -> T:
+        """A script's first statement goes with the `BEGIN`, each next one when the last is answered."""
         try:
-            await checkpointer.call(checkpoint_log)
+            step = next(script)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+        begun, rows = await self._send([("BEGIN IMMEDIATE", ()), step])
+        _raise(begun)
+        while True:
+            try:
+                step = script.send(_rows(rows))
+            except StopIteration as done:
+                result = done.value
+                return result
+            rows = list(await self._writer.execute_fetchall(*step))
+
+    async def _send(self, steps: Sequence[Step]) -> list[Outcome]:
+        """Queue `steps` on the writer's thread all at once, in order (tasks start in the order they
+        are made), and wait for all of them: one trip. Each answered with its rows or its error."""
+        outcomes = await asyncio.gather(*(self._writer.execute_fetchall(sql, params) for sql, params in steps),
+                                        return_exceptions=True)
+        return [o if isinstance(o, BaseException) else list(o) for o in outcomes]
+
+    async def _checkpoint(self, checkpointer: aiosqlite.Connection) -> None:
+        """Copy the log into the database while writes go on; once it is long, empty it between two
+        writes: under steady writes a checkpoint running beside them never finds the log copied to
+        its very end, so the log would only grow. Writes wait for that second step alone, which has
+        the few frames written since the first to copy."""
+        try:
+            [(_, frames, _)] = await checkpointer.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)")
+            if frames >= _TRUNCATE_AT_FRAMES:
+                async with self._write_lock:
+                    await checkpoint_log(checkpointer)
         except sqlite3.Error as exc:  # the next one tries again
             log.warning("sqlite checkpoint failed: %s", type(exc).__name__)
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending:
+            await asyncio.wait(self._pending)
+        if self._draining is not None:
+            await asyncio.wait([self._draining])
         if self._checkpointing is not None:
             await self._checkpointing
-        if self._local is not None:
-            self._local.close()
-            self._local = None
-        if self._checkpointer is not None:
-            await self._checkpointer.close()
-        if self._reader is not self._writer:
-            await self._reader.close()
-        await self._writer.close()
+        for conn in {id(c): c for c in (self._checkpointer, self._reader, self._writer) if c}.values():
+            await conn.close()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    steps: Sequence[Step]
+    accept: Callable[[list[Outcome]], Any]
+    done: asyncio.Future[Any]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # a caller that stopped waiting has no use for it
+
+
+def _raise(outcome: Outcome) -> None:
+    if isinstance(outcome, BaseException):
+        raise outcome
+
+
+def _rows(outcome: Outcome) -> list[Row]:
+    _raise(outcome)
+    assert not isinstance(outcome, BaseException)
+    return outcome
 
 
 class SQLiteStore(SQLStore):
     @classmethod
     async def open(cls, url: str, busy_timeout_ms: int = 5000) -> SQLiteStore:
         path = sqlite_path(url)
-        if path != ":memory:":
+        if path == ":memory:":
+            conn = await _connect(path, busy_timeout_ms)
+            backend = SQLiteBackend(conn, conn)
+        else:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        writer = _Connection(path, busy_timeout_ms, wal=True)
-        await writer.fetch("SELECT 1")  # opens the file (in WAL mode) before the reader does
-        in_memory = path == ":memory:"
-        reader = writer if in_memory else _Connection(path, busy_timeout_ms, wal=False)
-        checkpointer = None if in_memory else _Connection(path, 0, wal=False)
-        backend = SQLiteBackend(reader, writer, None if in_memory else _local(path), checkpointer)
+            # The writer opens the file first, in WAL mode; it never checkpoints on commit.
+            writer = await _connect(path, busy_timeout_ms, "wal_autocheckpoint = 0", wal=True)
+            reader = await _connect(path, busy_timeout_ms)
+            checkpointer = await _connect(path, 0)
+            backend = SQLiteBackend(writer, reader, checkpointer)
         await _migrate(backend)
         return cls(backend)
-
-
-def _local(path: str) -> sqlite3.Connection:
-    """The event loop's connection: never waiting on a busy file, never checkpointing on commit."""
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    for pragma in ("busy_timeout = 0", "foreign_keys = ON", "synchronous = NORMAL", "wal_autocheckpoint = 0"):
-        conn.execute(f"PRAGMA {pragma}").fetchall()
-    return conn
 
 
 async def _migrate(backend: SQLiteBackend) -> None:

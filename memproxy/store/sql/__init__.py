@@ -1,0 +1,21 @@
+"""The Store, written once in the SQL that SQLite and PostgreSQL share.
+
+One module a concern, imported one way: `script` (statements, write scripts and the `Backend` that
+runs them) and `codec` (values as the columns store them, rows as dataclasses) under `common` (the
+base both halves stand on: timed reads, the session row's lock, creation and deletion), under
+`turns` (what a chat turn and the summariser need, `TurnStore`) and `admin` (what managing
+sessions needs, `AdminStore`). `SQLStore` is both; each backend subclasses it with its `Backend`.
+"""
+
+from __future__ import annotations
+
+from .admin import SQLAdmin
+from .script import Backend, Outcome, Row, Script, Step, run_script, run_script_async
+from .turns import QUERIES, SQLTurns
+
+__all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLStore", "SQLTurns", "Script", "Step",
+           "run_script", "run_script_async"]
+
+
+class SQLStore(SQLTurns, SQLAdmin):
+    """The whole `Store`: the turn half and the admin half over one backend."""

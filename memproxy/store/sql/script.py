@@ -1,0 +1,76 @@
+"""How the SQL store talks to a database: statements, write scripts and the `Backend` running them.
+
+A `Backend` supplies reads that see only committed data, write scripts, and the dialect's row lock.
+Every write is a script: a generator of statements, each `yield` answered with that statement's
+rows, run in one transaction. Where no statement needs another's answer, a write is a batch
+instead (`Backend.write_batch`): SQLite sends the whole batch to its writer's thread in one trip.
+Statements use `?` placeholders (the PostgreSQL backend numbers them), `RETURNING` for new ids and
+for what a statement changed, and `CAST(? AS TEXT) IS NULL` where a parameter may be null, so one
+text serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any, Protocol, TypeVar
+
+Row = Sequence[Any]
+T = TypeVar("T")
+Step = tuple[str, Sequence[Any]]
+Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a result at the end
+Outcome = list[Row] | BaseException  # what a statement of a batch returned, or the error it raised
+
+
+
+class Backend(Protocol):
+    row_lock: str  # appended to a SELECT that must lock the rows it reads
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """A read outside any transaction: it sees committed data only."""
+        ...
+
+    async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
+        by the request rather than the history (the plans are checked by the tests)."""
+        ...
+
+    async def write(self, script: Script[T]) -> T:
+        """Run a script in one write transaction, rolled back if it raises."""
+        ...
+
+    async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
+        """Run `steps` in one write transaction, then `accept` their outcomes, in order, inside it:
+        committed if it returns, rolled back if it raises. The first step changes data (on SQLite it
+        begins the transaction). A step's error does not stop the batch (a backend may stop sending
+        steps after one: those then carry the same error)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def run_script(script: Script[T], fetch: Callable[[str, Sequence[Any]], list[Row]]) -> T:
+    """Drive a script with a synchronous `fetch`."""
+    try:
+        step = next(script)
+        while True:
+            step = script.send(fetch(*step))
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def run_script_async(script: Script[T], fetch: Callable[[str, Sequence[Any]], Awaitable[list[Row]]]) -> T:
+    """Drive a script statement by statement with an asynchronous `fetch` (in a transaction)."""
+    try:
+        step = next(script)
+        while True:
+            step = script.send(await fetch(*step))
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+def statement(sql: str, params: Sequence[Any]) -> Script[list[Row]]:
+    rows = yield sql, params
+    return rows
+
