@@ -49,7 +49,7 @@ from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, is_session_id
-from .store import StoreUnavailable
+from .store import StoreUnavailable, TurnRecord
 from .store.errors import StoreConflict
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
@@ -73,8 +73,11 @@ class Exchange:
     timings: Timings
     headers: dict[str, str] = field(default_factory=dict)
     turn: PreparedTurn | None = None
-    recorded: bool = False
-    recorded_tokens: int = 0  # the recorded messages' compact tokens: what the turn added to the session
+    record: TurnRecord | None = None  # the turn, once it is recorded
+
+    @property
+    def recorded(self) -> bool:
+        return self.record is not None
 
     @property
     def stream(self) -> bool:
@@ -296,20 +299,19 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     record = turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
                          exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
     await app[TASKS].run(app[STORE].record_turn(record))
-    exchange.recorded = True
-    exchange.recorded_tokens = sum(m.tokens if m.compact_tokens is None else m.compact_tokens for m in record.messages)
+    exchange.record = record
     exchange.timings.lap("record")
 
 
 def _after_response(request: web.Request, exchange: Exchange) -> None:
     """Once the answer is out, a recorded turn may start a background summary and trim the
     session to its message cap."""
-    turn = exchange.turn
-    if not exchange.recorded or turn is None:
+    turn, record = exchange.turn, exchange.record
+    if record is None or turn is None:
         return
     app = request.app
     app[SUMMARIZER].after_turn(turn.tenant, turn.session_id, exchange.model,
-                               turn.context.unfolded + exchange.recorded_tokens)
+                               turn.context.unfolded + sum(m.compacted_tokens for m in record.messages))
     cap = app[CONFIG].retention.max_messages_per_session
     if cap is not None:
         app[TASKS].spawn(cap_messages(app[STORE], turn.tenant, turn.session_id, cap), optional=True)

@@ -74,6 +74,11 @@ class NewMessage:
     compact_body: Message | None = None
     compact_tokens: int | None = None  # None: the same as `tokens`
 
+    @property
+    def compacted_tokens(self) -> int:
+        """Its tokens in compact form: what it adds to the compact running total."""
+        return self.tokens if self.compact_tokens is None else self.compact_tokens
+
 
 @dataclass(frozen=True)
 class Totals:
@@ -93,6 +98,12 @@ class Summary:
     replaced_tokens: int  # of what it replaced: the previous summary and the messages folded in
     model: str
     created_at: float = 0.0
+
+
+def mandatory_start(base: int, whole_last_unit: bool, last_unit: int | None) -> int:
+    """Where the stored messages that must be sent start: the last unit's start when the turn must
+    send it whole (`memory.fit.must_send_last_unit`), else nothing before `base` must go."""
+    return base if not whole_last_unit or last_unit is None else last_unit
 
 
 @dataclass(frozen=True)
@@ -154,7 +165,7 @@ class Loaded:
         session = self.session
         if base != session.length or room > self.room or not self.summary_known:
             return None
-        must_start = base if not whole_last_unit or self.last_unit is None else self.last_unit
+        must_start = mandatory_start(base, whole_last_unit, self.last_unit)
         if self.summary is not None and self.summary.covers > must_start:
             return None
         return Snapshot(base=base, base_totals=Totals(session.head_cum, session.head_compact_cum),

@@ -69,7 +69,6 @@ class PostgresBackend:
         with translated():
             return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
 
-    lookup = fetch  # a round trip to the server either way
 
     async def write(self, script: Script[T]) -> T:
         # A connection the server dropped (a restart, a cut network) fails its next statement here;

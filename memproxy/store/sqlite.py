@@ -28,18 +28,19 @@ Three connections, each with its own thread:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sqlite3
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import aiosqlite
 
 from .errors import translated
 from .migrations import migrations, statements
-from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, run_script_async
 
 __all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
@@ -100,12 +101,11 @@ class SQLiteBackend:
         self._writer = writer
         self._reader = reader
         self._write_lock = asyncio.Lock()  # one transaction at a time on the writer
+        self._queued: list[_Write] = []  # writes waiting for the writer, in order
+        self._draining: asyncio.Task[None] | None = None  # the one task running them
         self._writes = 0
         self._checkpointer = checkpointer  # None for `:memory:`
         self._checkpointing: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[Any]] = set()
-        self._queued: list[_Batch] = []  # batches waiting for the writer
-        self._draining: asyncio.Task[None] | None = None
         self._closed = False
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
@@ -117,90 +117,87 @@ class SQLiteBackend:
         if self._closed:  # as sqlite3 says it, not as aiosqlite does (a ValueError)
             raise sqlite3.ProgrammingError("the store is closed")
 
-    lookup = fetch  # every read is one trip to the reader's thread
-
     async def write(self, script: Script[T]) -> T:
         """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
-        return await self._transaction(lambda: self._run_script(script))
+        return cast(T, await self._queue(_Write(script, None, None)))
 
     async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
-        """Batches queued while the writer is busy share one transaction and one commit (`_commit_group`):
-        under load, a turn's write waits for the writer once, not once per turn queued before it."""
+        """Batches queued together share one transaction and one commit (`_commit_group`): under
+        load, a turn's write waits for the writer once, not once per turn queued before it."""
+        return cast(T, await self._queue(_Write(None, steps, accept)))
+
+    async def _queue(self, write: _Write) -> Any:
+        """Queue a write for the one task that runs them, and wait for its outcome. It runs to its
+        commit or rollback even if the caller stops waiting (a client gone): a write is whole or
+        absent, and the writer is never left inside a transaction."""
         with translated():
             self._check_open()
-        loop = asyncio.get_running_loop()
-        batch = _Batch(steps, accept, loop.create_future())
-        batch.done.add_done_callback(_retrieved)
-        self._queued.append(batch)
-        if self._draining is None or self._draining.done():
-            self._draining = loop.create_task(self._drain())
-        with translated():
-            return cast(T, await asyncio.shield(batch.done))  # run to its end even if the caller goes
-
-    async def _transaction(self, body: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        """Run `body` as one write transaction on the writer, to its commit or rollback even if the
-        caller stops waiting (a client gone): a write is whole or absent, and the writer is never left
-        inside a transaction."""
-        with translated():
-            self._check_open()
-        task = asyncio.get_running_loop().create_task(self._locked(body))
-        self._pending.add(task)
-        task.add_done_callback(self._settled)
-        with translated():
-            return await asyncio.shield(task)
-
-    def _settled(self, task: asyncio.Task[Any]) -> None:
-        self._pending.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that stopped waiting has no use for it
-
-    async def _locked(self, body: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        async with self._write_lock:
-            try:
-                result = await body()
-                await self._writer.commit()
-            except BaseException:
-                await self._writer.rollback()  # a no-op if nothing began (or a commit ended it)
-                raise
-        self._wrote(1)
-        return result
+            loop = asyncio.get_running_loop()
+            write.done = loop.create_future()
+            write.done.add_done_callback(_retrieved)
+            self._queued.append(write)
+            if self._draining is None or self._draining.done():
+                self._draining = loop.create_task(self._drain())
+            return await asyncio.shield(write.done)
 
     async def _drain(self) -> None:
+        """Run the queued writes in order: a script alone, the batches queued next to one another
+        together."""
         while self._queued:
-            group, self._queued = self._queued, []
+            first = self._queued[0]
+            group = [first] if first.script is not None else list(
+                itertools.takewhile(lambda w: w.script is None, self._queued))
+            del self._queued[:len(group)]
             async with self._write_lock:
                 try:
-                    await self._commit_group(group)
-                except Exception as exc:  # the store failed: every batch not yet answered gets why
-                    for batch in group:
-                        _settle(batch.done, None, exc)
+                    if first.script is not None:
+                        _settle(first, await self._run_script(first.script), None)
+                    else:
+                        await self._commit_group(group)
+                except Exception as exc:  # the caller's to handle; none is left unanswered
+                    await self._writer.rollback()  # a no-op if nothing began (or a commit ended it)
+                    for write in group:
+                        _settle(write, None, exc)
             self._wrote(len(group))
 
-    async def _commit_group(self, group: list[_Batch]) -> None:
+    async def _run_script(self, script: Script[T]) -> T:
+        """A script's first statement goes with the `BEGIN`, each next one when the last is answered."""
+        begun = False
+
+        async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
+            nonlocal begun
+            if begun:
+                return list(await self._writer.execute_fetchall(sql, params))
+            begun = True
+            begin, rows = await self._send([("BEGIN IMMEDIATE", ()), (sql, params)])
+            _rows(begin)
+            return _rows(rows)
+
+        result = await run_script_async(script, fetch)
+        await self._writer.commit()
+        return result
+
+    async def _commit_group(self, group: list[_Write]) -> None:
         """Run the batches in one transaction, all their statements in one trip, and commit them
         together if each accepts its outcomes. If one does not, the transaction is rolled back, that
         batch gets its error, and the others run again without it (one is refused at most rounds)."""
         while group:
-            outcomes = await self._send([step for batch in group for step in batch.steps])
-            accepted: list[tuple[_Batch, Any]] = []
-            refused = False
-            for batch in group:
-                mine, outcomes = outcomes[:len(batch.steps)], outcomes[len(batch.steps):]
+            outcomes = await self._send([step for write in group for step in write.steps or ()])
+            accepted: list[tuple[_Write, Any]] = []
+            for write in group:
+                assert write.steps is not None and write.accept is not None
+                mine, outcomes = outcomes[:len(write.steps)], outcomes[len(write.steps):]
                 try:
-                    accepted.append((batch, batch.accept(mine)))
-                except BaseException as exc:  # the caller's to handle
-                    refused = True
-                    _settle(batch.done, None, exc)
-            try:
-                await (self._writer.rollback() if refused else self._writer.commit())
-            except BaseException:
-                await self._writer.rollback()  # a commit that failed may leave the transaction open
-                raise
-            if not refused:
-                for batch, result in accepted:
-                    _settle(batch.done, result, None)
+                    accepted.append((write, write.accept(mine)))
+                except Exception as exc:  # the caller's to handle
+                    _settle(write, None, exc)
+            if len(accepted) == len(group):
+                await self._writer.commit()
+                for write, result in accepted:
+                    _settle(write, result, None)
                 return
-            group = [batch for batch, _ in accepted]
+            await self._writer.rollback()
+            group = [write for write, _ in accepted]
 
     def _wrote(self, count: int) -> None:
         self._writes += count  # since the last checkpoint began; one may take as long as hundreds of writes
@@ -208,23 +205,6 @@ class SQLiteBackend:
                 self._checkpointing is None or self._checkpointing.done()):
             self._writes = 0
             self._checkpointing = asyncio.get_running_loop().create_task(self._checkpoint(self._checkpointer))
-
-    async def _run_script(self, script: Script[T]) -> T:
-        """A script's first statement goes with the `BEGIN`, each next one when the last is answered."""
-        try:
-            step = next(script)
-        except StopIteration as done:
-            result: T = done.value
-            return result
-        begun, rows = await self._send([("BEGIN IMMEDIATE", ()), step])
-        _raise(begun)
-        while True:
-            try:
-                step = script.send(_rows(rows))
-            except StopIteration as done:
-                result = done.value
-                return result
-            rows = list(await self._writer.execute_fetchall(*step))
 
     async def _send(self, steps: Sequence[Step]) -> list[Outcome]:
         """Queue `steps` on the writer's thread all at once, in order (tasks start in the order they
@@ -250,8 +230,6 @@ class SQLiteBackend:
         if self._closed:
             return
         self._closed = True
-        if self._pending:
-            await asyncio.wait(self._pending)
         if self._draining is not None:
             await asyncio.wait([self._draining])
         if self._checkpointing is not None:
@@ -260,20 +238,23 @@ class SQLiteBackend:
             await conn.close()
 
 
-@dataclass(frozen=True)
-class _Batch:
-    steps: Sequence[Step]
-    accept: Callable[[list[Outcome]], Any]
-    done: asyncio.Future[Any]
+@dataclass
+class _Write:
+    """A write waiting for the writer: a script, or a batch with what accepts its outcomes."""
+
+    script: Script[Any] | None
+    steps: Sequence[Step] | None
+    accept: Callable[[list[Outcome]], Any] | None
+    done: asyncio.Future[Any] = field(init=False)
 
 
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
+def _settle(write: _Write, result: Any, error: BaseException | None) -> None:
+    if write.done.done():
         return
     if error is not None:
-        future.set_exception(error)
+        write.done.set_exception(error)
     else:
-        future.set_result(result)
+        write.done.set_result(result)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -281,14 +262,9 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
         future.exception()  # a caller that stopped waiting has no use for it
 
 
-def _raise(outcome: Outcome) -> None:
+def _rows(outcome: Outcome) -> list[Row]:
     if isinstance(outcome, BaseException):
         raise outcome
-
-
-def _rows(outcome: Outcome) -> list[Row]:
-    _raise(outcome)
-    assert not isinstance(outcome, BaseException)
     return outcome
 
 

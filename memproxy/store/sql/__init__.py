@@ -10,11 +10,11 @@ sessions needs, `AdminStore`). `SQLStore` is both; each backend subclasses it wi
 from __future__ import annotations
 
 from .admin import SQLAdmin
-from .script import Backend, Outcome, Row, Script, Step, run_script, run_script_async
+from .script import Backend, Outcome, Row, Script, Step, run_script_async
 from .turns import QUERIES, SQLTurns
 
 __all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLStore", "SQLTurns", "Script", "Step",
-           "run_script", "run_script_async"]
+           "run_script_async"]
 
 
 class SQLStore(SQLTurns, SQLAdmin):

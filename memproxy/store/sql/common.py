@@ -31,16 +31,16 @@ class SQLBase:
     async def close(self) -> None:
         await self._db.close()
 
-    async def _fetch(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> list[Row]:
-        """`lookup`: one of the `QUERIES` that serve a turn (`Backend.lookup`)."""
+    async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """A read, its time charged to the request's `store` part."""
         started = time.perf_counter()
         try:
-            return await (self._db.lookup if lookup else self._db.fetch)(sql, params)
+            return await self._db.fetch(sql, params)
         finally:
             charge_store(started)
 
-    async def _one(self, sql: str, params: Sequence[Any] = (), lookup: bool = False) -> Row | None:
-        rows = await self._fetch(sql, params, lookup)
+    async def _one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        rows = await self._fetch(sql, params)
         return rows[0] if rows else None
 
     async def ping(self) -> None:

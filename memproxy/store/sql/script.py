@@ -21,17 +21,11 @@ Script = Generator[Step, list[Row], T]  # statements out, their rows back in, a 
 Outcome = list[Row] | BaseException  # what a statement of a batch returned, or the error it raised
 
 
-
 class Backend(Protocol):
     row_lock: str  # appended to a SELECT that must lock the rows it reads
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """A read outside any transaction: it sees committed data only."""
-        ...
-
-    async def lookup(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        """The same, for one of the `QUERIES` serving a turn: answered from an index, its cost bounded
-        by the request rather than the history (the plans are checked by the tests)."""
         ...
 
     async def write(self, script: Script[T]) -> T:
@@ -46,17 +40,6 @@ class Backend(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def run_script(script: Script[T], fetch: Callable[[str, Sequence[Any]], list[Row]]) -> T:
-    """Drive a script with a synchronous `fetch`."""
-    try:
-        step = next(script)
-        while True:
-            step = script.send(fetch(*step))
-    except StopIteration as done:
-        result: T = done.value
-        return result
 
 
 async def run_script_async(script: Script[T], fetch: Callable[[str, Sequence[Any]], Awaitable[list[Row]]]) -> T:

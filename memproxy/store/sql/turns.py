@@ -16,33 +16,41 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord
+from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
+                    mandatory_start)
 from ..errors import StoreConflict
 from .codec import TURN_COLUMNS, column_marks, dumps, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
 from .script import Outcome, Row, Script, Step
 
-_LOOKUP_ROWS = 256  # a longer range (a summary's first fold of a long history) is no lookup
+# A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
+_SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
+
+
+def _marks(session: str, before: str, full: str, compact: str) -> list[str]:
+    """What a fit needs to know of a session's active history before reading the messages it may
+    send, as four scalar subqueries over SQL expressions for the session's key, a position and two
+    running totals: the newest unit start and the newest user message before `before` (the first
+    walks back through one unit's tool results at most), and the first unit starts whose running
+    total before them reaches `full` (as stored) and `compact` (in compact form). Each one index
+    lookup."""
+    active = f"FROM messages WHERE session_pk = {session} AND active = 1"
+    return [f"(SELECT seq {active} AND unit_start = 1 AND seq < {before} ORDER BY seq DESC LIMIT 1)",
+            f"(SELECT seq {active} AND role = 'user' AND seq < {before} ORDER BY seq DESC LIMIT 1)",
+            f"(SELECT seq {active} AND unit_start = 1 AND cum_before >= {full} ORDER BY cum_before LIMIT 1)",
+            f"(SELECT seq {active} AND unit_start = 1 AND compact_cum_before >= {compact}"
+            " ORDER BY compact_cum_before LIMIT 1)"]
+
+
+# A session `s`'s marks at its head, for a room of `?` tokens (`load`).
+_HEAD_MARKS = _marks("s.pk", "s.length", "s.head_cum - ?", "s.head_compact_cum - ?")
+_MESSAGE_FIELDS = 9  # the columns of `active_range`, which `_stored` reads
+_SESSION_FIELDS = 12  # the columns of `get_session`, which `_session` reads
+_SUMMARY_FIELDS = 10  # `to_summary`'s columns, then the running totals where the summary ends
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
 # length of a session's history.
-# A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
-_SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
-
-# The marks of a session `s` at its head: its newest unit start and user message, and the first unit
-# starts whose tails fit in `?` tokens, as stored and in compact form. Each one index lookup.
-_HEAD_MARKS = {
-    "last_unit": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
-    " AND seq < s.length ORDER BY seq DESC LIMIT 1)",
-    "last_user": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND role = 'user'"
-    " AND seq < s.length ORDER BY seq DESC LIMIT 1)",
-    "fits": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
-    " AND cum_before >= s.head_cum - ? ORDER BY cum_before LIMIT 1)",
-    "fits_compact": "(SELECT seq FROM messages WHERE session_pk = s.pk AND active = 1 AND unit_start = 1"
-    " AND compact_cum_before >= s.head_compact_cum - ? ORDER BY compact_cum_before LIMIT 1)",
-}
-
 QUERIES = {
     "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
     " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body FROM sessions s"
@@ -54,19 +62,8 @@ QUERIES = {
     " WHERE session_pk = ? AND active = 1 AND seq = ?",
     "user_positions": "SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user'"
     " AND seq < ? ORDER BY seq DESC LIMIT ?",
-    # What a turn's fit needs to know before reading the messages it may send (`Store.snapshot`):
-    # the last unit start before `base` (it walks back through one unit's tool results at most),
-    # the newest user message, and the first unit start whose tail fits the room, as stored and in
-    # compact form. One trip, four index lookups.
-    "snapshot_marks": "SELECT"
-    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND seq < ?"
-    " ORDER BY seq DESC LIMIT 1),"
-    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND role = 'user' AND seq < ?"
-    " ORDER BY seq DESC LIMIT 1),"
-    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1 AND cum_before >= ?"
-    " ORDER BY cum_before LIMIT 1),"
-    " (SELECT seq FROM messages WHERE session_pk = ? AND active = 1 AND unit_start = 1"
-    " AND compact_cum_before >= ? ORDER BY compact_cum_before LIMIT 1)",
+    # What a turn's fit needs to know before reading the messages it may send (`Store.snapshot`).
+    "snapshot_marks": "SELECT " + ", ".join(_marks("?", "?", "?", "?")),
     "active_range": "SELECT seq, body, tokens, cum_before, unit_start, chain_hash, compact_body,"
     " compact_tokens, compact_cum_before FROM messages"
     " WHERE session_pk = ? AND active = 1 AND seq >= ? AND seq < ? ORDER BY seq",
@@ -87,9 +84,8 @@ QUERIES = {
     # history has changed since). 1: the messages any room up to `?` could send, in order (from the
     # earliest of the last unit start and the first unit starts whose tails fit; all of them when
     # the whole history fits).
-    "head": "SELECT 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,"
-    " s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
-    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {marks},"
+    "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
+    " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
     " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens) FROM sessions s"
     " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
@@ -99,7 +95,7 @@ QUERIES = {
     " UNION ALL SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
     " m.compact_tokens, m.compact_cum_before, {nulls} FROM sessions s JOIN messages m ON m.session_pk = s.pk"
     " AND m.active = 1 AND m.seq >= CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES"
-    " (coalesce({last_unit}, s.length)), (coalesce({fits}, s.length)), (coalesce({fits_compact}, s.length))) v)"
+    " (coalesce({marks[0]}, s.length)), (coalesce({marks[2]}, s.length)), (coalesce({marks[3]}, s.length))) v)"
     " END WHERE s.tenant = ? AND s.session_id = ? ORDER BY 1, 2",
     # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
     # turns on a session are written one at a time, under its row's lock, a summariser call's
@@ -109,27 +105,30 @@ QUERIES = {
     "message_id": f"SELECT id FROM messages WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq = ?",
     "supersede": f"UPDATE messages SET active = 0 WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq >= ?",
 }
-QUERIES["head"] = QUERIES["head"].format(marks=", ".join(_HEAD_MARKS.values()), nulls=", ".join(["NULL"] * 26),
-                                          **_HEAD_MARKS)
+QUERIES["head"] = QUERIES["head"].format(
+    marks=_HEAD_MARKS, all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * _MESSAGE_FIELDS),
+    nulls=", ".join(["NULL"] * (_SESSION_FIELDS + len(_HEAD_MARKS) + _SUMMARY_FIELDS)))
 
 
 class SQLTurns(SQLBase):
     """The `TurnStore` methods."""
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
-        row = await self._one(QUERIES["get_session"], (tenant, session_id), lookup=True)
+        row = await self._one(QUERIES["get_session"], (tenant, session_id))
         return None if row is None else _session(row)
 
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
         key = (tenant, session_id)
-        rows = await self._fetch(QUERIES["head"], (room, room, *key, room, room, room, *key), lookup=True)
+        rows = await self._fetch(QUERIES["head"], (room, room, *key, room, room, room, *key))
         if not rows:
             return None
-        head = rows[0][10:]
+        # The first row: its part (0), the message columns (null), then the session's own columns,
+        # its four marks and its newest summary (`to_summary`'s columns, then two totals).
+        head = rows[0][1 + _MESSAGE_FIELDS:]
         session = _session(head)
-        last_unit, last_user = (None if v is None else int(v) for v in head[12:14])
-        stored = [_stored(row[1:10]) for row in rows[1:]]
-        summary = head[16:26]
+        last_unit, last_user = (None if v is None else int(v) for v in head[_SESSION_FIELDS:_SESSION_FIELDS + 2])
+        stored = [_stored(row[1:1 + _MESSAGE_FIELDS]) for row in rows[1:]]
+        summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):]
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
         in_use = summary[0] is not None and summary[8] is not None and summary[2] <= session.length
@@ -144,7 +143,7 @@ class SQLTurns(SQLBase):
         for i in range(0, len(hashes), CHUNK):
             chunk = list(hashes[i : i + CHUNK])
             sql = QUERIES["matched_prefix"].format(marks=",".join("?" * len(chunk)))
-            row = await self._one(sql, (session.pk, *chunk), lookup=True)
+            row = await self._one(sql, (session.pk, *chunk))
             if row is not None and row[0] is not None:
                 best = max(best, int(row[0]))
         return best + 1
@@ -152,13 +151,13 @@ class SQLTurns(SQLBase):
     async def totals_at(self, session: SessionState, seq: int) -> Totals:
         if seq >= session.length:
             return Totals(session.head_cum, session.head_compact_cum)
-        row = await self._one(QUERIES["totals_at"], (session.pk, seq), lookup=True)
+        row = await self._one(QUERIES["totals_at"], (session.pk, seq))
         if row is None:
             raise LookupError(f"no active message at position {seq}")
         return Totals(int(row[0]), int(row[1]))
 
     async def user_positions(self, session: SessionState, before: int, limit: int) -> list[int]:
-        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit), lookup=True)
+        rows = await self._fetch(QUERIES["user_positions"], (session.pk, before, limit))
         return [int(row[0]) for row in rows]
 
     async def snapshot(self, session: SessionState, base: int, whole_last_unit: bool, room: int) -> Snapshot:
@@ -168,21 +167,21 @@ class SQLTurns(SQLBase):
             messages = await self.active_range(session, 0, base)
             last_unit = next((m.seq for m in reversed(messages) if m.unit_start), None)
             last_user = next((m.seq for m in reversed(messages) if m.body.get("role") == "user"), None)
-            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            must_start = mandatory_start(base, whole_last_unit, last_unit)
             start = 0
         else:
             marks = await self._one(QUERIES["snapshot_marks"], (
                 session.pk, base, session.pk, base, session.pk, base_totals.full - room,
-                session.pk, base_totals.compact - room), lookup=True)
+                session.pk, base_totals.compact - room))
             assert marks is not None  # scalar subqueries: always one row
             last_unit, last_user, fits, fits_compact = (None if v is None else int(v) for v in marks)
-            must_start = base if not whole_last_unit or last_unit is None else last_unit
+            must_start = mandatory_start(base, whole_last_unit, last_unit)
             # A unit start before both of the first that fit costs more than `room` either way.
             start = min(must_start, base if fits is None else fits, base if fits_compact is None else fits_compact)
             messages = await self.active_range(session, start, base)
         summary, summary_totals = None, None
         if session.summary_version:  # a session never summarised needs no summary query
-            row = await self._one(QUERIES["snapshot_summary"], (session.pk, must_start), lookup=True)
+            row = await self._one(QUERIES["snapshot_summary"], (session.pk, must_start))
             if row is not None:
                 summary, summary_totals = to_summary(row), Totals(int(row[8]), int(row[9]))
         return Snapshot(base=base, base_totals=base_totals, must_start=must_start, last_user=last_user,
@@ -191,12 +190,11 @@ class SQLTurns(SQLBase):
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]:
         if start >= stop:
             return []
-        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop),
-                                 lookup=stop - start <= _LOOKUP_ROWS)
+        rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop))
         return [_stored(r) for r in rows]
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
-        row = await self._one(QUERIES["current_summary"], (session.pk, upto), lookup=True)
+        row = await self._one(QUERIES["current_summary"], (session.pk, upto))
         return None if row is None else to_summary(row)
 
     async def newest_summary_version(self, session: SessionState) -> int:
@@ -423,7 +421,7 @@ def _placement(turn: TurnRecord) -> tuple[list[Placed], Head]:
     cum, compact_cum = turn.base_totals.full, turn.base_totals.compact
     placed = []
     for message in turn.messages:
-        compact_tokens = message.tokens if message.compact_tokens is None else message.compact_tokens
+        compact_tokens = message.compacted_tokens
         placed.append((seq, cum, compact_tokens, compact_cum))
         seq, head_hash = seq + 1, message.chain_hash
         cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
