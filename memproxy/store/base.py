@@ -174,6 +174,44 @@ class Loaded:
 
 
 @dataclass(frozen=True)
+class RecallHit:
+    """A stored message that matched a recall or search query."""
+
+    session_id: str
+    seq: int
+    score: float  # higher ranks first; comparable within one answer only
+
+
+@dataclass(frozen=True)
+class RecalledMessage:
+    """A stored message brought back by recall: a hit, or context around one."""
+
+    session_id: str
+    created_at: float
+    message: StoredMessage
+
+
+@dataclass(frozen=True)
+class Recall:
+    """What `TurnStore.recall` found: the hits, best first, and the messages to send for them (each
+    hit with its neighbours, extended to whole units), by session and position."""
+
+    hits: list[RecallHit]
+    messages: list[RecalledMessage]
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A stored message found by `AdminStore.search`."""
+
+    session_id: str
+    seq: int
+    score: float  # higher ranks first
+    body: Message
+    created_at: float
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -211,6 +249,8 @@ class SentContext:
     marker: bool  # a note saying that earlier messages are not shown was sent
     trimmed: int  # stored tool outputs sent as head + tail
     deduplicated: int  # stored contents sent as a reference to an earlier copy
+    # The stored messages recalled into the request (`memory.recall`), as (session id, position).
+    recalled: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +283,9 @@ class TurnRecord:
     # starts it afresh, unless a write meanwhile (a metadata write, a clear) already did.
     expired_before: float | None = None
     sent: SentContext | None = None
+    # The end user the turn was made for (`X-Memproxy-User`, else the request's `user`): the
+    # session's, for recall across that user's sessions (`memory.recall_scope: user`).
+    end_user: str | None = None
 
 
 @dataclass(frozen=True)
@@ -353,6 +396,16 @@ class TurnStore(Protocol):
         ...
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
+
+    async def recall(self, session: SessionState, words: Sequence[str], before: int, limit: int, around: int,
+                     end_user: str | None = None) -> Recall:
+        """The stored messages that match any of `words` (`memproxy.searchtext.query_words`), best
+        `limit` first: the session's active messages before position `before`, and, with `end_user`,
+        every active message of the tenant's other sessions made for that end user. With them, the
+        messages to send for each hit: those within `around` positions of it, extended to whole
+        units (a message and the tool results answering it), never at or after `before` in this
+        session. Superseded and deleted messages are never found. One trip on SQLite."""
+        ...
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
         """The newest summary covering at most `upto` messages that are still the active history."""
@@ -485,6 +538,12 @@ class AdminStore(Protocol):
 
     async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
         """Add to what the tenant's deleted sessions had spent (a copy of another store's rollup)."""
+        ...
+
+    async def search(self, tenant: str | None, words: Sequence[str], limit: int,
+                     session: SessionState | None = None) -> list[SearchHit]:
+        """The active messages of the tenant's sessions (of `session` alone, if given) that match
+        any of `words`, best `limit` first."""
         ...
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:

@@ -1,0 +1,77 @@
+"""The words of a stored message, as the store indexes them and recall and search look them up.
+
+One analysis for both sides: `message_words` is what the store indexes for a message (the text of
+its content parts, its tool calls' names and arguments, a tool result, and the date it was stored),
+`query_words` what a question is looked up by (its words, lower-cased, without the function words
+that match nearly everything). Each backend stems both the same way (SQLite FTS5's `porter`
+tokenizer, PostgreSQL's `english` configuration), so "running" finds "runs".
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from .messages import Message
+
+# The most characters of a message's text indexed: a tool output of megabytes is found by its start.
+MAX_INDEXED_CHARS = 32_000
+# The most words a question is looked up by: the later ones of a long message add little.
+MAX_QUERY_WORDS = 24
+# A store may put the session's key before each word (`key_word`): `_` cannot be part of a word.
+_WORD = re.compile(r"[^\W_]+")
+
+# English function words: they match nearly every message and rank nothing. A generic list (the
+# common core of the usual stop lists), not one built from any data set's questions.
+STOPWORDS = frozenset("""
+a about above after again against all am an and any are aren as at be because been before being
+below between both but by can cannot could couldn did didn do does doesn doing don down during each
+few for from further had hadn has hasn have haven having he her here hers herself him himself his
+how i if in into is isn it its itself just let ll me more most my myself no nor not now of off on
+once only or other ought our ours ourselves out over own re s same shan she should shouldn so some
+such t than that the their theirs them themselves then there these they this those through to too
+under until up ve very was wasn we were weren what when where which while who whom why will with
+won would wouldn you your yours yourself yourselves d m o y ok okay oh yeah yes hey hi hello also
+really get got go going gonna thing things one
+""".split())
+
+
+def _texts(value: Any, out: list[str]) -> None:
+    """Every string in a message's content, parts or tool calls, in order."""
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _texts(item, out)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in ("type", "id", "tool_call_id", "image_url", "input_audio", "file"):
+                _texts(item, out)
+
+
+def message_text(body: Message) -> str:
+    """A message's searchable text: content, refusal, tool calls (names and arguments) and name."""
+    out: list[str] = []
+    for key in ("name", "content", "refusal", "tool_calls", "function_call"):
+        _texts(body.get(key), out)
+    return " ".join(out)[:MAX_INDEXED_CHARS]
+
+
+def date_words(created_at: float) -> str:
+    """The date a message was stored, as words a question may use ("2026 11 24 November Tuesday")."""
+    return time.strftime("%Y %m %d %B %A", time.gmtime(created_at))
+
+
+def message_words(body: Message, created_at: float) -> list[str]:
+    """The words a stored message is indexed by, lower-cased, in order, its date's last."""
+    return _WORD.findall(f"{message_text(body)} {date_words(created_at)}".lower())
+
+
+def query_words(text: str) -> list[str]:
+    """The distinct words a question is looked up by, in order, without function words."""
+    seen: dict[str, None] = {}
+    for word in _WORD.findall(text.lower()):
+        if word not in STOPWORDS and (len(word) > 1 or word.isdigit()):
+            seen.setdefault(word, None)
+    return list(seen)[:MAX_QUERY_WORDS]
