@@ -18,9 +18,11 @@ from .bodies import parse_json
 from .config import Config, ModelConfig
 from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
+from .memory import recall
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
 from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
+from .searchtext import query_words
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import (
@@ -153,6 +155,7 @@ def turn_json(number: int, turn: TurnInfo) -> dict[str, Any]:
             "stored_included": sent.included, "stored_omitted": sent.omitted,
             "unsummarised_omitted": sent.unsummarised_omitted, "marker": sent.marker,
             "tool_outputs_trimmed": sent.trimmed, "deduplicated": sent.deduplicated,
+            "recalled": [{"session_id": sid, "position": seq} for sid, seq in sent.recalled],
         },
     }
 
@@ -256,10 +259,11 @@ async def session_model(store: AdminStore, config: Config, session: SessionState
 
 async def context(
     store: TurnStore, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
-    tenant: str, session: SessionState, new: list[Any], params: dict[str, Any],
+    tenant: str, session: SessionState, new: list[Any], params: dict[str, Any], end_user: str | None = None,
 ) -> dict[str, Any]:
     """The request the session's next turn would send, labelled part by part; `new` and `params`
-    are checked as the chat endpoint checks them (a 400 naming the field)."""
+    are checked as the chat endpoint checks them (a 400 naming the field). `end_user`: whose other
+    sessions recall may look in (`memory.recall_scope: user`)."""
     new = [] if new is None else new
     if not isinstance(new, list):
         raise BadRequest("'messages' must be an array of the turn's new messages", param="messages")
@@ -272,29 +276,41 @@ async def context(
     # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
                               tenant, session.session_id, list(new), params, "new",
-                              idle_ttl=config.retention.idle_ttl_seconds, preview=True)
+                              idle_ttl=config.retention.idle_ttl_seconds, preview=True, end_user=end_user)
     ctx, budget = turn.context, turn.budget
     schemas = prompt_schemas(params)
     sent = ctx.messages
     n_system, n_new = len(turn.system), len(turn.reconciled.new)
-    n_extra = int(ctx.summary is not None) + int(ctx.marker)
-    kept = sent[n_system + n_extra : len(sent) - n_new]
+    n_head, n_extra = ctx.head, int(ctx.summary is not None) + int(ctx.marker)
+    block = [sent[ctx.recall_index]] if ctx.recall_index >= 0 else []
+    kept = [m for m in sent[n_system + n_head + n_extra : len(sent) - n_new] if not (block and m is block[0])]
+    after_head = n_system + n_head
 
     def tokens(messages: list[Any]) -> int:
         return sum(counter.message(m) for m in messages)
 
     covered = ctx.summary.covers if ctx.summary else 0
     parts: list[dict[str, Any]] = [{"part": "system", "messages": n_system, "tokens": tokens(sent[:n_system])}]
+    if n_head:
+        parts.append({"part": "head", "messages": n_head, "to_position": ctx.head_end,
+                      "tokens": tokens(sent[n_system:after_head])})
     if ctx.summary:
         parts.append({"part": "summary", "version": ctx.summary.version, "covers_messages": covered,
-                      "tokens": tokens(sent[n_system : n_system + 1])})
+                      "tokens": tokens(sent[after_head : after_head + 1])})
     if ctx.marker:
-        parts.append({"part": "marker", "tokens": tokens(sent[n_system + n_extra - 1 : n_system + n_extra])})
+        parts.append({"part": "marker", "tokens": tokens(sent[after_head + n_extra - 1 : after_head + n_extra])})
     parts += [
         {"part": "kept", "messages": len(kept), "from_position": ctx.first_sent, "tokens": tokens(kept),
          "tool_outputs_trimmed": ctx.trimmed, "deduplicated": ctx.deduplicated},
         {"part": "left_out", "messages": ctx.omitted, "summarised": covered,
          "unsummarised": ctx.unsummarised_omitted, "tokens_stored": await _tokens_before(store, turn)},
+        {"part": "recalled", "messages": len(ctx.recalled), "tokens": tokens(block), "room": ctx.recall_room,
+         "query": list(ctx.recall_query), "excerpts": [
+             {"session_id": r.session_id, "position": r.seq, "role": r.body.get("role"),
+              "created_at": r.created_at, "hit": r.score is not None,
+              "score": None if r.score is None else round(r.score, 4),
+              "matched": recall.matched(ctx.recall_query, r.body) if r.score is not None else []}
+             for r in ctx.recalled]},
         {"part": "new", "messages": n_new, "tokens": tokens(sent[len(sent) - n_new :] if n_new else [])},
         {"part": "tools_and_priming", "tokens": counter.tools(schemas) + REPLY_PRIMING},
     ]
@@ -312,3 +328,24 @@ async def context(
         "messages": [wire_form(m) for m in sent],
     }
 
+
+
+SEARCH_LIMIT = 100  # the most hits one search returns
+
+
+async def search(store: AdminStore, tenant: str | None, body: dict[str, Any],
+                 session: SessionState | None = None) -> dict[str, Any]:
+    """Stored messages matching a query, best first: of one session, or of every session the
+    caller may see (`tenant` None: every tenant, for an admin key). The query is words, as recall
+    looks them up (`memproxy.searchtext.query_words`); `limit` 1-100 (default 20)."""
+    query, limit = body.get("query"), body.get("limit", 20)
+    if not isinstance(query, str) or not query.strip():
+        raise BadRequest("'query' must be a non-empty string", param="query")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SEARCH_LIMIT:
+        raise BadRequest(f"'limit' must be an integer from 1 to {SEARCH_LIMIT}", param="limit")
+    words = query_words(query)
+    hits = await store.search(tenant, words, limit, session) if words else []
+    return {"object": "list", "query": words, "data": [
+        {"object": "session.search_hit", "session_id": hit.session_id, "position": hit.seq,
+         "role": hit.body.get("role"), "created_at": hit.created_at, "score": round(hit.score, 4),
+         "matched": recall.matched(words, hit.body), "message": wire_form(hit.body)} for hit in hits]}

@@ -48,7 +48,7 @@ from .memory.record import turn_record
 from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
 from .redact import session_digest
-from .session_ids import SESSION_HEADER, is_session_id
+from .session_ids import SESSION_HEADER, end_user, is_session_id
 from .store import StoreUnavailable, TurnRecord
 from .store.errors import StoreConflict
 from .streaming import StreamAssembler
@@ -59,6 +59,7 @@ log = logging.getLogger("memproxy.chat")
 
 HISTORY_HEADER = "X-Memproxy-History"
 STORED_HEADER = "X-Memproxy-Stored"  # a plain response on a session: whether its turn was recorded
+RECALLED_HEADER = "X-Memproxy-Recalled"  # stored messages recalled into the request
 MEMORY_HEADER = "X-Memproxy-Memory"  # "unavailable": forwarded without memory (`storage.on_failure`)
 _NOT_PARAMS = frozenset({"model", "messages"})
 
@@ -160,6 +161,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model),
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
+        end_user=end_user(request.headers, exchange.params),
     )
     exchange.turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
@@ -181,6 +183,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         "X-Memproxy-Unsummarized-Omitted": str(context.unsummarised_omitted),
         "X-Memproxy-Tool-Outputs-Trimmed": str(context.trimmed),
         "X-Memproxy-Deduplicated": str(context.deduplicated),
+        RECALLED_HEADER: str(len(context.recalled)),
     })
     exchange.timings.lap("budget")
 
@@ -350,7 +353,7 @@ def _log(exchange: Exchange, status: int) -> None:
         return
     digest = session_digest(turn.tenant, turn.session_id)
     log.info(
-        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d %s",
+        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d recalled=%d %s",
         status, exchange.model.name, digest, turn.reconciled.kind, turn.context.tokens,
-        turn.context.included, turn.context.omitted, timings,
+        turn.context.included, turn.context.omitted, len(turn.context.recalled), timings,
     )

@@ -36,6 +36,7 @@ StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
 Transport = Literal["auto", "openai", "litellm"]  # `auto`: memproxy's own client for `openai/` models
 TRANSPORTS: tuple[Transport, ...] = ("auto", "openai", "litellm")
+RecallScope = Literal["session", "user"]  # where recall looks: the session, or all of its end user's
 Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
 OVERFLOW_POLICIES: tuple[Overflow, ...] = ("summarize", "marker", "drop")
 
@@ -145,6 +146,10 @@ class MemoryConfig:
     failure_backoff_seconds: Positive = 60.0
     tool_output_max_tokens: Count = 1000
     dedupe_min_tokens: Count = 200
+    recall_tokens: Count | None = None
+    recall_context: Annotated[Int, Field(ge=0, le=5)] = 1
+    recall_scope: RecallScope = "session"
+    head_turns: Count = 0
 
     @field_validator("tool_output_max_tokens")
     @classmethod
@@ -163,6 +168,10 @@ class MemoryConfig:
 
     def tail_token_limit(self, context_window: int) -> int:
         return self.tail_tokens or context_window * 3 // 10
+
+    def recall_room(self, context_window: int) -> int:
+        """The most tokens recall may take from the room older kept turns would have (0: off)."""
+        return self.recall_tokens if self.recall_tokens is not None else context_window * 3 // 4
 
     def summary_cap(self, context_window: int) -> int:
         return self.summary_max_tokens or min(max(context_window // 16, 256), 4096)

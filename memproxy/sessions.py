@@ -19,7 +19,7 @@ from . import admin, exports
 from .bodies import body_bytes, json_object
 from .errors import BadRequest, NotFound, UpstreamError
 from .memory.retention import expired_before, has_expired
-from .session_ids import is_session_id
+from .session_ids import end_user, is_session_id
 from .store import SessionState
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
 
@@ -41,6 +41,8 @@ def add_routes(app: web.Application) -> None:
     r.add_put("/v1/sessions/{session_id}/metadata", put_metadata)
     r.add_patch("/v1/sessions/{session_id}/metadata", patch_metadata)
     r.add_get("/v1/usage", usage)
+    r.add_post("/v1/sessions/{session_id}/search", search_session)
+    r.add_post("/v1/search", search)
 
 
 def _tenant(request: web.Request, listing: bool = False) -> str | None:
@@ -151,8 +153,30 @@ async def context(request: web.Request) -> web.Response:
     model = await admin.session_model(app[STORE], app[CONFIG], session,
                                       body.get("model") or request.query.get("model"))
     preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, body.get("messages", []), body)
+                                  tenant, session, body.get("messages", []), body,
+                                  end_user(request.headers, body))
     return web.json_response(preview)
+
+
+def _no_query_in_url(request: web.Request) -> None:
+    if "query" in request.query or "q" in request.query:
+        # A query names what was said: like content, it stays out of URLs and the logs they land in.
+        raise BadRequest("the search query goes in the body of the POST, never in the URL", param="query")
+
+
+async def search_session(request: web.Request) -> web.Response:
+    """The session's stored messages that match `query`, best first."""
+    _no_query_in_url(request)
+    tenant, session = await _session(request)
+    body = await json_object(request)
+    return web.json_response(await admin.search(request.app[STORE], tenant, body, session))
+
+
+async def search(request: web.Request) -> web.Response:
+    """Stored messages of every session the caller may see that match `query`, best first."""
+    _no_query_in_url(request)
+    body = await json_object(request)
+    return web.json_response(await admin.search(request.app[STORE], _tenant(request, listing=True), body))
 
 
 async def compact(request: web.Request) -> web.Response:

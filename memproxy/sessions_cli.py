@@ -76,6 +76,11 @@ def add_parser(commands: Any) -> None:
     change = metadata.add_mutually_exclusive_group()
     change.add_argument("--set", metavar="JSON", help="replace it with this object (creates the session)")
     change.add_argument("--merge", metavar="JSON", help="merge this object's keys (null removes a key)")
+    search = verb("search", "stored messages matching words, best first (one session with --session)")
+    search.add_argument("query", help="the words to look for")
+    search.add_argument("--session", help="search this session only")
+    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--all-tenants", action="store_true", help="every tenant's sessions, not only --tenant's")
     usage = verb("usage", "what the tenant's sessions spent, deleted ones included")
     usage.add_argument("--all-tenants", action="store_true", help="every tenant's together")
 
@@ -176,7 +181,7 @@ def _sent_text(turn: dict[str, Any]) -> str:
     parts.append(f"{sent['stored_included']} stored from position {sent['from_position']}")
     return (f"{turn['context_tokens']} tokens: {' + '.join(parts)}; left out {sent['stored_omitted']} "
             f"({sent['unsummarised_omitted']} unsummarised); {sent['tool_outputs_trimmed']} trimmed, "
-            f"{sent['deduplicated']} deduplicated")
+            f"{sent['deduplicated']} deduplicated; {len(sent['recalled'])} recalled")
 
 
 def _text(message: dict[str, Any]) -> str:
@@ -302,6 +307,19 @@ def _json_object(text: str, option: str) -> dict[str, Any]:
     return value
 
 
+async def _search(args: argparse.Namespace, config: Config, store: Store) -> int:
+    session = await _session(args, store, args.session) if args.session else None
+    found = await admin.search(store, _tenant(args) if session else _tenants(args),
+                               {"query": args.query, "limit": args.limit}, session)
+    if args.json:
+        _print_json(found)
+        return 0
+    _table([[hit["session_id"], str(hit["position"]), str(hit["role"]), _when(hit["created_at"]),
+             f"{hit['score']:.2f}", ",".join(hit["matched"]), _text(hit["message"])[:60]] for hit in found["data"]],
+           ["SESSION", "POS", "ROLE", "WHEN (UTC)", "SCORE", "MATCHED", "TEXT"])
+    return 0
+
+
 async def _usage(args: argparse.Namespace, config: Config, store: Store) -> int:
     usage = await admin.usage(store, _tenants(args))
     if args.json:
@@ -338,4 +356,5 @@ def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
 _VERBS: dict[str, Callable[[argparse.Namespace, Config, Store], Awaitable[int]]] = {
     "list": _list, "show": _show, "context": _context, "export": _export, "import": _import,
     "rm": _rm, "clear": _clear, "fork": _fork, "prune": _prune, "metadata": _metadata, "usage": _usage,
+    "search": _search,
 }

@@ -3,7 +3,8 @@
 The time a request spends outside the upstream call is cut into contiguous laps, each charged to the
 part of the memory work it ran: `parse` (reading and validating the body), `reconcile` (the session
 lock and lookup, matching the client's messages with the stored ones), `budget` (counting the new
-messages and building the context), `record` (after the upstream call: describing the turn and
+messages and building the context), `recall` (choosing the older messages recalled into it,
+`memory.recall`), `record` (after the upstream call: describing the turn and
 writing it). What the store takes inside a lap is carved out of it and charged to `store`, so the
 parts do not overlap and add up to `memory`, the request's whole time but the upstream call.
 
@@ -19,9 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-LAPS = ("parse", "reconcile", "budget", "record")
-PARTS = ("parse", "reconcile", "budget", "store", "record")
-BEFORE_UPSTREAM = PARTS[:4]  # what a stream's headers can tell: they leave before the record
+LAPS = ("parse", "reconcile", "budget", "recall", "record")
+PARTS = ("parse", "reconcile", "budget", "recall", "store", "record")
+BEFORE_UPSTREAM = PARTS[:5]  # what a stream's headers can tell: they leave before the record
 
 
 class Timings:

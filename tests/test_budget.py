@@ -247,8 +247,9 @@ async def test_stream_reports_context_tokens_and_timing(
         assert raw.headers["x-memproxy-input-budget"] == str(DEFAULT_BUDGET)
         # The headers leave before the answer is recorded: no `record` yet.
         timing = server_timing(raw.headers)
-        assert list(timing) == ["parse", "reconcile", "budget", "store", "memory", "upstream-first-chunk"]
-        assert_parts_within_memory(timing, ("parse", "reconcile", "budget", "store"))
+        assert list(timing) == ["parse", "reconcile", "budget", "recall", "store", "memory",
+                                "upstream-first-chunk"]
+        assert_parts_within_memory(timing, ("parse", "reconcile", "budget", "recall", "store"))
     # The log line has it, with the whole split.
     [line] = [r.getMessage() for r in caplog.records if r.name == "memproxy.chat"][-1:]
     assert re.findall(r"(\w+)_ms=\d+\.\d\d", line) == [*PARTS, "memory", "upstream"]

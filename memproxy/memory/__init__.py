@@ -8,6 +8,7 @@ Imports flow one way, each module using only those listed before it:
 - `reconcile`: the client's messages matched with the stored session;
 - `retention`: idle TTLs and the sweep;
 - `summaries`: the Summarizer, folding older turns into a rolling summary;
+- `recall`: the left-out messages that match the question, chosen and framed as one block;
 - `plan`: a parsed request and the session into what to send (the output reserve included);
 - `record`: the finished turn as the store writes it.
 

@@ -62,6 +62,17 @@ class Fixed:
 
 
 @dataclass(frozen=True)
+class Recalled:
+    """A stored message sent again in the recall block (`memproxy.memory.recall`)."""
+
+    session_id: str
+    seq: int
+    body: Message  # as stored (the block holds its compact form)
+    created_at: float
+    score: float | None  # its rank score as a hit; None: sent as context around one
+
+
+@dataclass(frozen=True)
 class Context:
     messages: list[Message]
     tokens: int  # counted tokens of the whole request
@@ -78,6 +89,16 @@ class Context:
     # What a background fold would weigh against its threshold, as this turn saw the session: the
     # summary in use and the stored history after it, in compact tokens (`Summarizer.after_turn`).
     unfolded: int = 0
+    # Recall (`memproxy.memory.recall`): the room the fit held back for it, and what it sent there.
+    recall_room: int = 0
+    recall_tokens: int = 0
+    recalled: tuple[Recalled, ...] = ()
+    recall_query: tuple[str, ...] = ()
+    recall_index: int = -1  # where the recall block is in `messages` (-1: none)
+    # The session's opening turns sent verbatim after the system prompt (`memory.head_turns`): how
+    # many messages, and the position where they end (0: none sent).
+    head: int = 0
+    head_end: int = 0
 
 
 def summary_message(text: str) -> Message:
@@ -119,9 +140,17 @@ def fit(
     counter: TokenCounter,
     memory: MemoryConfig,
     use_marker: bool,
+    reserve: int = 0,
+    head: Sequence[StoredMessage] = (),
 ) -> Context:
     """The request to send: `fixed` plus the stored history that fits, from `snapshot` alone (None:
-    nothing is stored before the new messages). Pure: it reads nothing but its arguments."""
+    nothing is stored before the new messages). Pure: it reads nothing but its arguments.
+
+    `reserve`: tokens to hold back for recall from the room older kept turns would take, once the
+    summary, the marker and the newest exchanges (from the latest stored user message on, verbatim)
+    have theirs (`Context.recall_room` says how many were held). `head`: the session's opening turns
+    (`memory.head_turns`), sent verbatim after the system prompt whenever older history must be left
+    out, if they fit beside what must be sent."""
     available = room_for_history(fixed, budget)
     empty = Totals(0, 0)
     if snapshot is None or snapshot.base == 0:
@@ -145,12 +174,33 @@ def fit(
         else:
             summary = None
     floor = summary.covers if summary else 0
+    stored = snapshot.messages
+    # The whole history fits as stored (most sessions): no cut to look for, unless the session opens
+    # on a tool result, which no cut may keep without its call.
+    whole = floor == 0 and base_totals.full <= available and snapshot.start == 0 and bool(stored) \
+        and stored[0].unit_start
+    opening: list[Message] = []
+    opening_tokens = 0
+    if head and not whole and len(head) <= must_start:
+        opening, saved = drop_unanswered_calls([m.body for m in head], [m.tokens for m in head], [], counter)
+        opening_tokens = sum(m.tokens for m in head) - saved
+        if must_tokens + opening_tokens <= available:
+            available -= opening_tokens
+            floor = max(floor, len(head))
+        else:
+            opening, opening_tokens = [], 0
     newest = _newest_exchange(snapshot, fixed.new, floor)
     trim = memory.tool_output_max_tokens > 0
-    stored = snapshot.messages
-    if floor == 0 and base_totals.full <= available and snapshot.start == 0 and stored and stored[0].unit_start:
-        # The whole history fits as stored (most sessions): no cut to look for, unless the session
-        # opens on a tool result, which no cut may keep without its call.
+    held = 0
+    if reserve > 0:
+        marker_cost = counter.message(marker_message(base)) if use_marker else 0
+        room = available - marker_cost
+        protected = _verbatim_from(snapshot, snapshot.last_user, must_tokens)
+        if protected >= room:  # the exchange before does not fit whole anyway: only the newest is kept
+            protected = _verbatim_from(snapshot, newest, must_tokens)
+        held = max(0, min(reserve, room - protected))
+        available -= held
+    if whole and base_totals.full <= available:  # still, with recall's room held back
         start = 0
     else:
         start = _cut(snapshot, newest, floor, available, trim)
@@ -167,10 +217,10 @@ def fit(
     sent = stored[snapshot.index(start) :]
     history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
     return Context(
-        messages=fixed.system + extra + history + fixed.new,
-        tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent,
-        included=len(history),
-        omitted=base - len(history),
+        messages=fixed.system + opening + extra + history + fixed.new,
+        tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent + opening_tokens,
+        included=len(opening) + len(history),
+        omitted=base - len(opening) - len(history),
         unsummarised_omitted=start - floor,
         first_sent=start,
         mandatory_start=must_start,
@@ -180,7 +230,18 @@ def fit(
         trimmed=trimmed,
         deduplicated=deduplicated,
         unfolded=unfolded,
+        recall_room=held,
+        head=len(opening),
+        head_end=len(head) if opening else 0,
     )
+
+
+def _verbatim_from(snapshot: Snapshot, seq: int | None, must_tokens: int) -> int:
+    """The stored tokens from position `seq` on, as stored (what recall's room may not take: the
+    newest exchange, and the one before it when it fits), where the snapshot knows them; at least
+    what must be sent."""
+    totals = None if seq is None else snapshot.totals_at(seq)
+    return max(0 if totals is None else snapshot.base_totals.full - totals.full, must_tokens)
 
 
 def _known(snapshot: Snapshot, seq: int) -> Totals:

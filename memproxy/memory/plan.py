@@ -21,9 +21,10 @@ from typing import Any
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, split_system
-from ..store import NewMessage, SessionState, TurnStore
+from ..store import NewMessage, SessionState, Snapshot, StoredMessage, TurnStore
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
+from . import recall
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired
@@ -31,6 +32,7 @@ from .shrink import new_message
 from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
+_HEAD_READ = 32  # messages read per opening turn kept (`memory.head_turns`): longer turns are not kept
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class PreparedTurn:
     budget: Budget
     full_tokens: int  # what resending the whole history would cost
     expired_before: float | None = None  # set when the stored session idled past its TTL
+    end_user: str | None = None  # the end user the turn is for (`X-Memproxy-User`, else `user`)
 
     @property
     def expired(self) -> bool:
@@ -100,8 +103,10 @@ async def prepare_turn(
     requested_history: str,  # the X-Memproxy-History header: auto, full or new
     idle_ttl: float | None = None,
     preview: bool = False,
+    end_user: str | None = None,
 ) -> PreparedTurn:
-    """`preview`: plan only, as the admin context endpoint does; no summary is folded."""
+    """`preview`: plan only, as the admin context endpoint does; no summary is folded. `end_user`:
+    whose other sessions recall may look in (`memory.recall_scope: user`)."""
     budget = request_budget(params, model, window, memory)
     schemas = prompt_schemas(params)
     tools = counter.tools(schemas)
@@ -128,28 +133,91 @@ async def prepare_turn(
         + tools + REPLY_PRIMING,
     )
 
-    async def build(session: SessionState | None) -> Context:
+    memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
+    heads: list[list[StoredMessage]] = []  # the opening turns (`memory.head_turns`), once read
+
+    async def build(session: SessionState | None, reserve: int = 0) -> Context:
         # The snapshot read with the session, or one store call where that read cannot tell (a
-        # base before the head, a summary saved since); the fit itself reads nothing else.
+        # base before the head, a summary saved since); the fit itself reads nothing else. Fits of
+        # one session state (recall's) share its snapshot.
         snapshot = None
         if session is not None and reconciled.base > 0:
-            whole_last_unit, room = must_send_last_unit(fixed.new), room_for_history(fixed, budget)
-            if loaded is not None and session is loaded.session:
-                snapshot = loaded.snapshot(reconciled.base, whole_last_unit, room)
-            if snapshot is None:
-                snapshot = await store.snapshot(session, reconciled.base, whole_last_unit, room)
-        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop")
+            if memo and memo[0][0] is session:
+                snapshot = memo[0][1]
+            else:
+                whole_last_unit, room = must_send_last_unit(fixed.new), room_for_history(fixed, budget)
+                if loaded is not None and session is loaded.session:
+                    snapshot = loaded.snapshot(reconciled.base, whole_last_unit, room)
+                if snapshot is None:
+                    snapshot = await store.snapshot(session, reconciled.base, whole_last_unit, room)
+                memo[:] = [(session, snapshot)]
+        head: list[StoredMessage] = []
+        if session is not None and snapshot is not None and memory.head_turns \
+                and snapshot.base_totals.full > room_for_history(fixed, budget):
+            if not heads:
+                heads.append(await opening_turns(store, session, reconciled.base, memory.head_turns))
+            head = heads[0]
+        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop",
+                   reserve=reserve, head=head)
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
+    if session is not None and context.omitted and memory.recall_room(window) > 0:
+        lap("budget")
+        scope = end_user if memory.recall_scope == "user" else None
+        context = await _recall(store, session, fixed, memory.recall_room(window), memory.recall_context, scope,
+                                counter, context, build)
+        lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
-                        full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff)
+                        full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
+                        end_user=end_user)
+
+
+async def opening_turns(store: TurnStore, session: SessionState, base: int, turns: int) -> list[StoredMessage]:
+    """The session's first `turns` turns (each from a user message to the next), or nothing where
+    they are not all stored from position 0 on (the message cap deleted some) or would reach `base`."""
+    messages = await store.active_range(session, 0, min(base, _HEAD_READ * turns))
+    users = [m.seq for m in messages if m.body.get("role") == "user"]
+    if not messages or messages[0].seq != 0 or len(users) <= turns:
+        return []
+    end = users[turns]
+    head = [m for m in messages if m.seq < end]
+    return head if [m.seq for m in head] == list(range(end)) else []
+
+
+async def _recall(
+    store: TurnStore, session: SessionState, fixed: Fixed, room: int, around: int, end_user: str | None,
+    counter: TokenCounter, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
+) -> Context:
+    """The fit with recall (`memory.recall`): room held back from older kept turns, the store's best
+    matches for the question in it, and whatever room they leave unused given back to those turns."""
+    held = await build(session, room)
+    words = recall.question(fixed.new, context.messages)
+    if held.recall_room <= 0 or not words:
+        return context
+    found = await store.recall(session, words, held.first_sent, recall.HITS, around, end_user)
+    if held.head_end:  # the opening turns are sent already
+        found = recall.after(found, session.session_id, held.head_end)
+    block = recall.choose(found, held.recall_room, around, session.session_id, counter)
+    if block is None:
+        return context
+    if block.tokens < held.recall_room:
+        refit = await build(session, block.tokens)
+        smaller = recall.without(block, found, session.session_id, refit.first_sent, counter)
+        if smaller is None:  # all it found is sent as kept turns
+            return context
+        if smaller.tokens <= refit.recall_room:
+            held, block = refit, smaller
+    at = recall.insert_at(held.messages, len(fixed.new))
+    return dataclasses.replace(held, messages=[*held.messages[:at], block.message, *held.messages[at:]],
+                               tokens=held.tokens + block.tokens, recall_tokens=block.tokens,
+                               recalled=block.recalled, recall_query=tuple(words), recall_index=at)
 
 
 async def _fold_left_out(
     summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
-    memory: MemoryConfig, context: Context, build: Callable[[SessionState], Awaitable[Context]],
+    memory: MemoryConfig, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
 ) -> Context:
     """The overflow policy `summarize`: fold what was left out, and everything older than the
     verbatim tail, then plan again. The room the new summary takes can push more turns out, so
@@ -170,7 +238,7 @@ async def _fold_left_out(
         if result is not None and result.summary is not None:
             # The session was read before this summary was saved; planning again must look for it.
             session = dataclasses.replace(session, summary_version=result.summary.version)
-        context = await build(session)
+        context = await build(session, 0)
         if result is None or result.outcome != "applied":
             break
     return context

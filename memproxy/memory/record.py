@@ -51,6 +51,7 @@ def turn_record(
         title=_title(turn),
         expired_before=turn.expired_before,
         sent=sent_context(turn.context),
+        end_user=turn.end_user,
     )
 
 
@@ -64,6 +65,7 @@ def sent_context(context: Context) -> SentContext:
         marker=context.marker,
         trimmed=context.trimmed,
         deduplicated=context.deduplicated,
+        recalled=tuple((r.session_id, r.seq) for r in context.recalled),
     )
 
 
