@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ class Sample:
     ttft: list[float] = field(default_factory=list)  # streams: time to the first content
     timing: dict[str, list[float]] = field(default_factory=dict)  # memproxy's Server-Timing, by entry
     context_tokens: list[int] = field(default_factory=list)  # memproxy: tokens it sent upstream
+    recalled: list[int] = field(default_factory=list)  # memproxy: old messages it recalled (with recall on)
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
@@ -70,6 +72,12 @@ class Sample:
     def error(self, kind: str) -> None:
         self.errors += 1
         self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+def leading_int(header: str | None) -> int | None:
+    """The number a header starts with (`3`, `3; positions=...`), or None."""
+    match = re.match(r"\s*(\d+)", header or "")
+    return int(match.group(1)) if match else None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -104,6 +112,9 @@ async def send(session: aiohttp.ClientSession, target: Target, body: bytes, conv
             _server_timing(response.headers.get("Server-Timing"), sample)
             if "X-Memproxy-Context-Tokens" in response.headers:
                 sample.context_tokens.append(int(response.headers["X-Memproxy-Context-Tokens"]))
+            recalled = leading_int(response.headers.get("X-Memproxy-Recalled"))
+            if recalled is not None:
+                sample.recalled.append(recalled)
             if stream:
                 first = None
                 async for line in response.content:

@@ -29,9 +29,15 @@ LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass
 COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", VIA_LITELLM: "#9ecae1", LITELLM: "#d62728"}
 SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
             "## 2. Throughput", "## 3. Streams", "## 4. History sweep", "## 5. Resident memory",
-            "## 6. Where the time goes", "## 7. Token-cost replay", "## How it was measured")
+            "## 6. Where the time goes", "## 7. Token-cost replay", "## 8. Recall quality", "## 9. Recall speed",
+            "## How it was measured")
 PLOTS = ("bench-latency.png", "bench-throughput.png", "bench-ttft.png", "bench-history.png", "bench-rss.png",
-         "bench-timing.png", "bench-tokens.png")
+         "bench-timing.png", "bench-tokens.png", "bench-recall.png")
+# Issue 14's targets for the recall replay: window -> least evidence recall, overall and multi-hop.
+RECALL_TARGETS = {"4000": 0.90, "2000": 0.85}
+MULTI_HOP_TARGET = ("4000", "1", 0.75)
+MODE_LABELS = {"off": "recall off", "bm25": "plain BM25", "recall": "recall"}
+CATEGORY_NAMES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop", "5": "adversarial"}
 
 
 def median(values: list[float]) -> float:
@@ -129,6 +135,89 @@ class Report:
 
     def targets(self) -> list[Target]:
         """Each target as (name, measured, ratio of the medians, ratio per round min–max, verdict)."""
+        return (self.path_targets() if "concurrency" in self.r else []) + self.recall_targets()
+
+    def recall_scores(self) -> dict[str, dict[str, Any]]:
+        """mode -> window -> scores, from the recall replay (empty if it did not run)."""
+        rec = self.r.get("recall") or {}
+        return {} if "skipped" in rec else rec.get("modes", {})
+
+    def recall_overflows(self) -> int | None:
+        rec = self.r.get("recall") or {}
+        if "replay" not in rec:
+            return None
+        return (sum(w["overflows"] for w in rec["replay"].values())
+                + sum(w["overflows"] for mode in rec["modes"].values() for w in mode.values()))
+
+    def recall_speed(self) -> dict[str, list[float]]:
+        """`small-on`, `big-off`, ... -> memory work p50 per round."""
+        speed = self.r.get("recall_speed") or {}
+        return {name: [r.get("memory_p50", math.nan) for r in rounds]
+                for name, rounds in speed.get("results", {}).items()}
+
+    def recall_targets(self) -> list[Target]:
+        """Issue 14's: evidence recall on the replay (ratio = measured / target: at least 1 passes),
+        no overflow, and what recall adds to a turn's memory work."""
+        rows: list[Target] = []
+        if "recall" in self.r:  # a run saved before the recall phases has neither
+            rows += self.recall_quality_targets()
+        if "recall_speed" in self.r:
+            rows += self.recall_speed_targets()
+        return rows
+
+    def recall_quality_targets(self) -> list[Target]:
+        rows: list[Target] = []
+        scores = self.recall_scores().get("recall")
+        others = self.recall_scores()
+
+        def pct(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1%}"
+
+        for window, least in RECALL_TARGETS.items():
+            name = f"recall replay: evidence recall at {int(window):,} tokens at least {least:.0%}"
+            got = scores[window]["overall"] if scores else None
+            beside = ", ".join(f"{MODE_LABELS[m]} {pct(others[m][window]['overall'])}" for m in others if m != "recall")
+            rows.append((name, f"{pct(got)}" + (f" ({beside})" if beside else ""),
+                         ratio(got / least) if got is not None else "-", "-", None if got is None else got >= least))
+        window, category, least = MULTI_HOP_TARGET
+        got = scores[window]["by_category"].get(category, {}).get("recall") if scores else None
+        rows.append((f"recall replay: multi-hop (category {category}) at {int(window):,} tokens at least {least:.0%}",
+                     pct(got), ratio(got / least) if got is not None else "-", "-",
+                     None if got is None else got >= least))
+        overflows = self.recall_overflows()
+        rows.append(("recall replay: no overflow (400 `context_length_exceeded`) in the replay or the questions",
+                     "-" if overflows is None else str(overflows), "-", "-", None if overflows is None else overflows == 0))
+        return rows
+
+    def recall_speed_targets(self) -> list[Target]:
+        rows: list[Target] = []
+        speed = self.recall_speed()
+        size = (self.r.get("recall_speed") or {}).get("session_size", 0)
+        stores = (self.r.get("recall_speed") or {}).get("store_sizes", {})
+        name = f"recall adds at most 1 ms to memory work at p50 ({size:,} messages in the session)"
+        if "small-on" in speed and "small-off" in speed:
+            extra = [on - off for on, off in zip(speed["small-on"], speed["small-off"])]
+            rows.append((name, f"{ms(median(extra), 2)} ms ({ms(median(speed['small-on']), 2)} vs "
+                         f"{ms(median(speed['small-off']), 2)} ms)", ratio(median(extra) / 1.0), spread(extra),
+                         median(extra) <= 1.0))
+        else:
+            rows.append((name, "-", "-", "-", None))
+        name = (f"memory work with {stores.get('big', 0):,} messages in the store within 1.2x of "
+                f"{stores.get('small', 0):,} (p50, recall on)")
+        if "big-on" in speed:
+            big, small = speed["big-on"], speed["small-on"]
+            r = median(big) / median(small)
+            rows.append((name, f"{ms(median(big), 2)} ms vs {ms(median(small), 2)} ms", ratio(r),
+                         spread(quotients(big, small)), r <= 1.2))
+        elif "big-off" in speed:
+            big, small = speed["big-off"], speed["small-off"]
+            rows.append((name, f"recall off: {ms(median(big), 2)} ms vs {ms(median(small), 2)} ms",
+                         ratio(median(big) / median(small)), spread(quotients(big, small)), None))
+        else:
+            rows.append((name, "-", "-", "-", None))
+        return rows
+
+    def path_targets(self) -> list[Target]:
         rows: list[Target] = []
         have_litellm = LITELLM in self.paths
         for c, by_path in self.r["concurrency"].items():
@@ -202,13 +291,25 @@ class Report:
         if meta["quick"]:
             self.add("> **Quick run**: one round of a handful of requests each, for the CI smoke test. "
                      "These numbers are not meaningful; run `python bench/run.py` for real ones.", "")
+        if meta.get("only") == "recall":
+            self.add(f"> **Recall phases only** (`--only recall`): sections 8 and 9; no saved run of the same kind "
+                     "was beside this page to complete it.", "")
+        if "recall_run" in meta:
+            run = meta["recall_run"]
+            self.add(f"> Sections 8 and 9 (and their targets) are from `python bench/run.py --only recall"
+                     f"{' --quick' if meta['quick'] else ''}` on {run['started']} in {run['duration_s']:.0f} s at "
+                     f"commit {run['commit']} (1-minute load average {run['load_at_start']} at its start, "
+                     f"{run['load_at_end']} at its end); the rest from the run above.", "")
+            for note in run["notes"]:
+                self.add(f"> **Note** (recall run): {note}", "")
         for note in meta["notes"]:
             self.add(f"> **Note**: {note}", "")
 
     def section_targets(self) -> None:
         self.add("## Targets", "",
-                 "From issue 6, all measured in this one run. Ratio = memproxy / reference (below 1 is "
-                 "better, except throughput per core, where at least 1 passes). \"Memory on\" is memproxy "
+                 "From issues 6 and 14, all measured in this one run. Ratio = memproxy / reference (below 1 is "
+                 "better, except throughput per core, where at least 1 passes; for evidence recall it is "
+                 "measured / target, at least 1 passes). \"Memory on\" is memproxy "
                  "with a session header: the product; its pass-through figures are in section 1. Throughput "
                  "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
                  "is one process, LiteLLM's proxy one worker per core (section 2). The verdict is on the "
@@ -559,6 +660,123 @@ class Report:
         ax.grid(alpha=0.3)
         self.save(fig, "bench-tokens.png")
 
+    def section_recall(self) -> None:
+        rec = self.r.get("recall")
+        self.add("## 8. Recall quality", "")
+        if not rec or "skipped" in rec:
+            self.add(f"Not measured: {rec['skipped'] if rec else 'the recall replay is not in this run'}.", "")
+            fig, ax = self.figure(6, 2)
+            ax.text(0.5, 0.5, "recall replay not run", ha="center", va="center")
+            ax.axis("off")
+            self.save(fig, "bench-recall.png")
+            return
+        convs = rec["conversations"]
+        windows = list(rec["windows"])
+        licence = rec.get("licence") or "no licence file beside it"
+        reserves = ", ".join(f"{int(w):,} ({v['output_reserve']} reserved for the answer)"
+                             for w, v in rec["windows"].items())
+        opened = sum(c["opened_by_b"] for c in convs)
+        sessions = sum(c["sessions"] for c in convs)
+        self.add(f"The conversations of `{rec['data']}` (LoCoMo's format; licence: {licence}; read in place), "
+                 f"{len(convs)} of them, {sessions} sessions, told to memproxy (SQLite) turn by turn, one session per "
+                 f"conversation and window, at windows of {reserves} tokens, every memory setting at its default "
+                 "(summaries on; the summariser is the fake upstream too, answering every fold with the same "
+                 "generic ~85-token summary that holds no dialog id). The client sends only each new dialog turn "
+                 "(`X-Memproxy-History: new`) as `[D1:3] Caroline: text` (with ` [shares a photo: caption]` "
+                 "where it shares one): speaker A's turns as user messages, speaker B's as the recorded answers "
+                 "the fake upstream returns; one speaker's consecutive turns go in one message. "
+                 f"{opened} of the {sessions} sessions open with speaker B: those turns are sent as a user "
+                 "message too, in the same request as the speaker A turns that follow.", "",
+                 "Then every question whose evidence is in the data is asked as the session's next user message "
+                 "through the context endpoint (`POST /v1/sessions/{id}/context`: what the chat endpoint would "
+                 "send upstream, nothing stored), and scores the share of its evidence ids whose `[Dx:y]` tag "
+                 "appears in those messages; the figure is the mean over questions. The settings ask the "
+                 "same replayed store (memproxy restarted on the same database file): "
+                 + "; ".join(f"**{MODE_LABELS.get(m, m)}** `{json.dumps(v)}`" for m, v in rec["mode_settings"].items())
+                 + ". Odd evidence entries are read for every id they name (`D8:6; D9:17` is two, `D:11:26` is "
+                 f"D11:26); entries naming none (a bare `D`) are left out: {sum(c['evidence_dropped'] for c in convs)}. "
+                 f"Replay: {rec['replay_seconds']} s (conversations and windows told concurrently); questions: "
+                 f"{rec['question_seconds']} s for all settings.", "")
+        if rec.get("modes_missing"):
+            self.add(f"> Only recall off was measured: {rec['modes_missing']}.", "")
+        if rec.get("reply_clashes"):
+            self.add(f"> {rec['reply_clashes']} requests' last messages were scripted twice with different "
+                     "replies: those got a wrong answer from the fake upstream.", "")
+        self.add("| window | setting | questions | overall | " + " | ".join(
+                     f"{c} {CATEGORY_NAMES[c]}" for c in CATEGORY_NAMES) + " | refused (overflow) |",
+                 "|---|---|---|---|" + "---|" * len(CATEGORY_NAMES) + "---|")
+        for window in windows:
+            for mode, by_window in rec["modes"].items():
+                row = by_window[window]
+                cells = [f"{row['by_category'][c]['recall']:.1%} ({row['by_category'][c]['questions']})"
+                         if c in row["by_category"] else "-" for c in CATEGORY_NAMES]
+                errors = sum(row["errors"].values())
+                overall = "-" if row["overall"] is None else f"**{row['overall']:.1%}**"
+                self.add(f"| {int(window):,} | {MODE_LABELS.get(mode, mode)} | {row['questions']} | {overall} | "
+                         + " | ".join(cells) + f" | {errors} ({row['overflows']}) |")
+        self.add("", "The replay itself (every default, so recall on where memproxy has it):", "",
+                 "| window | requests | refused for overflow (400) | other errors | recalled messages per request "
+                 "(mean) | most tokens sent |", "|---|---|---|---|---|---|")
+        for window, row in rec["replay"].items():
+            errors = ", ".join(f"{k}: {n}" for k, n in row["errors"].items()) or "0"
+            recalled = "-" if row["recalled_mean"] is None else f"{row['recalled_mean']:.2f}"
+            self.add(f"| {int(window):,} | {row['requests']:,} | {row['overflows']} | {errors} | {recalled} | "
+                     f"{row['context_tokens_max']:,} |")
+        self.add("", "![evidence recall by window](bench-recall.png)", "")
+        fig, ax = self.figure(7, 3.6)
+        modes = list(rec["modes"])
+        width = 0.8 / max(1, len(modes))
+        colors = {"off": "#bbbbbb", "bm25": COLORS[PASS], "recall": COLORS[MEMORY]}
+        for j, mode in enumerate(modes):
+            values = [rec["modes"][mode][w]["overall"] or 0.0 for w in windows]
+            ax.bar([k + j * width for k in range(len(windows))], [v * 100 for v in values], width,
+                   label=MODE_LABELS.get(mode, mode), color=colors.get(mode, "#888888"))
+        for k, window in enumerate(windows):
+            if window in RECALL_TARGETS:
+                ax.hlines(RECALL_TARGETS[window] * 100, k - width / 2, k + width * (len(modes) - 0.5),
+                          color="black", linestyle="--", linewidth=1)
+        ax.set_xticks([k + width * (len(modes) - 1) / 2 for k in range(len(windows))])
+        ax.set_xticklabels([f"{int(w):,} tokens" for w in windows])
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("evidence in what is sent (%)")
+        ax.set_title("LoCoMo evidence recall (dashes: targets)")
+        ax.legend(fontsize="small")
+        ax.grid(axis="y", alpha=0.3)
+        self.save(fig, "bench-recall.png")
+
+    def section_recall_speed(self) -> None:
+        speed = self.r.get("recall_speed")
+        self.add("## 9. Recall speed", "")
+        if not speed:
+            self.add("Not measured: the recall speed phase is not in this run.", "")
+            return
+        stores = speed["store_sizes"]
+        size, other = speed["session_size"], speed["other_session_size"]
+        rounds = speed["results"]
+        first = next(iter(rounds.values()), [])
+        requests = first[0]["n"] + first[0]["errors"] if first else 0
+        self.add(f"A turn's memory work (`Server-Timing: memory`, as in sections 4 and 6) on one session of "
+                 f"{size:,} stored messages, in a store holding that session alone and in one of "
+                 f"{stores['big']:,} messages (the rest in {(stores['big'] - size) // other:,} other sessions of "
+                 f"{other:,}), with recall on (its defaults) and off (`recall_tokens: 0`). Messages are "
+                 f"{speed['texts']}, drawn at random (the measured session is the same in both stores), seeded "
+                 "through `Store.record_turn` a thousand messages a transaction. Each store and setting is a "
+                 "memproxy of its own (`summaries: false`, `overflow: marker`, the sweep model's "
+                 "window) on its own copy of the store, all running at once; one client at 0 ms upstream sends "
+                 "each new question to every one in turn, in an order rotated from round to round; "
+                 f"{len(first)} round(s) of {requests} requests, median of the rounds' figures.", "")
+        if speed.get("modes_missing"):
+            self.add(f"> Only recall off was measured: {speed['modes_missing']}.", "")
+        self.add("| messages in the store | setting | memory work p50 (ms) | memory work p99 (ms) | latency p50 (ms) "
+                 "| recalled messages p50 | errors | store seeded in |", "|---|---|---|---|---|---|---|---|")
+        for name, rows in rounds.items():
+            store, mode = name.split("-")
+            errors = sum(r["errors"] for r in rows)
+            self.add(f"| {stores[store]:,} | recall {mode} | {ms(stat(rows, 'memory_p50'), 2)} | "
+                     f"{ms(stat(rows, 'memory_p99'), 2)} | {ms(stat(rows, 'p50'), 2)} | "
+                     f"{ms(stat(rows, 'recalled_p50'), 0)} | {errors} | {speed['seed_s'][store]} s |")
+        self.add("")
+
     def section_method(self) -> None:
         self.add("## How it was measured", "",
                  "- One fake upstream process (`bench/upstream.py`) serves every path; its delay, stream pacing "
@@ -580,14 +798,17 @@ class Report:
     def write(self) -> Path:
         self.header()
         self.section_targets()
-        self.section_machine()
-        self.section_latency()
-        self.section_throughput()
-        self.section_streams()
-        self.section_history()
-        self.section_rss()
-        self.section_timing()
-        self.section_replay()
+        if "concurrency" in self.r:  # else a recall-only run (`--only recall`) with no saved run to join
+            self.section_machine()
+            self.section_latency()
+            self.section_throughput()
+            self.section_streams()
+            self.section_history()
+            self.section_rss()
+            self.section_timing()
+            self.section_replay()
+        self.section_recall()
+        self.section_recall_speed()
         self.section_method()
         path = self.out / "benchmarks.md"
         path.write_text("\n".join(self.lines).rstrip() + "\n", encoding="utf-8")

@@ -3,13 +3,17 @@
     python bench/run.py                 # the full run (about 12 minutes on 2 cores)
     python bench/run.py --quick         # seconds: the CI smoke run
     python bench/run.py --no-litellm-proxy --out /tmp/bench
+    python bench/run.py --only recall   # phases 8 and 9, into the saved run's page
 
 Every path talks to one fake upstream process (`upstream.py`) and is measured in the same run,
 interleaved (each round visits every path, in a rotated order) and summarised as the median of the
 rounds: direct to the upstream, memproxy with a session (memory on) and without (pass-through), and
 LiteLLM's own proxy (installed into `bench/.venv-litellm`). Then the history sweep on sessions seeded
 through the Store, a soak for memory growth, and the LoCoMo token-cost replay on a memproxy of its
-own (summaries on, a 4,000-token window). `report.py` turns the results into tables, targets and plots.
+own (summaries on, a 4,000-token window). Last, recall: its quality on the LoCoMo replay at three
+windows (`recall.py`) and its speed on stores of up to a million messages, each on memproxies of
+their own (`--only recall` runs just these). `report.py` turns the results into tables, targets and
+plots.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +46,7 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 import load  # noqa: E402
+import recall  # noqa: E402
 import replay  # noqa: E402
 import report  # noqa: E402
 import seed  # noqa: E402
@@ -65,6 +71,12 @@ WINDOW = 8192
 SWEEP_WINDOW = 4096
 REPLAY_WINDOW = 4000
 REPLAY_OUTPUT = 256
+# The recall replay's models: context window -> the answer's reserve (`max_output_tokens`).
+RECALL_WINDOWS = {4000: 256, 2000: 256, 1000: 128}
+# What the recall replay's questions are asked under, on the one replayed store: recall off, plain
+# BM25 (the hits alone, no neighbouring messages), recall as it ships.
+RECALL_MODES: dict[str, dict[str, Any]] = {"off": {"recall_tokens": 0}, "bm25": {"recall_context": 0}, "recall": {}}
+RECALL_SESSION = "recall-speed"  # the speed phase's measured session (its client's `X-Session-Id`)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,13 @@ class Plan:
     replay_exchanges: int | None
     replay_conversations: int | None
     warmup: int
+    recall_conversations: int | None = None  # the recall replay: None is every conversation,
+    recall_sessions: int | None = None  # every session of each,
+    recall_questions: int | None = None  # every question with evidence
+    recall_session_size: int = 10_000  # the speed phase: messages in the measured session,
+    recall_store_size: int = 1_000_000  # messages in the big store (the rest in other sessions,
+    recall_other_size: int = 1_000  # of this many each)
+    recall_requests: int = 60  # per store, mode and round
     upstream_delay_ms: float = 50.0  # a fast model; every phase but the CPU cost and the history sweep
     p99_limit_ms: float = 100.0  # the throughput ladder's bar
     stream_chunks: int = 10
@@ -102,11 +121,23 @@ FULL = Plan(rounds=5, cpu_requests=200, concurrency={1: 40, 10: 200, 100: 500}, 
             replay_exchanges=None, replay_conversations=None, warmup=100)
 QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, streams={1: 3, 10: 10},
              rates=(50, 200), step_seconds=0.4, throughput_rounds=1, history_sizes=(10, 1_000),
-             history_requests=5, soak_seconds=1.0, replay_exchanges=25, replay_conversations=1, warmup=10)
+             history_requests=5, soak_seconds=1.0, replay_exchanges=25, replay_conversations=1, warmup=10,
+             recall_conversations=1, recall_sessions=3, recall_questions=12, recall_session_size=500,
+             recall_store_size=5_000, recall_other_size=500, recall_requests=5)
 
 
-def memproxy_config(upstream: str, db: Path, memory: dict[str, Any], window: int) -> str:
+def memproxy_config(upstream: str, db: Path, memory: dict[str, Any], window: int,
+                    extra_models: dict[str, tuple[int, int]] | None = None) -> str:
+    """The config of a memproxy run by the bench; `extra_models` are name -> (window, output reserve)."""
     memory_lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in memory.items())
+    extra = "".join(f"""\
+  - name: {name}
+    model: openai/bench-model
+    api_base: {upstream}/v1
+    api_key: upstream-key
+    context_window: {context}
+    max_output_tokens: {output}
+""" for name, (context, output) in (extra_models or {}).items())
     return f"""\
 server:
   host: 127.0.0.1
@@ -133,7 +164,7 @@ models:
     api_key: upstream-key
     context_window: {window}
     max_output_tokens: 512
-memory:
+{extra}memory:
 {memory_lines or "  {}"}
 auth:
   keys:
@@ -200,6 +231,8 @@ def summarize(sample: load.Sample) -> dict[str, Any]:
             out[f"{name}mean"] = round(sum(values) / len(values), 3)
     if sample.context_tokens:
         out["context_tokens_p50"] = p([float(t) for t in sample.context_tokens], 50)
+    if sample.recalled:
+        out["recalled_p50"] = p([float(n) for n in sample.recalled], 50)
     return out
 
 
@@ -437,6 +470,154 @@ async def phase_replay(processes: servers.Processes, upstream: servers.Server, w
     }
 
 
+def recall_modes(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The modes this build can run, and why any were left out: before recall, memproxy refuses
+    its keys (an unknown key), and its one mode is recall off with no key set."""
+    if "recall_tokens" in MemoryConfig.__dataclass_fields__:
+        return modes, None
+    return ({"off": {}} if "off" in modes else {}), "this memproxy has no recall (no `memory.recall_tokens`)"
+
+
+async def phase_recall(processes: servers.Processes, upstream: servers.Server, workdir: Path, plan: Plan,
+                       data: Path) -> dict[str, Any]:
+    """LoCoMo told to memproxy turn by turn at each window, once, with every memory default; then
+    every question asked through the context endpoint under each mode, on the same store (memproxy
+    restarted with another config on the same database file)."""
+    if not data.exists():
+        return {"skipped": f"the LoCoMo data is not at {data}; the recall replay was skipped"}
+    scripts = recall.load_scripts(data, plan.recall_conversations, plan.recall_sessions, plan.recall_questions)
+    modes, missing = recall_modes(RECALL_MODES)
+    script_replies, clashes = recall.replies(scripts)
+    models = {f"recall-{window}": (window, output) for window, output in RECALL_WINDOWS.items()}
+    db = workdir / "recall.db"
+    headers = {"Authorization": f"Bearer {PROXY_KEY}"}
+    runs = [(window, script, f"recall-{script.name}-{window}") for window in RECALL_WINDOWS for script in scripts]
+    out: dict[str, Any] = {
+        "data": os.path.relpath(data, ROOT), "licence": replay.licence(data),
+        "windows": {str(w): {"output_reserve": o} for w, o in RECALL_WINDOWS.items()},
+        "conversations": [{"name": s.name, "sessions": s.sessions, "requests": len(s.exchanges),
+                           "questions": len(s.questions), "opened_by_b": s.opened_by_b,
+                           "evidence_dropped": s.evidence_dropped} for s in scripts],
+        "reply_clashes": clashes, "modes": {}, "mode_settings": modes, "modes_missing": missing,
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with session.post(f"{upstream.url}/_control", json={
+            "delay_ms": 0, "replies": script_replies, "count_tokens": None, "reset_stats": True,
+        }) as response:
+            response.raise_for_status()
+        config = workdir / "memproxy-recall.yaml"
+        config.write_text(memproxy_config(upstream.url, db, {}, WINDOW, models))
+        server = servers.start_memproxy(processes, "memproxy-recall", config)
+        started = time.perf_counter()
+        told = await asyncio.gather(*(recall.tell(session, server.url, headers, f"recall-{window}", sid, script)
+                                      for window, script, sid in runs))
+        out["replay_seconds"] = round(time.perf_counter() - started, 1)
+        out["upstream"] = await _settled_stats(session, upstream.url)  # the summaries folded by now
+        server.stop()
+        out["replay"] = {}
+        for window in RECALL_WINDOWS:
+            counts = [c for (w, _, _), c in zip(runs, told) if w == window]
+            recalled = [n for c in counts for n in c.recalled]
+            errors: dict[str, int] = {}
+            for c in counts:
+                for kind, n in c.errors.items():
+                    errors[kind] = errors.get(kind, 0) + n
+            out["replay"][str(window)] = {
+                "requests": sum(c.requests for c in counts), "overflows": sum(c.overflows for c in counts),
+                "errors": errors, "recalled_mean": round(sum(recalled) / len(recalled), 2) if recalled else None,
+                "context_tokens_max": max((t for c in counts for t in c.context_tokens), default=0),
+            }
+        started = time.perf_counter()
+        for mode, memory in modes.items():
+            config = workdir / f"memproxy-recall-{mode}.yaml"
+            config.write_text(memproxy_config(upstream.url, db, memory, WINDOW, models))
+            server = servers.start_memproxy(processes, f"memproxy-recall-{mode}", config)
+            asked = await asyncio.gather(*(recall.ask(session, server.url, headers, f"recall-{window}", sid, script)
+                                           for window, script, sid in runs))
+            server.stop()
+            by_window: dict[str, Any] = {}
+            for window in RECALL_WINDOWS:
+                total, overflows = recall.Score(), 0
+                for (w, _, _), (score, overflowed) in zip(runs, asked):
+                    if w == window:
+                        total.merge(score)
+                        overflows += overflowed
+                by_window[str(window)] = {**total.summary(), "overflows": overflows}
+            out["modes"][mode] = by_window
+        out["question_seconds"] = round(time.perf_counter() - started, 1)
+        async with session.post(f"{upstream.url}/_control", json={"replies": {}}):
+            pass
+    return out
+
+
+def recall_texts(data: Path) -> tuple[list[str], list[str]]:
+    """Message texts and questions for the speed phase: LoCoMo's turns and questions where the file
+    is, else sentences of the history sweep's words."""
+    if data.exists():
+        raw = json.loads(data.read_text(encoding="utf-8"))
+        turns = [turn["text"] for item in raw for key, value in item["conversation"].items()
+                 if re.fullmatch(r"session_\d+", key) for turn in value]
+        questions = [str(qa["question"]) for item in raw for qa in item.get("qa", [])]
+        return turns, questions
+    rng = random.Random(9)
+    return [seed.message_text(rng, 25) for _ in range(5000)], [seed.message_text(rng, 10) for _ in range(500)]
+
+
+async def phase_recall_speed(processes: servers.Processes, upstream: servers.Server, workdir: Path, plan: Plan,
+                             data: Path) -> dict[str, Any]:
+    """Memory work for a turn on one session of `recall_session_size` messages, recall on and off, in
+    a store holding that session alone and in one of `recall_store_size` messages. Each (store, mode)
+    is a memproxy of its own on a copy of its store, all running at once; one client, 0 ms upstream,
+    each request sent to every one in turn (rotated from round to round), so drift hits all alike."""
+    texts, questions = recall_texts(data)
+    memory = MemoryConfig(**BENCH_MEMORY)
+    modes, missing = recall_modes({"on": {}, "off": RECALL_MODES["off"]})
+    stores = {"small": plan.recall_session_size, "big": plan.recall_store_size}
+    out: dict[str, Any] = {"session_size": plan.recall_session_size, "store_sizes": stores,
+                           "other_session_size": plan.recall_other_size, "modes_missing": missing,
+                           "texts": "LoCoMo turns and questions" if data.exists() else "random words (no LoCoMo data)",
+                           "seed_s": {}, "results": {}}
+    names: list[str] = []
+    live: dict[str, servers.Server] = {}
+    for store, size in stores.items():
+        db = workdir / f"recall-speed-{store}.db"
+        print(f"bench: seeding {size:,} messages for the recall speed phase", flush=True)
+        out["seed_s"][store] = round(await seed.seed_recall_store(
+            f"sqlite:///{db}", TENANT, RECALL_SESSION, plan.recall_session_size, size, plan.recall_other_size,
+            texts, memory, ENCODING, "bench-sweep"), 1)
+        for i, (mode, settings) in enumerate(modes.items()):
+            copy = db if i == 0 else workdir / f"recall-speed-{store}-{mode}.db"
+            if copy != db:
+                shutil.copyfile(db, copy)  # the seeding store is closed: its WAL is checkpointed away
+            config = workdir / f"memproxy-recall-speed-{store}-{mode}.yaml"
+            config.write_text(memproxy_config(upstream.url, copy, {**BENCH_MEMORY, **settings}, WINDOW))
+            name = f"{store}-{mode}"
+            live[name] = servers.start_memproxy(processes, f"memproxy-recall-speed-{name}", config)
+            names.append(name)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with session.post(f"{upstream.url}/_control", json={"delay_ms": 0, "replies": {}}) as response:
+            response.raise_for_status()
+        targets = {name: load.Target(name, f"{server.url}/v1/chat/completions",
+                                     {"Authorization": f"Bearer {PROXY_KEY}"}, model="bench-sweep", sessions="recall")
+                   for name, server in live.items()}
+        rng = random.Random(5)
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        question = 0
+        for r in range(plan.rounds):
+            samples = {name: load.Sample() for name in names}
+            for _ in range(plan.recall_requests):
+                body = load.chat_body("bench-sweep", question, text=rng.choice(questions))
+                question += 1
+                for name in rotate(names, r):
+                    await load.send(session, targets[name], body, "speed", samples[name], time.perf_counter(), False)
+            for name, sample in samples.items():
+                results[name].append(summarize(sample))
+        out["results"] = results
+    for server in live.values():
+        server.stop()
+    return out
+
+
 async def _settled_stats(session: aiohttp.ClientSession, upstream: str, limit: float = 20.0) -> dict[str, int]:
     """The upstream's counts once background summaries have stopped arriving."""
     deadline, last = time.monotonic() + limit, None
@@ -461,6 +642,16 @@ def machine() -> dict[str, Any]:
             "os": platform.platform(), "load_at_start": round(os.getloadavg()[0], 2)}
 
 
+def commit() -> str:
+    """The checkout's commit (`git describe --always --dirty`), or "-"."""
+    try:
+        described = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                                   text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    return described or "-"
+
+
 def versions(litellm_status: str) -> dict[str, str]:
     def version(name: str) -> str:
         try:
@@ -468,12 +659,7 @@ def versions(litellm_status: str) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             return "-"
 
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, timeout=30).stdout.strip() or "-"
-    except (OSError, subprocess.SubprocessError):
-        commit = "-"
-    return {"python": platform.python_version(), "memproxy": f"{version('memproxy')} ({commit})",
+    return {"python": platform.python_version(), "memproxy": f"{version('memproxy')} ({commit()})",
             "litellm": version("litellm"), "aiohttp": version("aiohttp"), "matplotlib": version("matplotlib"),
             "litellm_proxy": litellm_status}
 
@@ -495,6 +681,105 @@ def settings(plan: Plan, litellm_workers: int) -> dict[str, Any]:
     }
 
 
+async def measure_paths(args: argparse.Namespace, plan: Plan, processes: servers.Processes,
+                        upstream: servers.Server, workdir: Path, results: dict[str, Any]) -> None:
+    """Phases 1-7: every path side by side, then the history sweep, the soak and the token replay."""
+    notes: list[str] = results["meta"]["notes"]
+    litellm_status = "not run (--no-litellm-proxy)"
+    workers = os.cpu_count() or 1
+    db = workdir / "memproxy.db"
+    print(f"bench: seeding sessions of {', '.join(map(str, plan.history_sizes))} messages", flush=True)
+    results["history_seed_s"] = await seed.seed_sessions(
+        f"sqlite:///{db}", TENANT, plan.history_sizes, MemoryConfig(**BENCH_MEMORY), ENCODING)
+    config = workdir / "memproxy.yaml"
+    config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
+    memproxy = servers.start_memproxy(processes, "memproxy", config)
+    litellm = None
+    if not args.no_litellm_proxy:
+        exe, litellm_status = servers.litellm_executable()
+        if exe is None:
+            notes.append(f"LiteLLM's proxy was not measured: {litellm_status}")
+        else:
+            litellm_config = workdir / "litellm.yaml"
+            litellm_config.write_text(servers.litellm_config(upstream.url, LITELLM_KEY))
+            try:
+                litellm = servers.start_litellm(processes, exe, litellm_config, workers)
+            except RuntimeError as exc:
+                litellm_status += f"; failed to start: {exc}"
+                notes.append(f"LiteLLM's proxy was not measured: {exc}")
+    if litellm is None and not args.no_litellm_proxy:
+        print(f"bench: LiteLLM's proxy is not measured: {litellm_status}", file=sys.stderr, flush=True)
+    results["meta"]["versions"] = versions(litellm_status)
+    results["meta"]["settings"] = settings(plan, workers)
+    watched = {"memproxy": memproxy, "upstream": upstream}
+    if litellm is not None:
+        watched["litellm-proxy"] = litellm
+    with RssSampler(watched) as sampler:
+        bench = Bench(plan, upstream, memproxy, litellm, sampler,
+                      targets=make_targets(upstream.url, memproxy.url, litellm.url if litellm else None))
+        async with client_sessions(bench):
+            sampler.mark("warm-up")
+            await warm_up(bench)
+            sampler.mark("cpu cost (0 ms upstream)")
+            results["cpu"] = await phase_cpu(bench)
+            sampler.mark(f"concurrency ({plan.upstream_delay_ms:g} ms upstream)")
+            results["concurrency"] = await phase_concurrency(bench)
+            sampler.mark("streams")
+            results["streams"] = await phase_streams(bench)
+            sampler.mark("throughput ladder")
+            results["throughput"] = await phase_throughput(bench)
+            sampler.mark("history sweep")
+            results["history"] = await phase_history(bench)
+            sampler.mark("soak")
+            results["soak"] = await phase_soak(bench)
+            sampler.mark("done")
+    memproxy.stop()  # the recall phases' servers need the cores
+    if litellm is not None:
+        litellm.stop()
+    results["paths"] = list(bench.targets)
+    results["rss"] = {"series": sampler.series, "marks": sampler.marks}
+    print("bench: token-cost replay", flush=True)
+    results["replay"] = await phase_replay(processes, upstream, workdir, plan, replay.data_path(args.locomo))
+    if "skipped" in results["replay"]:
+        notes.append(results["replay"]["skipped"])
+        print(f"bench: {results['replay']['skipped']}", file=sys.stderr, flush=True)
+
+
+async def measure_recall(args: argparse.Namespace, plan: Plan, processes: servers.Processes,
+                         upstream: servers.Server, workdir: Path, results: dict[str, Any]) -> None:
+    """Phases 8 and 9: recall's quality on the LoCoMo replay, and its speed on big stores."""
+    data = replay.data_path(args.locomo)
+    print("bench: recall replay", flush=True)
+    started = time.monotonic()
+    results["recall"] = await phase_recall(processes, upstream, workdir, plan, data)
+    for skipped in (results["recall"].get("skipped"), results["recall"].get("modes_missing")):
+        if skipped:
+            results["meta"]["notes"].append(f"recall replay: {skipped}")
+            print(f"bench: recall replay: {skipped}", file=sys.stderr, flush=True)
+    print(f"bench: recall speed (replay took {time.monotonic() - started:.0f} s)", flush=True)
+    results["recall_speed"] = await phase_recall_speed(processes, upstream, workdir, plan, data)
+
+
+RECALL_PHASES = ("recall", "recall_speed")
+
+
+def merged(results: dict[str, Any], saved: Path, quick: bool) -> dict[str, Any]:
+    """`--only recall`'s results put into a saved run's (of the same kind), so that the page keeps
+    every other section as that run measured it; else the recall results alone."""
+    if not saved.exists():
+        return results
+    previous: dict[str, Any] = json.loads(saved.read_text(encoding="utf-8"))
+    if previous.get("meta", {}).get("quick") != quick or "concurrency" not in previous:
+        return results
+    meta = results["meta"]
+    previous.update({phase: results[phase] for phase in RECALL_PHASES})
+    previous["meta"]["recall_run"] = {"started": meta["started"], "duration_s": meta["duration_s"],
+                                      "commit": commit(), "notes": meta["notes"],
+                                      "load_at_start": meta["machine"]["load_at_start"],
+                                      "load_at_end": meta["machine"]["load_at_end"]}
+    return previous
+
+
 async def run(args: argparse.Namespace) -> Path:
     plan = QUICK if args.quick else FULL
     for option in ("rounds", "soak_seconds", "upstream_delay_ms"):
@@ -505,76 +790,27 @@ async def run(args: argparse.Namespace) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix="memproxy-bench-"))
     processes = servers.Processes(workdir)
     started = time.monotonic()
-    notes: list[str] = []
     results: dict[str, Any] = {"meta": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "quick": args.quick, "machine": machine(), "notes": notes}}
-    litellm_status = "not run (--no-litellm-proxy)"
-    workers = os.cpu_count() or 1
+        timespec="seconds"), "quick": args.quick, "machine": machine(), "notes": []}}
     try:
         upstream = servers.start_upstream(processes)
-        db = workdir / "memproxy.db"
-        print(f"bench: seeding sessions of {', '.join(map(str, plan.history_sizes))} messages", flush=True)
-        results["history_seed_s"] = await seed.seed_sessions(
-            f"sqlite:///{db}", TENANT, plan.history_sizes, MemoryConfig(**BENCH_MEMORY), ENCODING)
-        config = workdir / "memproxy.yaml"
-        config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
-        memproxy = servers.start_memproxy(processes, "memproxy", config)
-        litellm = None
-        if not args.no_litellm_proxy:
-            exe, litellm_status = servers.litellm_executable()
-            if exe is None:
-                notes.append(f"LiteLLM's proxy was not measured: {litellm_status}")
-            else:
-                litellm_config = workdir / "litellm.yaml"
-                litellm_config.write_text(servers.litellm_config(upstream.url, LITELLM_KEY))
-                try:
-                    litellm = servers.start_litellm(processes, exe, litellm_config, workers)
-                except RuntimeError as exc:
-                    litellm_status += f"; failed to start: {exc}"
-                    notes.append(f"LiteLLM's proxy was not measured: {exc}")
-        if litellm is None and not args.no_litellm_proxy:
-            print(f"bench: LiteLLM's proxy is not measured: {litellm_status}", file=sys.stderr, flush=True)
-        results["meta"]["versions"] = versions(litellm_status)
-        results["meta"]["settings"] = settings(plan, workers)
-        watched = {"memproxy": memproxy, "upstream": upstream}
-        if litellm is not None:
-            watched["litellm-proxy"] = litellm
-        with RssSampler(watched) as sampler:
-            bench = Bench(plan, upstream, memproxy, litellm, sampler,
-                          targets=make_targets(upstream.url, memproxy.url, litellm.url if litellm else None))
-            async with client_sessions(bench):
-                sampler.mark("warm-up")
-                await warm_up(bench)
-                sampler.mark("cpu cost (0 ms upstream)")
-                results["cpu"] = await phase_cpu(bench)
-                sampler.mark(f"concurrency ({plan.upstream_delay_ms:g} ms upstream)")
-                results["concurrency"] = await phase_concurrency(bench)
-                sampler.mark("streams")
-                results["streams"] = await phase_streams(bench)
-                sampler.mark("throughput ladder")
-                results["throughput"] = await phase_throughput(bench)
-                sampler.mark("history sweep")
-                results["history"] = await phase_history(bench)
-                sampler.mark("soak")
-                results["soak"] = await phase_soak(bench)
-                sampler.mark("done")
-        results["paths"] = list(bench.targets)
-        results["rss"] = {"series": sampler.series, "marks": sampler.marks}
-        print("bench: token-cost replay", flush=True)
-        results["replay"] = await phase_replay(processes, upstream, workdir, plan, replay.data_path(args.locomo))
-        if "skipped" in results["replay"]:
-            notes.append(results["replay"]["skipped"])
-            print(f"bench: {results['replay']['skipped']}", file=sys.stderr, flush=True)
+        if args.only != "recall":
+            await measure_paths(args, plan, processes, upstream, workdir, results)
+        await measure_recall(args, plan, processes, upstream, workdir, results)
     finally:
         processes.stop_all()
         if args.keep_workdir:
             print(f"bench: logs and databases kept in {workdir}", flush=True)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
+    took = results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
     results["meta"]["machine"]["load_at_end"] = round(os.getloadavg()[0], 2)
+    if args.only == "recall":
+        results["meta"]["only"] = "recall"
+        results["meta"]["plan"] = asdict(plan)
+        results = merged(results, out / "bench-results.json", args.quick)
     path = report.write(results, out, small=args.quick)
-    print(f"bench: wrote {path} in {results['meta']['duration_s']:.0f} s", flush=True)
+    print(f"bench: wrote {path} in {took:.0f} s", flush=True)
     return path
 
 
@@ -590,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
                              " (default: 50)")
     parser.add_argument("--locomo", help=f"the LoCoMo file (default: {replay.DATA})")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
+    parser.add_argument("--only", choices=["recall"],
+                        help="run only the recall phases (8, 9); their results replace those of the saved run in"
+                             " OUT/bench-results.json (of the same kind, quick or full), and the page is rewritten")
     args = parser.parse_args(argv)
     asyncio.run(run(args))
     return 0

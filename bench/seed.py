@@ -1,23 +1,25 @@
-"""Sessions of a given length for the history sweep, written straight through memproxy's Store API.
+"""Sessions of a given length for the history sweep and the recall speed phase, written straight
+through memproxy's Store API.
 
 Each session is recorded with `Store.record_turn`, as memproxy records real turns (chained hashes,
 token counts and running totals from `memproxy.memory.shrink.new_message`), a thousand messages a
 transaction, so 100,000 messages take seconds rather than an hour of HTTP requests. Every message is
 distinct (no repeat for deduplication to fold) and about `tokens_per_message` long, so a handful fill
 the sweep model's window: every session then sends the same amount upstream, whatever its length,
-and only the length of the stored history differs.
+and only the length of the stored history differs. The recall speed phase's stores hold short real
+turns instead (`seed_recall_store`), so that the search index sees a real vocabulary.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from memproxy.config import MemoryConfig, StorageConfig
 from memproxy.memory.shrink import new_message
 from memproxy.messages import chain_hashes
-from memproxy.store import Totals, TurnRecord, open_store
+from memproxy.store import Store, Totals, TurnRecord, open_store
 from memproxy.tokens import TiktokenCounter
 from load import SYSTEM
 
@@ -47,27 +49,59 @@ async def seed_sessions(db_url: str, tenant: str, sizes: Sequence[int], memory: 
     try:
         for size in sizes:
             started = time.perf_counter()
-            length, head, totals = 0, "", Totals(0, 0)
-            while length < size:
-                bodies = [
-                    {"role": "user" if (length + i) % 2 == 0 else "assistant",
-                     "content": f"[{length + i}] " + message_text(rng, words_per_message)}
-                    for i in range(min(BATCH, size - length))
-                ]
-                hashes = chain_hashes(head, bodies)
-                new = [new_message(body, digest, counter, memory) for body, digest in zip(bodies, hashes)]
-                await store.record_turn(TurnRecord(
-                    tenant=tenant, session_id=f"hist-{size}", expected_length=length,
-                    expected_head_hash=head, base=length, base_totals=totals, base_hash=head,
-                    messages=new, system=[{"role": "system", "content": SYSTEM}],
-                    model="bench-sweep", kind="append", context_tokens=0,
-                    latency_ms=0.0,
-                ))
-                added = sum(m.tokens for m in new)
-                compact = sum(m.tokens if m.compact_tokens is None else m.compact_tokens for m in new)
-                length, head = length + len(new), hashes[-1]
-                totals = Totals(totals.full + added, totals.compact + compact)
+            await seed_session(store, tenant, f"hist-{size}", size, lambda: message_text(rng, words_per_message),
+                               counter, memory, "bench-sweep")
             took[size] = time.perf_counter() - started
     finally:
         await store.close()
     return took
+
+
+async def seed_recall_store(db_url: str, tenant: str, session_id: str, session_size: int, store_size: int,
+                            other_size: int, texts: Sequence[str], memory: MemoryConfig, encoding: str,
+                            model: str) -> float:
+    """The recall speed phase's store: `session_id` with `session_size` messages, then sessions of
+    `other_size` until the store holds `store_size`; returns the seconds it took.
+
+    Each message is one of `texts` (real dialog turns where there are some), drawn at random and
+    numbered, so the index holds a realistic vocabulary. The measured session is drawn from a
+    generator of its own, so it is the same in every store whatever is seeded beside it.
+    """
+    store = await open_store(StorageConfig(url=db_url))
+    counter = TiktokenCounter(encoding)
+    started = time.perf_counter()
+    try:
+        mine = random.Random(session_id)
+        await seed_session(store, tenant, session_id, session_size, lambda: mine.choice(texts), counter, memory,
+                           model)
+        others = random.Random(8)
+        for n in range((store_size - session_size) // other_size):
+            await seed_session(store, tenant, f"{session_id}-other-{n}", other_size, lambda: others.choice(texts),
+                               counter, memory, model)
+    finally:
+        await store.close()
+    return time.perf_counter() - started
+
+
+async def seed_session(store: Store, tenant: str, session_id: str, size: int, text: Callable[[], str],
+                       counter: TiktokenCounter, memory: MemoryConfig, model: str) -> None:
+    """`size` messages, user and assistant in turn, `BATCH` a transaction, each `[n] ` + `text()`."""
+    length, head, totals = 0, "", Totals(0, 0)
+    while length < size:
+        bodies = [
+            {"role": "user" if (length + i) % 2 == 0 else "assistant", "content": f"[{length + i}] " + text()}
+            for i in range(min(BATCH, size - length))
+        ]
+        hashes = chain_hashes(head, bodies)
+        new = [new_message(body, digest, counter, memory) for body, digest in zip(bodies, hashes)]
+        await store.record_turn(TurnRecord(
+            tenant=tenant, session_id=session_id, expected_length=length,
+            expected_head_hash=head, base=length, base_totals=totals, base_hash=head,
+            messages=new, system=[{"role": "system", "content": SYSTEM}],
+            model=model, kind="append", context_tokens=0,
+            latency_ms=0.0,
+        ))
+        added = sum(m.tokens for m in new)
+        compact = sum(m.tokens if m.compact_tokens is None else m.compact_tokens for m in new)
+        length, head = length + len(new), hashes[-1]
+        totals = Totals(totals.full + added, totals.compact + compact)

@@ -12,8 +12,8 @@ run time through `POST /_control` (JSON), so one server serves every phase:
 - `count_tokens`: count the prompt tokens of every request received (memproxy's own counter),
   split into chat and summariser requests; `GET /_stats` returns the counts.
 
-Summariser requests (memproxy's, told apart by their instructions) get a short summary built from
-the transcript they carry, so a replay can fold history without a model.
+Summariser requests (memproxy's, told apart by their instructions) get a short generic summary, so a
+replay can fold history without a model.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ from typing import Any
 from aiohttp import web
 
 SUMMARIZER_OPENING = "You keep the running summary of a conversation"
+SUMMARY = (
+    "Earlier in this conversation the two of them caught up on their lives: work and family, friends they "
+    "share, things they had done lately and plans they were making, and how they felt about all of it. They "
+    "encouraged each other, shared a few photos and stories, asked after each other's projects and promised "
+    "to keep in touch. Nothing that was said needs an action from the assistant; the details are in the "
+    "conversation itself."
+)
 ANSWER = "Paris is the capital of France; it has been the seat of government for centuries."
 
 
@@ -138,16 +145,10 @@ def _prompt_tokens(counter: Any, messages: list[dict[str, Any]]) -> int:
 
 
 def _summary(messages: list[dict[str, Any]]) -> str:
-    """A short, deterministic stand-in for a model's summary: the opening words of the newest
-    transcript lines, well under any summary cap."""
-    transcript = str(messages[-1].get("content", ""))
-    lines = [line.strip() for line in transcript.splitlines() if line.strip()]
-    words: list[str] = []
-    for line in reversed(lines):
-        words.extend(line.split()[:8])
-        if len(words) >= 80:
-            break
-    return "Earlier: " + " ".join(words[:80])
+    """A stand-in for a model's summary: the same generic ~100 tokens whatever the transcript, so a
+    replay can fold history without a model, and no line of the dialog (no dialog id a recall score
+    looks for) reaches the upstream by way of the summary."""
+    return SUMMARY
 
 
 def make_app(provider: FakeProvider) -> web.Application:
