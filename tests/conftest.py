@@ -118,9 +118,9 @@ def upstream(upstream_server: FakeUpstream) -> FakeUpstream:
     return upstream_server
 
 
-# The core tests see the plain sliding window; tests of summaries and compaction turn them on.
+# The core tests see the plain sliding window; tests of summaries, compaction and recall turn them on.
 CORE_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "drop", "tool_output_max_tokens": 0,
-                               "dedupe_min_tokens": 0}
+                               "dedupe_min_tokens": 0, "recall_tokens": 0}
 
 
 def make_config(db: Path | StorageConfig, upstream_url: str, transport: str = "auto", **memory: Any) -> Config:

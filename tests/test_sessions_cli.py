@@ -480,3 +480,25 @@ def test_metadata_values_never_reach_the_server_log(cli: Setup, upstream: FakeUp
     assert " DEBUG " in output and "chat status=200" in output  # the server did log, at every level
     for secret in secrets:
         assert secret not in output
+
+
+def test_search_one_session_or_every_session_of_the_tenant(cli: Setup, upstream: FakeUpstream) -> None:
+    upstream.enqueue(*[Reply(content=f"noted {i}") for i in range(3)])
+    cli.chat("search-1", [user("The lighthouse keeper painted the door green.")])
+    cli.chat("search-2", [user("A lighthouse stood on the cape.")])
+    cli.chat("search-b", [user("The lighthouse of tenant b.")], key=OTHER_KEY)
+
+    found = cli.json("search", "lighthouse keeper", "--session", "search-1")
+    assert found["query"] == ["lighthouse", "keeper"]
+    [hit] = found["data"]
+    assert (hit["session_id"], hit["position"], hit["matched"]) == ("search-1", 0, ["lighthouse", "keeper"])
+    mine = {h["session_id"] for h in cli.json("search", "lighthouse", "--limit", "50")["data"]}
+    assert {"search-1", "search-2"} <= mine and "search-b" not in mine
+    every = {h["session_id"] for h in json.loads(cli.sessions("search", "lighthouse", "--all-tenants",
+                                                                  "--json").stdout)["data"]}
+    assert {"search-1", "search-2", "search-b"} <= every
+    table = cli.sessions("search", "keeper", "--tenant", "a").stdout.splitlines()
+    assert table[0].split() == ["SESSION", "POS", "ROLE", "WHEN", "(UTC)", "SCORE", "MATCHED", "TEXT"]
+    assert table[1].startswith("search-1 ") and "The lighthouse keeper painted" in table[1]
+    assert cli.sessions("search", "keeper", "--session", "nope", "--tenant", "a", ok=False).stderr == (
+        "memproxy: no session 'nope' in tenant 'a'\n")

@@ -79,6 +79,7 @@ def choose(found: Recall, room: int, around: int, session_id: str, counter: Toke
         by_session.setdefault(m.session_id, []).append(m)
     for messages in by_session.values():
         messages.sort(key=lambda m: m.message.seq)
+    where = {(sid, m.message.seq): i for sid, messages in by_session.items() for i, m in enumerate(messages)}
     scores = {(h.session_id, h.seq): h.score for h in found.hits}
 
     def rank(key: tuple[str, int]) -> float:
@@ -89,8 +90,10 @@ def choose(found: Recall, room: int, around: int, session_id: str, counter: Toke
     spent = len(RECALL_PREFIX) // 4
     order: list[list[RecalledMessage]] = []
     for key in sorted(scores, key=rank, reverse=True):
-        span = _span(by_session.get(key[0], []), key[1], around)
-        for candidate in (span, _span(by_session.get(key[0], []), key[1], 0)):
+        if key not in where:
+            continue
+        messages, index = by_session[key[0]], where[key]
+        for candidate in (_span(messages, index, around), _span(messages, index, 0)):
             fresh = [m for m in candidate if (m.session_id, m.message.seq) not in chosen]
             cost = sum(_estimate(m) for m in fresh)
             if fresh and spent + cost <= room:
@@ -152,12 +155,9 @@ def _stem(word: str) -> str:
     return word
 
 
-def _span(messages: list[RecalledMessage], seq: int, around: int) -> list[RecalledMessage]:
-    """The messages the store sent for a hit at `seq`: `around` positions each side of it, extended
-    to whole units, within a run of consecutive positions."""
-    index = next((i for i, m in enumerate(messages) if m.message.seq == seq), None)
-    if index is None:
-        return []
+def _span(messages: list[RecalledMessage], index: int, around: int) -> list[RecalledMessage]:
+    """The messages the store sent for the hit `messages[index]`: `around` positions each side of
+    it, extended to whole units, within a run of consecutive positions."""
     lo = hi = index
     while lo > 0 and messages[lo - 1].message.seq == messages[lo].message.seq - 1 and (
             index - lo < around or not messages[lo].message.unit_start):

@@ -1,0 +1,212 @@
+"""Recall end to end (issue 14): the proxy as a real server on both stores, the openai SDK as the
+client, the fake provider recording what it was sent.
+
+An old fact left out of a small window comes back when the question asks about it, in one block
+after the kept turns and before the new message, and is never stored; the headers, the context
+preview, each turn's `sent` record and the search endpoints say what was found; recall across an
+end user's sessions stays within the tenant and the user; superseded messages are never recalled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from admin_api import ADMIN_KEY, MakeStorage, StartProxy, api_for, assert_error, part, preview_of, start
+from conftest import OTHER_KEY, Proxy
+from fake_upstream import FakeUpstream, Reply
+from helpers import Conversation, user
+from memproxy.memory.recall import RECALL_PREFIX
+
+pytestmark = pytest.mark.both_stores
+
+RECALL: dict[str, Any] = {"recall_tokens": None}  # the default room: 3/4 of the window
+FACT = "The combination of the blue locker in the boathouse is 7281."
+
+
+def filler(i: int) -> str:
+    """A turn about something else, about 60 tokens, sharing no word with the fact or the question."""
+    return f"Turn {i}: " + " ".join(f"weather{i}x{j}" for j in range(40))
+
+
+async def long_conversation(proxy: Proxy, upstream: FakeUpstream, session: str = "s1", turns: int = 30,
+                            fact: str = FACT, **headers: str) -> Conversation:
+    """A session whose first message states the fact, followed by enough turns that a 2,000-token
+    window leaves it out."""
+    talk = Conversation(proxy, upstream, session, **headers)
+    for i in range(turns):
+        new = [user(fact if i == 0 else filler(i))]
+        reply = Reply(content="Noted." if i == 0 else f"Answer {i}: " + " ".join(f"sun{i}y{j}" for j in range(20)))
+        await talk.exchange(new, reply)
+        talk.remember(new, reply)
+    return talk
+
+
+def block_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in messages if isinstance(m.get("content"), str) and m["content"].startswith(RECALL_PREFIX)]
+
+
+async def test_an_old_fact_left_out_comes_back_when_asked_about(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL)
+    api = api_for(http, proxy)
+    talk = await long_conversation(proxy, upstream)
+    question = [user("What is the combination of the blue locker?")]
+
+    preview = await preview_of(api, "s1", question[0]["content"], model="small")
+    received, headers = await talk.exchange(question, Reply(content="7281"))
+    sent = received.messages
+    [block] = block_of(sent)
+    assert "[#0 " in block["content"] and FACT in block["content"] and block["role"] == "user"
+    assert sent[-2:] == [block, question[0]]  # after the kept turns, right before the new message
+    assert not any("7281" in str(m.get("content")) for m in sent if m is not block)  # the fact was left out
+    assert int(headers["x-memproxy-recalled"]) >= 1
+    assert int(headers["x-memproxy-context-tokens"]) <= int(headers["x-memproxy-input-budget"])
+
+    # The preview said exactly this, and why.
+    assert preview["messages"] == sent
+    recalled = part(preview, "recalled")
+    assert recalled["messages"] == int(headers["x-memproxy-recalled"]) and recalled["tokens"] > 0
+    assert {"combination", "blue", "locker"} <= set(recalled["query"])
+    hit = next(e for e in recalled["excerpts"] if e["position"] == 0)
+    assert hit["hit"] and hit["score"] > 0 and hit["session_id"] == "s1" and hit["role"] == "user"
+    assert set(hit["matched"]) == {"combination", "blue", "locker"}
+    assert sum(p.get("tokens", 0) for p in preview["parts"]) == preview["tokens"]
+
+    # Never stored; the turn's `sent` record keeps what was recalled.
+    shown = await api.get("/sessions/s1")
+    assert not any(RECALL_PREFIX in str(m["message"].get("content")) for m in shown["messages"])
+    last = shown["turns"][-1]["sent"]
+    assert {"session_id": "s1", "position": 0} in last["recalled"]
+    assert len(last["recalled"]) == recalled["messages"]
+
+
+async def test_recall_off_sends_the_plain_window(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream)  # the core config: recall_tokens 0
+    talk = await long_conversation(proxy, upstream)
+    received, headers = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    assert not block_of(received.messages) and "7281" not in str(received.messages)
+    assert headers["x-memproxy-recalled"] == "0"
+
+
+async def test_nothing_is_recalled_while_everything_fits(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL)
+    talk = await long_conversation(proxy, upstream, turns=3)
+    received, headers = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    assert not block_of(received.messages) and headers["x-memproxy-recalled"] == "0"
+    assert received.messages[0]["content"] == FACT
+
+
+async def test_an_edited_fact_is_recalled_as_edited_never_as_it_was(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL)
+    talk = Conversation(proxy, upstream, "s1", style="full")
+    first = [user(FACT)]
+    await talk.exchange(first, Reply("Noted."))
+    # The client edits its first message: the original is superseded.
+    edited = [user("The combination of the blue locker in the boathouse is 5550.")]
+    talk.history = []
+    await talk.exchange(edited, Reply("Noted again."))
+    talk.remember(edited, Reply("Noted again."))
+    talk.style = "new"
+    for i in range(1, 30):
+        new = [user(filler(i))]
+        await talk.exchange(new, Reply(f"Answer {i}"))
+        talk.remember(new, Reply(f"Answer {i}"))
+    received, _ = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    [block] = block_of(received.messages)
+    assert "5550" in block["content"] and "7281" not in str(received.messages)
+
+
+async def test_recall_across_an_end_users_sessions_stays_with_that_user_and_tenant(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, recall_scope="user", **RECALL)
+    # Alice told the fact in one session; Bob and tenant b told other combinations in theirs.
+    await long_conversation(proxy, upstream, "alice-1", turns=2, **{"X-Memproxy-User": "alice"})
+    await long_conversation(proxy, upstream, "bob-1", turns=2, fact=FACT.replace("7281", "1111"),
+                            **{"X-Memproxy-User": "bob"})
+    b_client = proxy.client(session="b-1", key=OTHER_KEY, **{"X-Memproxy-User": "alice"})
+    upstream.enqueue(Reply("ok"))
+    await b_client.chat.completions.create(model="small", messages=[user(FACT.replace("7281", "2222"))])
+    # A new session of Alice's, long enough that recall runs, asks about it.
+    talk = await long_conversation(proxy, upstream, "alice-2", turns=30, fact="Let us plan the regatta.",
+                                   **{"X-Memproxy-User": "alice"})
+    received, headers = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    [block] = block_of(received.messages)
+    assert "session alice-1 #0" in block["content"] and "7281" in block["content"]
+    assert "1111" not in block["content"] and "2222" not in block["content"]
+    # The `user` field names the end user when the header does not.
+    plain = proxy.client(session="alice-2")
+    upstream.enqueue(Reply("?"))
+    await plain.chat.completions.create(model="small", user="alice",
+                                        messages=[user("And the combination of the blue locker again?")])
+    assert "7281" in str(upstream.chat_requests()[-1].messages)
+    # With the default scope, only the session itself is searched.
+    scoped = await start(start_proxy, make_storage, upstream, db="scoped", **RECALL)
+    await long_conversation(scoped, upstream, "alice-1", turns=2, **{"X-Memproxy-User": "alice"})
+    talk = await long_conversation(scoped, upstream, "alice-2", turns=30, fact="Let us plan the regatta.",
+                                   **{"X-Memproxy-User": "alice"})
+    received, _ = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    assert "7281" not in str(received.messages)
+
+
+async def test_the_opening_turns_stay_when_head_turns_is_set(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, head_turns=1, **RECALL)
+    talk = await long_conversation(proxy, upstream)
+    received, _ = await talk.exchange([user("Shall we go on?")], Reply("Yes."))
+    assert received.messages[:2] == [user(FACT), {"role": "assistant", "content": "Noted."}]
+    preview = await preview_of(api_for(http, proxy), "s1", "Shall we go on?", model="small")
+    head = part(preview, "head")
+    assert (head["messages"], head["to_position"]) == (2, 2)
+    assert all(e["position"] >= 2 for e in part(preview, "recalled")["excerpts"])
+
+
+async def test_search_a_session_and_every_session_the_key_may_see(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL)
+    api = api_for(http, proxy)
+    await long_conversation(proxy, upstream, "s1", turns=3)
+    await long_conversation(proxy, upstream, "s2", turns=2, fact="The red locker stays open.")
+    b_client = proxy.client(session="b-1", key=OTHER_KEY)
+    upstream.enqueue(Reply("ok"))
+    await b_client.chat.completions.create(model="small", messages=[user("The blue locker is mine, tenant b.")])
+
+    found = await api.post("/sessions/s1/search", json={"query": "blue locker"})
+    assert found["object"] == "list" and found["query"] == ["blue", "locker"]
+    [hit] = found["data"]
+    assert (hit["session_id"], hit["position"], hit["role"]) == ("s1", 0, "user")
+    assert hit["message"] == user(FACT) and hit["matched"] == ["blue", "locker"] and hit["score"] > 0
+
+    everywhere = await api.post("/search", json={"query": "locker", "limit": 10})
+    assert {h["session_id"] for h in everywhere["data"]} == {"s1", "s2"}  # never tenant b's
+    scores = [h["score"] for h in everywhere["data"]]
+    assert scores == sorted(scores, reverse=True)
+    theirs = await api.as_(OTHER_KEY).post("/search", json={"query": "locker"})
+    assert [h["session_id"] for h in theirs["data"]] == ["b-1"]
+    assert_error(await api.as_(OTHER_KEY).post("/sessions/s1/search", 404, json={"query": "locker"}),
+                 type="invalid_request_error", code="session_not_found")
+    admin = await api.as_(ADMIN_KEY).post("/search", json={"query": "locker"})
+    assert {h["session_id"] for h in admin["data"]} == {"s1", "s2", "b-1"}
+    only_b = await api.as_(ADMIN_KEY).post("/search?tenant=b", json={"query": "locker"})
+    assert [h["session_id"] for h in only_b["data"]] == ["b-1"]
+
+    # Errors are OpenAI-shaped; a query never goes in a URL.
+    assert_error(await api.post("/search?query=locker", 400, json={"query": "locker"}),
+                 type="invalid_request_error", param="query")
+    assert_error(await api.post("/search", 400, json={}), type="invalid_request_error", param="query")
+    assert_error(await api.post("/search", 400, json={"query": "x", "limit": 0}), type="invalid_request_error",
+                 param="limit")
+    assert_error(await api.post("/sessions/s1/search", 400, data=b"[1]"), type="invalid_request_error")
+    assert (await api.post("/search", json={"query": "the and of"}))["data"] == []  # only function words
