@@ -593,7 +593,7 @@ class Report:
         fig, ax = self.figure(8, 3.4)
         names = (*(f"memory: {part}" for part in TIMING_PARTS), "upstream client (upstream - direct)",
                  "fake upstream + load generator (direct)", "HTTP servers (rest)")
-        colors = ("#98df8a", "#2ca02c", "#17becf", "#1f77b4", "#bcbd22", "#ff7f0e", "#bbbbbb", "#9467bd")
+        colors = ("#98df8a", "#2ca02c", "#17becf", "#e377c2", "#1f77b4", "#bcbd22", "#ff7f0e", "#bbbbbb", "#9467bd")
         for i, (name, *values) in enumerate(bars):
             left = 0.0
             for k, value in enumerate(values):

@@ -138,6 +138,8 @@ class TurnRecord(_Record):
     trimmed: Int | None = None
     deduplicated: Int | None = None
     marker: Flag | None = None
+    # The messages recall sent again, as [session id, position] pairs (null: none, or older exports).
+    recalled: list[tuple[Annotated[str, Field(max_length=128)], Int]] | None = None
 
     @model_validator(mode="after")
     def _sent_whole(self) -> TurnRecord:

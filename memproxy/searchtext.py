@@ -9,6 +9,7 @@ tokenizer, PostgreSQL's `english` configuration), so "running" finds "runs".
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from typing import Any
@@ -66,6 +67,19 @@ def date_words(created_at: float) -> str:
 def message_words(body: Message, created_at: float) -> list[str]:
     """The words a stored message is indexed by, lower-cased, in order, its date's last."""
     return _WORD.findall(f"{message_text(body)} {date_words(created_at)}".lower())
+
+
+def session_key(tenant: str, session_id: str) -> str:
+    """The key a session's words are indexed under: 12 digits from a hash of its tenant and id.
+    Digits, so that a stemmer sees `key_word` as it sees `word`; a clash between two sessions only
+    shares their index's statistics, never their messages (each lookup names its sessions too)."""
+    digest = hashlib.blake2b(f"{tenant}\x00{session_id}".encode("utf-8", "surrogatepass"), digest_size=8)
+    return str(int.from_bytes(digest.digest(), "big") % 10**12).zfill(12)
+
+
+def keyed(key: str, words: list[str]) -> str:
+    """Words as a session's index holds them and a lookup names them: `key_word key_word ...`."""
+    return " ".join(f"{key}_{word}" for word in words)
 
 
 def query_words(text: str) -> list[str]:

@@ -181,7 +181,7 @@ def _sent_text(turn: dict[str, Any]) -> str:
     parts.append(f"{sent['stored_included']} stored from position {sent['from_position']}")
     return (f"{turn['context_tokens']} tokens: {' + '.join(parts)}; left out {sent['stored_omitted']} "
             f"({sent['unsummarised_omitted']} unsummarised); {sent['tool_outputs_trimmed']} trimmed, "
-            f"{sent['deduplicated']} deduplicated; {len(sent['recalled'])} recalled")
+            f"{sent['deduplicated']} deduplicated" + (f"; {len(sent['recalled'])} recalled" if sent["recalled"] else ""))
 
 
 def _text(message: dict[str, Any]) -> str:
@@ -208,8 +208,11 @@ async def _context(args: argparse.Namespace, config: Config, store: Store) -> in
     print(f"model {preview['model']}: {preview['tokens']} of {budget['input_tokens']} input tokens "
           f"(window {budget['window']} - output {budget['output_reserve']} - margin {budget['safety_margin']})")
     for part in preview["parts"]:
-        details = ", ".join(f"{k}={v}" for k, v in part.items() if k != "part")
+        details = ", ".join(f"{k}={v}" for k, v in part.items() if k not in ("part", "excerpts", "query"))
         print(f"  {part['part']:<18} {details}")
+        for excerpt in part.get("excerpts", []):  # recalled messages: where from, and why
+            why = f"score {excerpt['score']}, matched {','.join(excerpt['matched'])}" if excerpt["hit"] else "context"
+            print(f"    {excerpt['session_id']} #{excerpt['position']} {excerpt['role']} ({why})")
     return 0
 
 

@@ -250,6 +250,7 @@ async def test_show_tells_for_each_turn_what_its_request_was_made_of(
             "marker": any(marker_sent(m) for m in extras),
             "tool_outputs_trimmed": 0,
             "deduplicated": 0,
+            "recalled": [],  # recall is off in these tests
         }
         assert turn["sent"] == expected, f"turn {n + 1}"
         assert turn["context_tokens"] == int(header["X-Memproxy-Context-Tokens"])

@@ -109,12 +109,14 @@ async def test_an_edited_fact_is_recalled_as_edited_never_as_it_was(
 ) -> None:
     proxy = await start(start_proxy, make_storage, upstream, **RECALL)
     talk = Conversation(proxy, upstream, "s1", style="full")
-    first = [user(FACT)]
-    await talk.exchange(first, Reply("Noted."))
-    # The client edits its first message: the original is superseded.
+    hello = [user("Hello there.")]
+    await talk.exchange(hello, Reply("Hi."))
+    talk.remember(hello, Reply("Hi."))
+    _, headers = await talk.exchange([user(FACT)], Reply("Noted."))
+    # The client edits that message: the original and its answer are superseded.
     edited = [user("The combination of the blue locker in the boathouse is 5550.")]
-    talk.history = []
-    await talk.exchange(edited, Reply("Noted again."))
+    _, headers = await talk.exchange(edited, Reply("Noted again."))
+    assert headers["x-memproxy-reconcile"] == "edit"
     talk.remember(edited, Reply("Noted again."))
     talk.style = "new"
     for i in range(1, 30):

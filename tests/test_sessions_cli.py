@@ -256,7 +256,7 @@ def test_context_shows_what_the_model_is_sent_in_one_command(cli: Setup, upstrea
     lines = cli.sessions("--tenant", "a", "context", "ctx-1").stdout.splitlines()
     assert lines[0].startswith("model small: ") and "of 1724 input tokens (window 2000 - output 256 - margin 20)" in lines[0]
     parts = {line.split()[0]: line for line in lines[1:]}
-    assert list(parts) == ["system", "kept", "left_out", "new", "tools_and_priming"]
+    assert list(parts) == ["system", "kept", "left_out", "recalled", "new", "tools_and_priming"]
     assert "messages=1" in parts["system"] and "messages=6" in parts["kept"] and "messages=0" in parts["new"]
     tokens = [int(field.split("=")[1]) for line in lines[1:] for field in line.replace(",", "").split()
               if field.startswith("tokens=")]

@@ -408,7 +408,7 @@ async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest)
         await backend.query(statement)
     await backend.query("CREATE TABLE schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
     await backend.query("INSERT INTO schema_migrations VALUES (?, 0)", first_id)
-    question = user("q")
+    question = user("where is the lighthouse")
     [head] = chain_hashes(ROOT_HASH, [question])
     await backend.query("INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash,"
                         " head_cum) VALUES ('t', 's', 0, 0, 1, ?, 12)", head)
@@ -430,6 +430,8 @@ async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest)
         assert message.body == question
         assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
         assert await store.current_summary(session, 1) is None
+        # Its text was indexed by the migration that made the index (0009_recall).
+        assert [h.seq for h in (await store.recall(session, ["lighthouse"], 1, 5, 0)).hits] == [0]
         await store.record_turn(turn(session, [assistant("a")]))  # new rows take fresh ids
         after = await store.get_session("t", "s")
         assert after is not None and after.length == 2

@@ -7,10 +7,14 @@ of each, comes from here, so both backends read the same files the same way.
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from typing import Literal
 
 Dialect = Literal["sqlite", "postgres"]
+# The migration after whose statements each backend computes, in the same transaction, the
+# `search_text` of the messages stored before it (`memproxy.store.sql.recall.backfill_search`).
+BACKFILL_SEARCH = "0009_recall"
 
 
 def migrations(dialect: Dialect = "sqlite") -> list[tuple[str, str]]:
@@ -20,8 +24,33 @@ def migrations(dialect: Dialect = "sqlite") -> list[tuple[str, str]]:
     return [(f.name.removesuffix(".sql"), f.read_text(encoding="utf-8")) for f in files]
 
 
+_TOKEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|(\$\w*\$)|\b(BEGIN|END|CASE)\b|(;)", re.IGNORECASE)
+
+
 def statements(sql: str) -> list[str]:
-    """A migration's statements: `--` comment lines dropped, split on `;` (the migrations put no
-    `;` inside a literal)."""
-    lines = [line for line in sql.splitlines() if not line.strip().startswith("--")]
-    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+    """A migration's statements: `--` comment lines dropped, split on the `;` that end them, not
+    those inside a quoted literal or name, a dollar-quoted body (PostgreSQL's functions) or a
+    trigger's `BEGIN ... END` (SQLite's; a `CASE ... END` inside one is counted too)."""
+    text = "\n".join(line for line in sql.splitlines() if not line.strip().startswith("--"))
+    out, start, depth, pos = [], 0, 0, 0
+    while (match := _TOKEN.search(text, pos)) is not None:
+        pos = match.end()
+        dollar, keyword, semicolon = match.groups()
+        if dollar:  # skip to the closing tag
+            close = text.find(dollar, pos)
+            pos = len(text) if close == -1 else close + len(dollar)
+        elif keyword:
+            word = keyword.upper()
+            if word in ("BEGIN", "CASE") and (depth or word == "BEGIN" and _is_trigger(text[start:match.start()])):
+                depth += 1
+            elif word == "END" and depth:
+                depth -= 1
+        elif semicolon and not depth:
+            out.append(text[start:match.start()])
+            start = pos
+    out.append(text[start:])
+    return [s.strip() for s in out if s.strip()]
+
+
+def _is_trigger(head: str) -> bool:
+    return re.match(r"\s*CREATE\s+(TEMP\w*\s+)?TRIGGER\b", head, re.IGNORECASE) is not None

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import asyncpg
 
 from .errors import translated
-from .sql import Outcome, Row, Script, SQLStore, Step, run_script_async
-from .migrations import migrations, statements
+from .migrations import BACKFILL_SEARCH, migrations, statements
+from .sql import Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
 
 T = TypeVar("T")
@@ -92,6 +92,18 @@ class PostgresBackend:
                         break
                 return accept(outcomes)
 
+    def hits(self, pk: int, key: str, words: Sequence[str], before: int, limit: int) -> Step:
+        """The tsvector of active messages (0009_recall): the words stemmed as the index's were,
+        keyed, OR'd into a tsquery, ranked by `ts_rank` (the number of matched words: no document
+        frequencies, so rarer words do not count for more, as they do in SQLite's BM25)."""
+        query = ("(SELECT string_agg(DISTINCT quote_literal(CAST(? AS TEXT) || '_' || l), ' | ')::tsquery"
+                 " FROM unnest(CAST(? AS TEXT[])) AS w,"
+                 " LATERAL unnest(coalesce(ts_lexize('english_stem', w), CAST('{}' AS TEXT[]))) AS l)")
+        # The query is an uncorrelated subquery, computed once, so the GIN index can take it.
+        return (f"SELECT m.session_pk, m.seq, ts_rank(m.search, {query}) FROM messages m"
+                f" WHERE m.session_pk = ? AND m.active = 1 AND m.seq < ? AND m.search @@ {query}"
+                " ORDER BY 3 DESC LIMIT ?", [key, list(words), pk, min(before, 2_147_483_647), key, list(words), limit])
+
     async def close(self) -> None:
         await self._pool.close()
 
@@ -134,5 +146,10 @@ async def _migrate(pool: asyncpg.Pool) -> None:
                     continue
                 for statement in statements(sql):
                     await conn.execute(statement)
+                if migration_id == BACKFILL_SEARCH:
+                    async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
+                        return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
+
+                    await run_script_async(backfill_search(fts=False), fetch)
                 await conn.execute("INSERT INTO schema_migrations (id, applied_at)"
                                    " VALUES ($1, extract(epoch from now()))", migration_id)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,13 +40,14 @@ from typing import Any, TypeVar, cast
 import aiosqlite
 
 from .errors import translated
-from .migrations import migrations, statements
-from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, run_script_async
+from .migrations import BACKFILL_SEARCH, migrations, statements
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
 __all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
 T = TypeVar("T")
 log = logging.getLogger("memproxy.store")
+_WORD = re.compile(r"[^\W_]+")  # a word as `memproxy.searchtext` makes them: nothing FTS5's syntax reads
 # aiosqlite logs every call with its parameters (stored content, metadata values) at DEBUG: even a
 # server debugging at DEBUG level must never write those.
 logging.getLogger("aiosqlite").setLevel(logging.WARNING)
@@ -112,6 +114,15 @@ class SQLiteBackend:
         with translated():
             self._check_open()
             return list(await self._reader.execute_fetchall(sql, params))
+
+    def hits(self, pk: int, key: str, words: Sequence[str], before: int, limit: int) -> Step:
+        """FTS5, ranked by BM25 (`bm25()` is lower-is-better: the score is its negation); the
+        session and the positions before `before` are a range of the index's rowids (0009_recall)."""
+        match = " OR ".join(f'"{key}_{word}"' for word in words if _WORD.fullmatch(word))
+        low = pk << 32
+        return ("SELECT rowid >> 32, rowid & 4294967295, -bm25(messages_fts) FROM messages_fts"
+                " WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ? ORDER BY bm25(messages_fts) LIMIT ?",
+                [match or '""', low, low + min(max(before, 0), 1 << 32), limit])
 
     def _check_open(self) -> None:
         if self._closed:  # as sqlite3 says it, not as aiosqlite does (a ValueError)
@@ -299,6 +310,8 @@ def _migration(migration_id: str, sql: str) -> Script[None]:
     if (yield "SELECT 1 FROM schema_migrations WHERE id = ?", (migration_id,)):
         return
     yield from _statements(statements(sql))
+    if migration_id == BACKFILL_SEARCH:
+        yield from backfill_search(fts=True)
     yield "INSERT INTO schema_migrations (id, applied_at) VALUES (?, strftime('%s','now'))", (migration_id,)
 
 

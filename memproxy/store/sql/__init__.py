@@ -3,19 +3,21 @@
 One module a concern, imported one way: `script` (statements, write scripts and the `Backend` that
 runs them) and `codec` (values as the columns store them, rows as dataclasses) under `common` (the
 base both halves stand on: timed reads, the session row's lock, creation and deletion), under
-`turns` (what a chat turn and the summariser need, `TurnStore`) and `admin` (what managing
-sessions needs, `AdminStore`). `SQLStore` is both; each backend subclasses it with its `Backend`.
+`turns` (what a chat turn and the summariser need, `TurnStore`), `recall` (the full-text index,
+for recall and search) and `admin` (what managing sessions needs, `AdminStore`). `SQLStore` is all
+of them; each backend subclasses it with its `Backend`.
 """
 
 from __future__ import annotations
 
 from .admin import SQLAdmin
+from .recall import SQLRecall, backfill_search
 from .script import Backend, Outcome, Row, Script, Step, run_script_async
 from .turns import QUERIES, SQLTurns
 
-__all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLStore", "SQLTurns", "Script", "Step",
-           "run_script_async"]
+__all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLRecall", "SQLStore", "SQLTurns", "Script",
+           "Step", "backfill_search", "run_script_async"]
 
 
-class SQLStore(SQLTurns, SQLAdmin):
+class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
     """The whole `Store`: the turn half and the admin half over one backend."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, overload
 
+from ...searchtext import keyed, message_words, session_key
 from ..base import SentContext, Summary, UsageTotals
 from .script import Row
 
@@ -24,7 +25,8 @@ SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_co
 # Turns of chat, not summariser calls (`turns` rows of kind `summary`), in a LEFT JOIN on turns `t`.
 CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind <> 'summary' THEN 1 ELSE 0 END), 0)"
 # What a chat turn's request was made of (`SentContext`), in the order of its fields.
-SENT_COLUMNS = "summary_version, first_sent, included, omitted, unsummarised_omitted, marker, trimmed, deduplicated"
+SENT_COLUMNS = ("summary_version, first_sent, included, omitted, unsummarised_omitted, marker, trimmed, deduplicated,"
+                " recalled")
 TURN_COLUMNS = ("created_at, model, kind, context_tokens, prompt_tokens, completion_tokens, latency_ms,"
                 f" cost, full_tokens, {SENT_COLUMNS}")
 # A tenant's usage summed over turns `t` of sessions `s` (LEFT JOIN), in the order of `tenant_usage`.
@@ -44,7 +46,7 @@ ADD_TO_ROLLUP = ("ON CONFLICT (tenant) DO UPDATE SET "
 MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, chain_hash, created_at,"
                    " compact_body, compact_tokens, compact_cum_before")
 SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
-_JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body"})
+_JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body", "recalled"})
 # Free text, kept as it is where it can be (`text_in`); a model name only an import can make odd.
 _TEXT_COLUMNS = frozenset({"title", "text", "model"})
 
@@ -90,12 +92,14 @@ def to_usage_totals(row: Row) -> UsageTotals:
                        full_tokens=int(row[7]))
 
 
-def sent_values(sent: SentContext | None) -> list[int | None]:
-    """A `SentContext` as `SENT_COLUMNS` store it (nulls for a turn that is not a chat turn)."""
+def sent_values(sent: SentContext | None) -> list[int | str | None]:
+    """A `SentContext` as `SENT_COLUMNS` store it (nulls for a turn that is not a chat turn; what
+    was recalled as a JSON list of [session id, position], null for nothing)."""
     if sent is None:
         return [None] * len(SENT_COLUMNS.split(", "))
+    recalled = dumps([list(r) for r in sent.recalled]) if sent.recalled else None
     return [sent.summary_version, sent.first_sent, sent.included, sent.omitted, sent.unsummarised_omitted,
-            int(sent.marker), sent.trimmed, sent.deduplicated]  # not `astuple`: it deep-copies, 0.1 ms a turn
+            int(sent.marker), sent.trimmed, sent.deduplicated, recalled]  # not `astuple`: it deep-copies
 
 
 def to_sent(row: Row) -> SentContext | None:
@@ -103,8 +107,15 @@ def to_sent(row: Row) -> SentContext | None:
     turns kept this."""
     if row[0] is None:
         return None
+    recalled = tuple((str(sid), int(seq)) for sid, seq in json.loads(row[8])) if row[8] else ()
     return SentContext(summary_version=row[0], first_sent=row[1], included=row[2], omitted=row[3],
-                       unsummarised_omitted=row[4], marker=bool(row[5]), trimmed=row[6], deduplicated=row[7])
+                       unsummarised_omitted=row[4], marker=bool(row[5]), trimmed=row[6], deduplicated=row[7],
+                       recalled=recalled)
+
+
+def search_text(tenant: str, session_id: str, body: dict[str, Any], created_at: float) -> str:
+    """What a message's `search_text` column holds: its words, keyed by its session (0009_recall)."""
+    return keyed(session_key(tenant, session_id), message_words(body, created_at))
 
 
 def dumps(value: Any) -> str:

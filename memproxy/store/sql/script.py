@@ -39,6 +39,12 @@ class Backend(Protocol):
         steps after one: those then carry the same error)."""
         ...
 
+    def hits(self, pk: int, key: str, words: Sequence[str], before: int, limit: int) -> Step:
+        """A SELECT of (session key, position, score) for the active messages of the session `pk`
+        before position `before` that its full-text index matches with any of `words` (indexed
+        under `key`, `memproxy.searchtext`), best first (a higher score), at most `limit`."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -19,7 +19,7 @@ from ...timing import charge_store
 from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
-from .codec import TURN_COLUMNS, column_marks, dumps, sent_values, text_in, to_summary
+from .codec import TURN_COLUMNS, column_marks, dumps, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
 from .script import Outcome, Row, Script, Step
 
@@ -256,13 +256,13 @@ class SQLTurns(SQLBase):
         for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement):
             steps.append((
                 "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens, cum_before,"
-                " unit_start, chain_hash, created_at, compact_body, compact_tokens, compact_cum_before)"
+                " unit_start, chain_hash, created_at, compact_body, compact_tokens, compact_cum_before, search_text)"
                 f" VALUES ({_SESSION_PK}, ({QUERIES['newest_chat_turn']}), ({QUERIES['message_id']}),"
-                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (*session, *session, *session, seq - 1, seq, message.body.get("role"), dumps(message.body),
                  message.tokens, cum, int(message.unit_start), message.chain_hash, now,
                  None if message.compact_body is None else dumps(message.compact_body), compact_tokens,
-                 compact_cum)))
+                 compact_cum, search_text(*session, message.body, now))))
         return steps
 
     @staticmethod
@@ -270,10 +270,10 @@ class SQLTurns(SQLBase):
         """A new session inserted with the turn's head, returning its key; nothing if one exists."""
         return (
             "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
-            " head_compact_cum, system_prompt, title) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " head_compact_cum, system_prompt, title, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, dumps(turn.system) if turn.system else None,
-             text_in(turn.title)))
+             text_in(turn.title), text_in(turn.end_user)))
 
     @staticmethod
     def _move_head(turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Step:
@@ -287,8 +287,9 @@ class SQLTurns(SQLBase):
         return (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-            f" title = coalesce(title, ?) WHERE {where} RETURNING pk",
-            (*head, now, dumps(turn.system) if turn.system else None, text_in(turn.title), *params))
+            f" title = coalesce(title, ?), end_user = coalesce(?, end_user) WHERE {where} RETURNING pk",
+            (*head, now, dumps(turn.system) if turn.system else None, text_in(turn.title),
+             text_in(turn.end_user), *params))
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
         """A turn planned on a history that another writer has since extended. If it only continued

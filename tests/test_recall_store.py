@@ -1,0 +1,226 @@
+"""The recall index in the store (issue 14), on SQLite and PostgreSQL.
+
+The index must hold exactly the active messages, whatever happened to a session: a property over
+random sequences of turns, edits, clears, forks, imports, deletions, message caps and prunes, each
+message carrying a word of its own, checked through the store's own `search` and, underneath, in
+the index itself (SQLite's FTS5 rowids, PostgreSQL's tsvector column). And `recall`: ranked, only
+before the position asked, whole units with their neighbours, an end user's other sessions and
+never another tenant's or another user's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from helpers import assistant, tool, user
+from memproxy import admin
+from memproxy.messages import Message
+from memproxy.store import SentContext, SessionState, Store
+from memproxy.store.sql.codec import sent_values, to_sent
+from stores import StoreUnderTest, store_under_test
+from test_store_contract import turn
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StoreUnderTest]:
+    under_test = await store_under_test(request.param, tmp_path)
+    yield under_test
+    await under_test.drop()
+
+
+@pytest.fixture
+async def store(backend: StoreUnderTest) -> AsyncIterator[Store]:
+    opened = await backend.open()
+    yield opened
+    await opened.close()
+
+
+async def session_of(store: Store, session_id: str, tenant: str = "t") -> SessionState:
+    found = await store.get_session(tenant, session_id)
+    assert found is not None
+    return found
+
+
+async def say(store: Store, session_id: str, messages: list[Message], tenant: str = "t", base: int | None = None,
+              end_user: str | None = None) -> SessionState:
+    """A turn appending `messages` (or, with `base`, cutting the session back to it first)."""
+    current = await store.get_session(tenant, session_id)
+    record = turn(current, messages, base=base, tenant=tenant, session_id=session_id)
+    if end_user is not None:
+        record = dataclasses.replace(record, end_user=end_user)
+    await store.record_turn(record)
+    return await session_of(store, session_id, tenant)
+
+
+# --- the index holds exactly the active messages -------------------------------------------------
+
+OPS = st.lists(st.tuples(st.sampled_from(["say", "say", "edit", "clear", "fork", "import", "delete", "cap",
+                                          "prune"]), st.integers(0, 3), st.integers(0, 6)),
+               min_size=1, max_size=14)
+
+
+async def indexed(backend: StoreUnderTest, tenant: str) -> set[tuple[str, int]]:
+    """(session, position) of every message the index holds for the tenant's sessions, read from the
+    index itself."""
+    if backend.kind == "sqlite":
+        rows = await backend.query("SELECT rowid FROM messages_fts")
+        keys = {pk: sid for pk, sid in await backend.query("SELECT pk, session_id FROM sessions WHERE tenant = ?",
+                                                            tenant)}
+        return {(keys[r >> 32], r & 0xFFFFFFFF) for (r,) in rows if r >> 32 in keys}
+    rows = await backend.query("SELECT s.session_id, m.seq FROM messages m JOIN sessions s ON s.pk = m.session_pk"
+                               " WHERE s.tenant = ? AND m.search IS NOT NULL AND m.search <> ''::tsvector", tenant)
+    return {(sid, seq) for sid, seq in rows}
+
+
+async def active(backend: StoreUnderTest, tenant: str) -> dict[tuple[str, int], str]:
+    """(session, position) of every active message of the tenant, with its content."""
+    rows = await backend.query("SELECT s.session_id, m.seq, m.body FROM messages m JOIN sessions s"
+                               " ON s.pk = m.session_pk WHERE s.tenant = ? AND m.active = 1", tenant)
+    return {(sid, seq): json.loads(body)["content"] for sid, seq, body in rows}
+
+
+@settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS)
+async def test_the_index_holds_exactly_the_active_messages(
+    backend: StoreUnderTest, store: Store, ops: list[tuple[str, int, int]]
+) -> None:
+    tenant = f"p{time.monotonic_ns()}"  # each example in a tenant of its own
+    written = 0
+
+    def word() -> str:
+        nonlocal written
+        written += 1
+        return f"zq{written}x"
+
+    for op, which, n in ops:
+        sid = f"s{which}"
+        current = await store.get_session(tenant, sid)
+        if op == "say" or current is None:
+            await say(store, sid, [user(word()), assistant(word())], tenant)
+        elif op == "edit" and current.length:
+            await say(store, sid, [user(word())], tenant, base=min(n, current.length - 1) // 2 * 2)
+        elif op == "clear":
+            await store.clear_session(current)
+        elif op == "fork" and await store.get_session(tenant, f"{sid}f{n}") is None:
+            await admin.fork(store, current, tenant, f"{sid}f{n}", current.length // 2 * 2)
+        elif op == "import" and await store.get_session(tenant, f"{sid}i{n}") is None:
+            await store.import_session(tenant, f"{sid}i{n}", await store.export_session(current))
+        elif op == "delete":
+            await store.delete_session(current)
+        elif op == "cap":
+            await store.cap_messages(current, 2)
+        elif op == "prune":
+            await store.prune(time.time() + 1, tenant)
+    expected = await active(backend, tenant)
+    assert await indexed(backend, tenant) == set(expected)
+    # And through the store: each message's own word finds it exactly while it is active.
+    for n in range(1, written + 1):
+        hits = await store.search(tenant, [f"zq{n}x"], 10)
+        holding = {key for key, text in expected.items() if text == f"zq{n}x"}
+        assert {(h.session_id, h.seq) for h in hits} == holding
+
+
+# --- recall --------------------------------------------------------------------------------------
+
+
+async def test_recall_ranks_the_left_out_messages_and_sends_whole_units(store: Store) -> None:
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
+    history = [user("hello"), assistant("hi"), user("find the harbour map"), call,
+               tool("c1", "the harbour map shows a lighthouse"), assistant("found it"),
+               user("the lighthouse keeper is Ada"), assistant("noted"), user("unrelated"), assistant("ok")]
+    session = await say(store, "s", history)
+    found = await store.recall(session, ["lighthouse", "keeper"], 8, 10, 0)
+    assert [h.seq for h in found.hits] == [6, 4]  # both words beat one; position 8 on is not asked
+    assert found.hits[0].score > found.hits[1].score > 0
+    # A hit on a tool result comes with its call; context stops before `before`.
+    assert sorted(m.message.seq for m in found.messages) == [3, 4, 6]
+    wider = await store.recall(session, ["lighthouse", "keeper"], 8, 10, 1)
+    assert sorted(m.message.seq for m in wider.messages) == [3, 4, 5, 6, 7]
+    assert (await store.recall(session, ["lighthouse"], 4, 10, 1)).hits == []
+    assert (await store.recall(session, ["zzz"], 10, 10, 1)).hits == []
+    assert (await store.recall(session, [], 10, 10, 1)).hits == []
+    # Stemming: "keepers" finds "keeper".
+    assert [h.seq for h in (await store.recall(session, ["keepers"], 10, 10, 0)).hits] == [6]
+
+
+async def test_recall_never_returns_a_superseded_message(store: Store) -> None:
+    await say(store, "s", [user("the code is alpha"), assistant("ok")])
+    session = await say(store, "s", [user("the code is bravo"), assistant("ok")], base=0)
+    found = await store.recall(session, ["code", "alpha", "bravo"], 10, 10, 1)
+    assert [m.message.body["content"] for m in found.messages if m.message.seq == 0] == ["the code is bravo"]
+
+
+async def test_recall_across_an_end_users_sessions_and_no_one_elses(store: Store) -> None:
+    await say(store, "a1", [user("my locker is blue"), assistant("ok")], end_user="alice")
+    await say(store, "b1", [user("my locker is red"), assistant("ok")], end_user="bob")
+    await say(store, "x1", [user("my locker is green"), assistant("ok")], tenant="other", end_user="alice")
+    await say(store, "n1", [user("my locker is grey"), assistant("ok")])  # no end user
+    here = await say(store, "a2", [user("hello"), assistant("hi")], end_user="alice")
+    found = await store.recall(here, ["locker"], 2, 10, 0, end_user="alice")
+    assert [(h.session_id, h.seq) for h in found.hits] == [("a1", 0)]
+    assert {m.session_id for m in found.messages} == {"a1"}
+    assert (await store.recall(here, ["locker"], 2, 10, 0)).hits == []  # the session alone
+
+
+async def test_search_is_scoped_by_tenant_and_session(store: Store) -> None:
+    one = await say(store, "s1", [user("the lighthouse keeper"), assistant("ok")])
+    await say(store, "s2", [user("a lighthouse"), assistant("ok")])
+    await say(store, "s3", [user("a lighthouse"), assistant("ok")], tenant="other")
+    assert {(h.session_id, h.seq) for h in await store.search("t", ["lighthouse"], 10)} == {("s1", 0), ("s2", 0)}
+    assert [h.session_id for h in await store.search("t", ["lighthouse"], 10, one)] == ["s1"]
+    assert {h.session_id for h in await store.search(None, ["lighthouse"], 10)} == {"s1", "s2", "s3"}
+    assert len(await store.search(None, ["lighthouse"], 2)) == 2
+    [best, _] = await store.search("t", ["lighthouse", "keeper"], 10)
+    assert (best.session_id, best.body) == ("s1", user("the lighthouse keeper"))
+
+
+def words_of(n: int) -> str:
+    return " ".join(f"w{n}x{i}" for i in range(5))
+
+
+async def test_recall_reads_what_the_turn_index_wrote_after_many_sessions(store: Store) -> None:
+    """Sessions whose keys share nothing: a word said in one is never found in another."""
+    for i in range(20):
+        await say(store, f"m{i}", [user(f"shared {words_of(i)}"), assistant("ok")])
+    session = await session_of(store, "m7")
+    found = await store.recall(session, ["shared", "w7x1", "w3x1"], 2, 10, 0)
+    assert [(h.session_id, h.seq) for h in found.hits] == [("m7", 0)]
+
+
+def test_sent_record_keeps_what_was_recalled() -> None:
+    """Exercised end to end in tests/test_recall_proxy.py; here the codec alone."""
+    sent = SentContext(0, 5, 3, 5, 5, True, 0, 0, recalled=(("s", 1), ("other", 4)))
+    assert to_sent(sent_values(sent)) == sent
+    plain = SentContext(0, 0, 3, 0, 0, False, 0, 0)
+    assert to_sent(sent_values(plain)) == plain
+
+
+async def test_a_recall_looks_only_at_its_sessions_part_of_the_index(backend: StoreUnderTest, store: Store) -> None:
+    """The plan of a recall's lookup: FTS5 constrained by MATCH and a rowid range (SQLite), the GIN
+    index over active messages (PostgreSQL), never a scan of the session's or the store's messages."""
+    for i in range(30):
+        await say(store, f"q{i}", [user(f"harbour lighthouse {words_of(i)}"), assistant("ok")])
+    session = await session_of(store, "q3")
+    sql, params = store._db.hits(session.pk, "123456789012", ["harbour", "lighthouse"], 2, 10)  # type: ignore[attr-defined]
+    if backend.kind == "sqlite":
+        plan = " | ".join(str(r[3]) for r in await backend.query(f"EXPLAIN QUERY PLAN {sql}", *params))
+        assert "VIRTUAL TABLE INDEX" in plan and "M" in plan.split("INDEX")[1], plan
+        return
+    from memproxy.store.postgres import numbered
+    conn = await backend._postgres()
+    try:
+        await conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + numbered(sql), *params))
+    finally:
+        await conn.close()
+    assert "Seq Scan" not in plan and "Index Cond" in plan, plan
