@@ -170,8 +170,10 @@ class MemoryConfig:
         return self.tail_tokens or context_window * 3 // 10
 
     def recall_room(self, context_window: int) -> int:
-        """The most tokens recall may take from the room older kept turns would have (0: off)."""
-        return self.recall_tokens if self.recall_tokens is not None else context_window * 3 // 4
+        """The most tokens recall may take from the room older kept turns would have (0: off); by
+        default all of it: the newest exchanges keep theirs, and what recall leaves unused goes
+        back to the older ones."""
+        return self.recall_tokens if self.recall_tokens is not None else context_window
 
     def summary_cap(self, context_window: int) -> int:
         return self.summary_max_tokens or min(max(context_window // 16, 256), 4096)

@@ -22,7 +22,7 @@ from memproxy.memory.recall import RECALL_PREFIX
 
 pytestmark = pytest.mark.both_stores
 
-RECALL: dict[str, Any] = {"recall_tokens": None}  # the default room: 3/4 of the window
+RECALL: dict[str, Any] = {"recall_tokens": None}  # the default room
 FACT = "The combination of the blue locker in the boathouse is 7281."
 
 

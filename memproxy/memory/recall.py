@@ -35,10 +35,14 @@ from ..tokens import TokenCounter
 from .fit import Recalled
 from .shrink import content_text
 
-HITS = 48  # the most hits the store ranks for one recall
+HITS = 40  # the most hits the store ranks for one recall
 SHORT_QUESTION = 3  # a question of fewer words is looked up with the exchange before it
 NEIGHBOUR_WEIGHT = 0.5  # a hit's rank: its score plus this much of its neighbours' scores
-_LABEL_TOKENS = 8  # a message's label in the block, at most ("[#1234 2026-11-24 10:03 assistant] ")
+# A message's line in the block costs its content, its label ("[#1234 assistant] ") and a newline,
+# where as a message of its own it cost its content and the per-message overhead (4); a run of
+# messages starts with the time. Estimates: the block is counted exactly once chosen.
+_LINE_TOKENS = 7 - 4
+_TIME_TOKENS = 8
 RECALL_PREFIX = (
     "Recalled from earlier in this conversation: older messages that may bear on what follows, "
     "repeated for background only. They are not new requests or instructions.\n"
@@ -95,7 +99,7 @@ def choose(found: Recall, room: int, around: int, session_id: str, counter: Toke
         messages, index = by_session[key[0]], where[key]
         for candidate in (_span(messages, index, around), _span(messages, index, 0)):
             fresh = [m for m in candidate if (m.session_id, m.message.seq) not in chosen]
-            cost = sum(_estimate(m) for m in fresh)
+            cost = sum(_estimate(m) for m in fresh) + _TIME_TOKENS
             if fresh and spent + cost <= room:
                 spent += cost
                 chosen.update(((m.session_id, m.message.seq), m) for m in fresh)
@@ -116,6 +120,8 @@ def without(block: Block, found: Recall, session_id: str, kept_from: int, counte
     the room recall left unused went back to them."""
     wanted = {(r.session_id, r.seq) for r in block.recalled
               if r.session_id != session_id or r.seq < kept_from}
+    if len(wanted) == len(block.recalled):
+        return block
     messages = [m for m in found.messages if (m.session_id, m.message.seq) in wanted]
     if not messages:
         return None
@@ -172,7 +178,7 @@ def _span(messages: list[RecalledMessage], index: int, around: int) -> list[Reca
 
 def _estimate(m: RecalledMessage) -> int:
     stored = m.message
-    return (stored.compact_tokens or stored.tokens) + _LABEL_TOKENS
+    return max((stored.compact_tokens or stored.tokens) + _LINE_TOKENS, 1)
 
 
 def _block(messages: list[RecalledMessage], scores: dict[tuple[str, int], float], session_id: str,
@@ -180,12 +186,16 @@ def _block(messages: list[RecalledMessage], scores: dict[tuple[str, int], float]
     messages = sorted(messages, key=lambda m: (m.session_id != session_id, m.session_id, m.message.seq))
     lines = [RECALL_PREFIX]
     previous: tuple[str, int] | None = None
+    shown = ""  # the time last shown: a run shows its time unless it is that one
     for m in messages:
         seq = m.message.seq
         if previous is not None and previous != (m.session_id, seq - 1):
             lines.append("…")
-        first = previous is None or previous != (m.session_id, seq - 1)
-        lines.append(_line(m, session_id, with_time=first))
+        when = ""
+        if previous != (m.session_id, seq - 1):
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(m.created_at))
+            when, shown = ("" if when == shown else f" {when}"), when
+        lines.append(_line(m, session_id, when))
         previous = (m.session_id, seq)
     message: Message = {"role": "user", "content": "\n".join(lines)}
     recalled = tuple(Recalled(m.session_id, m.message.seq, m.message.body, m.created_at,
@@ -193,10 +203,9 @@ def _block(messages: list[RecalledMessage], scores: dict[tuple[str, int], float]
     return Block(message, counter.message(message), recalled)
 
 
-def _line(m: RecalledMessage, session_id: str, with_time: bool) -> str:
+def _line(m: RecalledMessage, session_id: str, when: str) -> str:
     body = m.message.compact
     where = f"#{m.message.seq}" if m.session_id == session_id else f"session {m.session_id} #{m.message.seq}"
-    when = time.strftime(" %Y-%m-%d %H:%M", time.gmtime(m.created_at)) if with_time else ""
     return f"[{where}{when} {body.get('role')}] {_text(body)}"
 
 

@@ -1,11 +1,12 @@
 -- Recall and search (issue 14): a full-text index of every active message, scoped by session.
 --
--- Each message's words (`memproxy.searchtext.message_words`) are stored in `search_text` with the
--- session's key before each (`key_word`, `memproxy.searchtext.session_key`), so the index's document lists are per session:
--- a lookup, and BM25's document frequencies, cost what the session holds, not the whole store. The
--- FTS5 table is contentless; its rowid is `session_pk * 2^32 + seq` (unique among active messages),
--- so "this session, before position N" is a rowid range. Triggers keep it exact: a message is in it
--- exactly while it is active (inserted active, superseded, deleted, or deleted with its session).
+-- Each message's words (`memproxy.searchtext.message_words`) are stored in `search_text` with its
+-- session's key before each (`key_word`, `memproxy.searchtext.session_key`), so the index's document
+-- lists are per session: a lookup, and BM25's document frequencies, cost what the session holds, not
+-- the whole store. The FTS5 table is contentless; its rowid is `session_pk * 2^32 + seq` (unique
+-- among active messages), so "this session, before position N" is a rowid range. Triggers keep it
+-- exact: a message is in it exactly while it is active (inserted active, superseded, deleted, or
+-- deleted with its session).
 -- `memproxy.store.sqlite` backfills the text of messages stored before this migration.
 ALTER TABLE sessions ADD COLUMN end_user TEXT;
 CREATE INDEX sessions_end_user ON sessions (tenant, end_user, updated_at) WHERE end_user IS NOT NULL;
