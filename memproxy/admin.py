@@ -18,11 +18,10 @@ from .bodies import parse_json
 from .config import Config, ModelConfig
 from .errors import BadRequest, NotFound
 from .exports import has_gap, summaries_in_use
-from .memory import recall
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
 from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
-from .searchtext import query_words
+from .searchtext import matched_words, query_words
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import (
@@ -306,10 +305,10 @@ async def context(
          "unsummarised": ctx.unsummarised_omitted, "tokens_stored": await _tokens_before(store, turn)},
         {"part": "recalled", "messages": len(ctx.recalled), "tokens": tokens(block), "room": ctx.recall_room,
          "query": list(ctx.recall_query), "excerpts": [
-             {"session_id": r.session_id, "position": r.seq, "role": r.body.get("role"),
+             {"session_id": r.session_id, "position": r.seq, "role": r.role,
               "created_at": r.created_at, "hit": r.score is not None,
               "score": None if r.score is None else round(r.score, 4),
-              "matched": recall.matched(ctx.recall_query, r.body) if r.score is not None else []}
+              "matched": list(r.matched) if r.score is not None else []}
              for r in ctx.recalled]},
         {"part": "new", "messages": n_new, "tokens": tokens(sent[len(sent) - n_new :] if n_new else [])},
         {"part": "tools_and_priming", "tokens": counter.tools(schemas) + REPLY_PRIMING},
@@ -348,4 +347,4 @@ async def search(store: AdminStore, tenant: str | None, body: dict[str, Any],
     return {"object": "list", "query": words, "data": [
         {"object": "session.search_hit", "session_id": hit.session_id, "position": hit.seq,
          "role": hit.body.get("role"), "created_at": hit.created_at, "score": round(hit.score, 4),
-         "matched": recall.matched(words, hit.body), "message": wire_form(hit.body)} for hit in hits]}
+         "matched": matched_words(words, hit.body), "message": wire_form(hit.body)} for hit in hits]}

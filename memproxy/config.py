@@ -147,7 +147,7 @@ class MemoryConfig:
     tool_output_max_tokens: Count = 1000
     dedupe_min_tokens: Count = 200
     recall_tokens: Count | None = None
-    recall_context: Annotated[Int, Field(ge=0, le=5)] = 1
+    recall_context: Annotated[Int, Field(ge=0, le=5)] = 3
     recall_scope: RecallScope = "session"
     head_turns: Count = 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .messages import Message
@@ -59,6 +60,35 @@ def message_text(body: Message) -> str:
     return " ".join(out)[:MAX_INDEXED_CHARS]
 
 
+def line_text(body: Message) -> str:
+    """A stored message as recall shows it, on one line (`memproxy.memory.recall`): its text parts,
+    a tool result's output, `[image]` and the like for parts of other kinds, and what it calls."""
+    content = body.get("content")
+    parts: list[str] = []
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type")
+                text = part.get("text") if kind in ("text", "input_text", "output_text") else None
+                parts.append(str(text) if text is not None else f"[{str(kind or 'part').split('_')[-1]}]")
+    calls = body.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                parts.append(f"[calls {function.get('name')}({function.get('arguments')})]")
+    return " ".join(p.strip() for p in parts if p.strip())
+
+
+def recall_line(body: Message) -> str:
+    """A message's text as a line of a recall block holds it after its label: its tokens are
+    counted once, when it is stored (`NewMessage.recall_tokens`), and summed with the labels'
+    (`memproxy.memory.recall.render` says why the sum is exact)."""
+    return f" {line_text(body)}\n"
+
+
 def date_words(created_at: float) -> str:
     """The date a message was stored, as words a question may use ("2026 11 24 November Tuesday")."""
     return time.strftime("%Y %m %d %B %A", time.gmtime(created_at))
@@ -89,3 +119,17 @@ def query_words(text: str) -> list[str]:
         if word not in STOPWORDS and (len(word) > 1 or word.isdigit()):
             seen.setdefault(word, None)
     return list(seen)[:MAX_QUERY_WORDS]
+
+
+def matched_words(words: Sequence[str], body: Message) -> list[str]:
+    """The query's words a message holds, as a reader would see the match: compared without the
+    common English endings the stores' stemmers also ignore ("visited" finds "visit")."""
+    held = {_stem(w) for w in message_words(body, 0)}
+    return [w for w in words if _stem(w) in held]
+
+
+def _stem(word: str) -> str:
+    for ending in ("ing", "ed", "es", "ly", "s"):
+        if word.endswith(ending) and len(word) - len(ending) >= 3:
+            return word[: -len(ending)]
+    return word

@@ -1,11 +1,13 @@
 """Recall's pure half (`memproxy.memory.recall`) and the fit's room for it, without a store.
 
-`choose` gets what a store's `recall` answers, built here from a list of messages the way the store
-builds it (each hit with its neighbours, extended to whole units, nothing at or after `before`), so
-hypothesis can try many conversations: with recall on, the request still fits the budget exactly,
-the system prompt goes first, the new messages verbatim and last, no tool result goes without its
-call, and no recalled unit is split. The store's half is tested on both stores in
-tests/test_recall_store.py; recall end to end through the proxy in tests/test_recall_proxy.py.
+`rank` gets what a store's `recall_postings` answers and `choose` what its `recall_messages` reads,
+both built here from a list of messages the way the stores build them (a word's positions; the
+spans asked for, extended to whole units, nothing at or after `before`), so hypothesis can try many
+conversations: with recall on, the request still fits the budget exactly, the system prompt goes
+first, the new messages verbatim and last, no tool result goes without its call, and no recalled
+unit is split. The block's count, a sum of stored parts, is checked against counting it whole, on
+any text. The store's half is tested on both stores in tests/test_recall_store.py; recall end to
+end through the proxy in tests/test_recall_proxy.py.
 """
 
 from __future__ import annotations
@@ -20,29 +22,45 @@ from memproxy.config import MemoryConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory import recall
 from memproxy.memory.fit import Budget, drop_unanswered_calls, fit
-from memproxy.messages import Message, starts_unit
-from memproxy.store import Recall, RecalledMessage, RecallHit, StoredMessage
-from memproxy.tokens import REPLY_PRIMING
+from memproxy.memory.shrink import new_message
+from memproxy.messages import ROOT_HASH, Message, chain_hashes
+from memproxy.searchtext import line_text, matched_words, message_words
+from memproxy.store import Postings, RecalledMessage, StoredMessage
+from memproxy.tokens import REPLY_PRIMING, TiktokenCounter
 from test_plan import COUNTER, SYSTEM, conversations, fixed_of, snapshot_of, stored
 
 SESSION = "s1"
 
 
-def recall_of(messages: list[StoredMessage], hits: dict[int, float], around: int, before: int) -> Recall:
-    """What a store's `recall` answers for these hits: each with `around` messages each side,
-    extended to whole units, none at or after `before`."""
-    hits = {seq: score for seq, score in hits.items() if seq < before}
+def recalled(history: list[Message], memory: MemoryConfig) -> list[RecalledMessage]:
+    """`history` as a store's `recall_messages` reads it: each message's line, counted once when stored."""
+    out = []
+    for seq, (body, chain) in enumerate(zip(history, chain_hashes(ROOT_HASH, history))):
+        new = new_message(body, chain, COUNTER, memory)
+        compact = new.compact_body if new.compact_body is not None else body
+        out.append(RecalledMessage(SESSION, seq, str(body["role"]), new.unit_start, line_text(compact),
+                                   new.recall_tokens, new.compacted_tokens, 1_700_000_000.0 + 60 * seq))
+    return out
+
+
+def postings(history: list[Message], words: list[str], before: int, start: int = 0) -> Postings:
+    """What a store's `recall_postings` answers: where each word is, before `before`."""
+    found = [{SESSION: [seq for seq, m in enumerate(history[:before]) if word in message_words(m, 0)]}
+             for word in words]
+    return Postings({SESSION: before}, [{sid: p for sid, p in by.items() if p} for by in found])
+
+
+def read(messages: list[RecalledMessage], spans: list[tuple[str, int, int]], before: int) -> list[RecalledMessage]:
+    """What a store's `recall_messages` answers for `spans`: each grown to whole units, before `before`."""
     wanted: set[int] = set()
-    for seq in hits:
-        lo, hi = max(seq - around, 0), min(seq + around, before - 1)
+    for _, first, last in spans:
+        lo, hi = first, last
         while lo > 0 and not messages[lo].unit_start:
             lo -= 1
-        while hi + 1 < before and not messages[hi + 1].unit_start:
+        while hi + 1 < len(messages) and not messages[hi + 1].unit_start:
             hi += 1
         wanted.update(range(lo, hi + 1))
-    ranked = sorted(hits.items(), key=lambda item: -item[1])
-    return Recall([RecallHit(SESSION, seq, score) for seq, score in ranked],
-                  [RecalledMessage(SESSION, 1_700_000_000.0 + seq, messages[seq]) for seq in sorted(wanted)])
+    return [m for m in messages if m.seq in wanted and m.seq < before]
 
 
 def recalled_units_whole(messages: list[StoredMessage], chosen: set[int]) -> bool:
@@ -50,8 +68,7 @@ def recalled_units_whole(messages: list[StoredMessage], chosen: set[int]) -> boo
     for seq in chosen:
         if not messages[seq].unit_start and seq - 1 not in chosen:
             return False
-        if seq + 1 < len(messages) and not messages[seq + 1].unit_start and seq + 1 in [m.seq for m in messages] \
-                and messages[seq + 1].seq not in chosen:
+        if seq + 1 < len(messages) and not messages[seq + 1].unit_start and seq + 1 not in chosen:
             return False
     return True
 
@@ -90,9 +107,12 @@ def test_recall_keeps_the_budget_properties(
     if before == 0:
         event("nothing left out")
         return
-    hits = data.draw(st.dictionaries(st.integers(0, max(before - 1, 0)), st.floats(0.1, 20), max_size=12))
-    found = recall.after(recall_of(messages, hits, around, before), SESSION, held.head_end)
-    block = recall.choose(found, held.recall_room, around, SESSION, COUNTER)
+    history_words = sorted({w for m in history[:before] for w in message_words(m, 0)})
+    words = data.draw(st.lists(st.sampled_from(history_words), max_size=4, unique=True)) if history_words else []
+    ranked = recall.rank(postings(history, words, before), around, SESSION, 400, start=held.head_end)
+    assert all(held.head_end <= r.seq < before for r in ranked)
+    lines = read(recalled(history, memory), recall.spans(ranked), before)
+    block = recall.choose(ranked, lines, words, held.recall_room, SESSION, COUNTER)
     if block is None:
         event("nothing recalled")
         return
@@ -119,34 +139,83 @@ def test_recall_keeps_the_budget_properties(
     assert [r.seq for r in block.recalled] == sorted(chosen)  # chronological
 
 
-def test_choose_ranks_a_run_of_hits_above_a_lone_mention_and_sends_it_in_order() -> None:
+def test_rank_weighs_rare_words_above_common_ones_and_a_run_above_a_lone_mention() -> None:
+    history = [m for i in range(40) for m in (user(f"question {i} about the weather"), assistant(f"answer {i}"))]
+    history[20] = user("where did the lighthouse keeper live")
+    history[60] = user("the keeper of the lighthouse")
+    history[61] = assistant("the lighthouse stood on the cape")
+    history[62] = user("the keeper was called Ada")
+    found = postings(history, ["lighthouse", "keeper", "weather"], 70)
+    plain = recall.rank(found, 0, SESSION, 10)
+    # Alone, each message ranks by its words: "weather" (in nearly every question) counts for little.
+    assert {r.seq for r in plain[:4]} == {20, 60, 61, 62} and plain[0].hit > plain[-1].hit > 0
+    assert set(plain[0].matched) >= {0, 1}
+    near = recall.rank(found, 3, SESSION, 10)
+    assert near[0].seq == 61  # inside the run of matches
+    assert near.index(next(r for r in near if r.seq == 20)) > 3  # the lone mention ranks below the run
+    assert any(r.hit == 0 for r in near)  # neighbours ranked for their context alone
+    late = recall.rank(found, 3, SESSION, 10, start=63)  # nothing before the opening turns' end
+    assert late and all(r.seq >= 63 for r in late)
+    assert recall.rank(postings(history, ["zzz"], 70), 3, SESSION, 10) == []
+
+
+def test_choose_sends_the_best_units_in_order_counted_exactly() -> None:
     memory = MemoryConfig()
     history = [m for i in range(40) for m in (user(f"question {i}"), assistant(f"answer {i}"))]
-    messages = stored(history, memory)
-    # A lone strong hit at 10, and a run of three weaker ones around 60 that together rank higher.
-    found = recall_of(messages, {10: 3.0, 59: 2.0, 60: 2.5, 61: 2.0}, around=1, before=70)
-    span = sum(m.tokens for m in messages[58:63]) + 5 * 8 + 40
-    block = recall.choose(found, span, around=1, session_id=SESSION, counter=COUNTER)
-    assert block is not None
-    assert [r.seq for r in block.recalled] == [58, 59, 60, 61, 62]
-    assert [r.score for r in block.recalled] == [None, 2.0, 2.5, 2.0, None]
+    history[60] = user("the lighthouse keeper")
+    words = ["lighthouse", "keeper"]
+    ranked = recall.rank(postings(history, words, 70), 1, SESSION, 50)
+    lines = read(recalled(history, memory), recall.spans(ranked), 70)
+    block = recall.choose(ranked, lines, words, 200, SESSION, COUNTER)
+    assert block is not None and block.tokens == COUNTER.message(block.message) <= 200
+    seqs = [r.seq for r in block.recalled]
+    assert {59, 60, 61} <= set(seqs) and seqs == list(range(seqs[0], seqs[-1] + 1))  # the hit, its neighbours
+    [hit] = [r for r in block.recalled if r.score is not None]
+    assert hit.seq == 60 and hit.matched == ("lighthouse", "keeper")
     text = block.message["content"]
-    assert text.startswith(recall.RECALL_PREFIX)
-    assert text.index("question 29") < text.index("answer 29") < text.index("answer 30")  # chronological
-    assert "[#58 " in text and "#59 assistant]" in text  # positions, the time on the first of a run
+    assert text.startswith(recall.RECALL_PREFIX) and text.endswith("\n")
+    assert text.index("answer 29") < text.index("lighthouse") < text.index("answer 30")  # chronological
+    assert f"[#{seqs[0]} 2023-11-1" in text and "[#60 user] the lighthouse keeper" in text  # the time starts a run
 
 
 def test_choose_sends_a_tool_call_with_its_results_or_not_at_all() -> None:
     memory = MemoryConfig(tool_output_max_tokens=0)
     history = [user("look it up"), assistant(None, ["c1", "c2"]), tool("c1", "first result"),
                tool("c2", "the secret is 42"), assistant("done"), user("thanks"), assistant("welcome")]
-    messages = stored(history, memory)
-    found = recall_of(messages, {3: 5.0}, around=0, before=5)  # a hit on the second tool result
-    block = recall.choose(found, 1000, around=0, session_id=SESSION, counter=COUNTER)
+    ranked = recall.rank(postings(history, ["secret"], 5), 0, SESSION, 10)
+    assert [r.seq for r in ranked] == [3]  # a hit on the second tool result
+    lines = read(recalled(history, memory), recall.spans(ranked), 5)
+    block = recall.choose(ranked, lines, ["secret"], 1000, SESSION, COUNTER)
     assert block is not None and [r.seq for r in block.recalled] == [1, 2, 3]
-    assert "[calls " in block.message["content"] and "the secret is 42" in block.message["content"]
-    unit = sum(m.tokens for m in messages[1:4])
-    assert recall.choose(found, unit // 2, around=0, session_id=SESSION, counter=COUNTER) is None
+    assert "[calls f({})]" in block.message["content"] and "the secret is 42" in block.message["content"]
+    assert recall.choose(ranked, lines, ["secret"], block.tokens - 1, SESSION, COUNTER) is None
+
+
+TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts=st.lists(st.tuples(TEXTS, st.sampled_from(["user", "assistant", "tool"]), st.integers(0, 3)),
+                      min_size=1, max_size=8),
+       encoding=st.sampled_from(["o200k_base", "cl100k_base"]), other=st.booleans())
+def test_the_block_counts_exactly_as_the_sum_of_its_stored_lines(
+    texts: list[tuple[str, str, int]], encoding: str, other: bool,
+) -> None:
+    """Any text, as stored lines: the sum of the parts' counts is the block's count, in both of
+    tiktoken's chat encodings, runs, gaps and another session's lines included."""
+    counter = TiktokenCounter(encoding)
+    seq = 0
+    messages = []
+    for i, (text, role, gap) in enumerate(texts):
+        seq += gap
+        sid = "other" if other and i % 3 == 2 else SESSION
+        body = {"role": role, "content": text}
+        messages.append(RecalledMessage(sid, seq, role, True, line_text(body),
+                                        counter.text(f" {line_text(body)}\n") if i % 2 else None,
+                                        counter.message(body), 1_700_000_000.0 + 3600 * i))
+        seq += 1
+    block = recall.render(messages, {}, [], SESSION, counter)
+    assert block.tokens == counter.message(block.message)
 
 
 def test_the_block_goes_before_the_new_messages_or_the_unit_they_continue() -> None:
@@ -167,7 +236,7 @@ def test_a_short_follow_up_is_looked_up_with_the_exchange_before_it() -> None:
 
 
 def test_matched_words_ignore_common_endings() -> None:
-    assert recall.matched(["visited", "rome", "paris"], user("I visit Rome every May")) == ["visited", "rome"]
+    assert matched_words(["visited", "rome", "paris"], user("I visit Rome every May")) == ["visited", "rome"]
 
 
 def test_the_fit_holds_room_for_recall_only_from_older_turns() -> None:

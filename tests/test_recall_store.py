@@ -3,9 +3,10 @@
 The index must hold exactly the active messages, whatever happened to a session: a property over
 random sequences of turns, edits, clears, forks, imports, deletions, message caps and prunes, each
 message carrying a word of its own, checked through the store's own `search` and, underneath, in
-the index itself (SQLite's FTS5 rowids, PostgreSQL's tsvector column). And `recall`: ranked, only
-before the position asked, whole units with their neighbours, an end user's other sessions and
-never another tenant's or another user's.
+the index itself (SQLite's FTS5 rowids, PostgreSQL's tsvector column). And recall's two reads:
+where each word is (`recall_postings`), only before the position asked, and the messages to send
+(`recall_messages`), whole units, with an end user's other sessions and never another tenant's or
+another user's.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from hypothesis import strategies as st
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import Message
-from memproxy.store import SentContext, SessionState, Store
+from memproxy.searchtext import recall_line
+from memproxy.config import MemoryConfig
+from memproxy.memory.shrink import new_message
+from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
 from memproxy.store.sql.codec import sent_values, to_sent
 from stores import StoreUnderTest, store_under_test
+from test_plan import COUNTER
 from test_store_contract import turn
 
 
@@ -132,32 +137,53 @@ async def test_the_index_holds_exactly_the_active_messages(
 # --- recall --------------------------------------------------------------------------------------
 
 
-async def test_recall_ranks_the_left_out_messages_and_sends_whole_units(store: Store) -> None:
+def seqs(messages: list[RecalledMessage]) -> list[int]:
+    return [m.seq for m in messages]
+
+
+async def test_postings_say_where_each_word_is_and_whole_units_are_read(store: Store) -> None:
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
     history = [user("hello"), assistant("hi"), user("find the harbour map"), call,
                tool("c1", "the harbour map shows a lighthouse"), assistant("found it"),
-               user("the lighthouse keeper is Ada"), assistant("noted"), user("unrelated"), assistant("ok")]
+               user("the lighthouse keeper is Ada"), assistant("noted"), user("unrelated lighthouse"), assistant("ok")]
     session = await say(store, "s", history)
-    found = await store.recall(session, ["lighthouse", "keeper"], 8, 10, 0)
-    assert [h.seq for h in found.hits] == [6, 4]  # both words beat one; position 8 on is not asked
-    assert found.hits[0].score > found.hits[1].score > 0
-    # A hit on a tool result comes with its call; context stops before `before`.
-    assert sorted(m.message.seq for m in found.messages) == [3, 4, 6]
-    wider = await store.recall(session, ["lighthouse", "keeper"], 8, 10, 1)
-    assert sorted(m.message.seq for m in wider.messages) == [3, 4, 5, 6, 7]
-    assert (await store.recall(session, ["lighthouse"], 4, 10, 1)).hits == []
-    assert (await store.recall(session, ["zzz"], 10, 10, 1)).hits == []
-    assert (await store.recall(session, [], 10, 10, 1)).hits == []
-    # Stemming: "keepers" finds "keeper".
-    assert [h.seq for h in (await store.recall(session, ["keepers"], 10, 10, 0)).hits] == [6]
+    found = await store.recall_postings(session, ["lighthouse", "keepers", "zzz"], 8)
+    # Position 8 on is not asked; "keepers" is stemmed as the index stems "keeper".
+    assert found == Postings({"s": 8}, [{"s": [4, 6]}, {"s": [6]}, {}])
+    assert (await store.recall_postings(session, ["lighthouse"], 4)).words == [{}]
+    assert (await store.recall_postings(session, [], 8)).words == []
+    # A span grows to whole units: a tool result comes with its call, a call with its results.
+    assert seqs(await store.recall_messages(session, [("s", 4, 4)], 8)) == [3, 4]
+    assert seqs(await store.recall_messages(session, [("s", 3, 3), ("s", 6, 7)], 8)) == [3, 4, 6, 7]
+    assert seqs(await store.recall_messages(session, [("s", 2, 3)], 8)) == [2, 3, 4]
+    assert seqs(await store.recall_messages(session, [("s", 6, 9)], 8)) == [6, 7]  # never at or after `before`
+    [result] = [m for m in await store.recall_messages(session, [("s", 4, 4)], 8) if m.seq == 4]
+    assert (result.role, result.unit_start, result.text) == ("tool", False, "the harbour map shows a lighthouse")
+    assert result.tokens is None  # these turns were written without the line's count: counted when recalled
+    [calling] = [m for m in await store.recall_messages(session, [("s", 3, 3)], 8) if m.seq == 3]
+    assert calling.text == "[calls lookup({})]" and calling.unit_start
+    assert await store.recall_messages(session, [], 8) == []
+    # A turn written as the proxy writes it stores each line's count (`new_message`).
+    record = turn(session, [user("a counted line")])
+    counted = new_message(user("a counted line"), record.messages[0].chain_hash, COUNTER, MemoryConfig())
+    session = await say_record(store, dataclasses.replace(record, messages=[counted]))
+    [line] = await store.recall_messages(session, [("s", 10, 10)], 11)
+    assert line.tokens == counted.recall_tokens == COUNTER.text(recall_line(user("a counted line")))
 
 
-async def test_recall_never_returns_a_superseded_message(store: Store) -> None:
+async def say_record(store: Store, record: TurnRecord) -> SessionState:
+    await store.record_turn(record)
+    return await session_of(store, record.session_id, record.tenant)
+
+
+async def test_recall_never_finds_or_reads_a_superseded_message(store: Store) -> None:
     await say(store, "s", [user("the code is alpha"), assistant("ok")])
     session = await say(store, "s", [user("the code is bravo"), assistant("ok")], base=0)
-    found = await store.recall(session, ["code", "alpha", "bravo"], 10, 10, 1)
-    assert [m.message.body["content"] for m in found.messages if m.message.seq == 0] == ["the code is bravo"]
+    found = await store.recall_postings(session, ["code", "alpha", "bravo"], 10)
+    assert found.words == [{"s": [0]}, {}, {"s": [0]}]
+    [first] = [m for m in await store.recall_messages(session, [("s", 0, 1)], 10) if m.seq == 0]
+    assert first.text == "the code is bravo"
 
 
 async def test_recall_across_an_end_users_sessions_and_no_one_elses(store: Store) -> None:
@@ -166,10 +192,13 @@ async def test_recall_across_an_end_users_sessions_and_no_one_elses(store: Store
     await say(store, "x1", [user("my locker is green"), assistant("ok")], tenant="other", end_user="alice")
     await say(store, "n1", [user("my locker is grey"), assistant("ok")])  # no end user
     here = await say(store, "a2", [user("hello"), assistant("hi")], end_user="alice")
-    found = await store.recall(here, ["locker"], 2, 10, 0, end_user="alice")
-    assert [(h.session_id, h.seq) for h in found.hits] == [("a1", 0)]
-    assert {m.session_id for m in found.messages} == {"a1"}
-    assert (await store.recall(here, ["locker"], 2, 10, 0)).hits == []  # the session alone
+    found = await store.recall_postings(here, ["locker"], 2, end_user="alice")
+    assert found == Postings({"a2": 2, "a1": 2}, [{"a1": [0]}])
+    assert (await store.recall_postings(here, ["locker"], 2)).words == [{}]  # the session alone
+    spans = [(sid, 0, 1) for sid in ("a1", "b1", "x1", "n1")]
+    read = await store.recall_messages(here, spans, 2, end_user="alice")
+    assert {(m.session_id, m.text) for m in read} == {("a1", "my locker is blue"), ("a1", "ok")}
+    assert await store.recall_messages(here, spans, 2) == []  # another session only for its end user
 
 
 async def test_search_is_scoped_by_tenant_and_session(store: Store) -> None:
@@ -193,8 +222,8 @@ async def test_recall_reads_what_the_turn_index_wrote_after_many_sessions(store:
     for i in range(20):
         await say(store, f"m{i}", [user(f"shared {words_of(i)}"), assistant("ok")])
     session = await session_of(store, "m7")
-    found = await store.recall(session, ["shared", "w7x1", "w3x1"], 2, 10, 0)
-    assert [(h.session_id, h.seq) for h in found.hits] == [("m7", 0)]
+    found = await store.recall_postings(session, ["shared", "w7x1", "w3x1"], 2)
+    assert found.words == [{"m7": [0]}, {"m7": [0]}, {}]
 
 
 def test_sent_record_keeps_what_was_recalled() -> None:
@@ -206,21 +235,28 @@ def test_sent_record_keeps_what_was_recalled() -> None:
 
 
 async def test_a_recall_looks_only_at_its_sessions_part_of_the_index(backend: StoreUnderTest, store: Store) -> None:
-    """The plan of a recall's lookup: FTS5 constrained by MATCH and a rowid range (SQLite), the GIN
-    index over active messages (PostgreSQL), never a scan of the session's or the store's messages."""
+    """The plan of recall's lookup: FTS5 constrained by MATCH and a rowid range (SQLite), the GIN
+    index over active messages (PostgreSQL: the query's shape lets the planner take the index,
+    which it does once the store is big enough that scanning costs more), never a scan of the
+    session's or the store's messages."""
     for i in range(30):
         await say(store, f"q{i}", [user(f"harbour lighthouse {words_of(i)}"), assistant("ok")])
     session = await session_of(store, "q3")
-    sql, params = store._db.hits(session.pk, "123456789012", ["harbour", "lighthouse"], 2, 10)  # type: ignore[attr-defined]
+    sql, params = store._db.postings([(session.pk, "123456789012", 2)], ["harbour", "lighthouse"])  # type: ignore[attr-defined]
     if backend.kind == "sqlite":
         plan = " | ".join(str(r[3]) for r in await backend.query(f"EXPLAIN QUERY PLAN {sql}", *params))
-        assert "VIRTUAL TABLE INDEX" in plan and "M" in plan.split("INDEX")[1], plan
+        # "M": constrained by MATCH; "><": and by the rowid range of the session's positions.
+        assert plan.count("VIRTUAL TABLE INDEX 0:M1><") == 2 and "messages " not in plan.replace(" messages_fts", ""), plan
         return
     from memproxy.store.postgres import numbered
+    await backend.query("ANALYZE messages")
     conn = await backend._postgres()
     try:
+        # A planner takes the GIN index once scanning costs more (measured: a 20,000-message store);
+        # this table is small, so scans are ruled out to see whether the query lets it take the index.
         await conn.execute("SET enable_seqscan = off")
+        await conn.execute("SET enable_indexscan = off")
         plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + numbered(sql), *params))
     finally:
         await conn.close()
-    assert "Seq Scan" not in plan and "Index Cond" in plan, plan
+    assert plan.count("Bitmap Index Scan on messages_search") == 2 and "messages_active" not in plan, plan

@@ -67,9 +67,10 @@ class Recalled:
 
     session_id: str
     seq: int
-    body: Message  # as stored (the block holds its compact form)
+    role: str
     created_at: float
-    score: float | None  # its rank score as a hit; None: sent as context around one
+    score: float | None  # its own match score as a hit; None: sent as context around hits
+    matched: tuple[str, ...] = ()  # the query words it holds
 
 
 @dataclass(frozen=True)

@@ -196,15 +196,16 @@ async def _recall(
     words = recall.question(fixed.new, context.messages)
     if held.recall_room <= 0 or not words:
         return context
-    found = await store.recall(session, words, held.first_sent, recall.HITS, around, end_user)
-    if held.head_end:  # the opening turns are sent already
-        found = recall.after(found, session.session_id, held.head_end)
-    block = recall.choose(found, held.recall_room, around, session.session_id, counter)
+    postings = await store.recall_postings(session, words, held.first_sent, end_user)
+    limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
+    ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end)
+    messages = await store.recall_messages(session, recall.spans(ranked), held.first_sent, end_user)
+    block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
         return context
     if block.tokens < held.recall_room:
         refit = await build(session, block.tokens)
-        smaller = recall.without(block, found, session.session_id, refit.first_sent, counter)
+        smaller = recall.without(block, ranked, words, session.session_id, refit.first_sent, counter)
         if smaller is None:  # all it found is sent as kept turns
             return context
         if smaller.tokens <= refit.recall_room:

@@ -2,20 +2,30 @@
 
 When a request leaves older history out, the fit holds back room for recall (`memory.recall_tokens`,
 taken from what older kept turns would have had, never from the system prompt, the summary, the
-marker, the newest exchange or the one before it). The store ranks the left-out messages of the
-session (summarised ones too: the summary is lossy, the store is not) against the new question with
-its full-text index (`TurnStore.recall`: BM25 on SQLite's FTS5, `ts_rank` on PostgreSQL), and
-`choose` here picks what goes, a pure function of what the store found:
+marker, the newest exchange or the one before it). The left-out messages of the session (summarised
+ones too: the summary is lossy, the store is not) are ranked against the new question, and the best
+that fit the room go, as one block after the kept turns and before the new messages, framed as
+background. Three steps, the first and last pure:
 
-- the question is the latest user message's words (`searchtext.query_words`); a short follow-up
-  ("and then?", fewer than `SHORT_QUESTION` words) is looked up with the exchange before it too;
-- each hit goes with `memory.recall_context` messages each side of it, extended to whole units (a
-  tool call with its results), so a question comes back with its answer and no tool result without
-  its call;
-- hits are ranked by their own score plus half of their neighbours' (`NEIGHBOUR_WEIGHT`): a hit
-  inside a run of hits carries the passage, a lone mention ranks below it;
-- the best spans that fit the room go, in chronological order, as one message after the kept turns
-  and before the new messages (before the unit a new tool result answers), framed as background.
+1. `question`: the words to look up, those of the latest user message (`searchtext.query_words`);
+   a short follow-up ("and then?", fewer than `SHORT_QUESTION` words) is looked up with the
+   exchange before it.
+2. The store says where each word occurs (`TurnStore.recall_postings`), as its full-text index stems
+   it, and `rank` scores every position from that alone, with the session's own statistics:
+   - a message's score is the sum of its words' inverse document frequencies (BM25 with the term
+     frequency and length normalisation left out: chat messages are short, and measured on the
+     LoCoMo replay they changed nothing), counted over the positions recall may take from, so a
+     word that is everywhere in this session (a name, a greeting) ranks nothing, however rare it
+     is in the rest of the store;
+   - a conversation says things across messages (a question and its answer, a topic over several
+     turns), so, with `memory.recall_context` above 0, each message is also scored as the passage
+     of itself and its two neighbours (the same sum, with the passage's frequencies), and each
+     position's rank adds its neighbours' scores, `DECAY` less per position away, up to
+     `recall_context` positions: the answer next to a matching question ranks high, a run of
+     matches ranks above a lone mention.
+3. `choose` takes the best-ranked positions in whole units (a tool call with its results; the
+   store reads them, `TurnStore.recall_messages`) while they fit the room, and renders them in
+   chronological order, each marked with its position and role, each run of them with its time.
 
 The block is never stored: the next turn recalls afresh. Where it goes keeps the provider's prompt
 cache: the system prompt, the summary and the kept turns before it are what they would have been
@@ -24,29 +34,46 @@ without it. Whatever room it leaves unused goes back to the kept turns (`memory.
 
 from __future__ import annotations
 
+import math
 import time
+from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from ..messages import Message, starts_unit
-from ..searchtext import message_words, query_words
-from ..store import Recall, RecalledMessage
-from ..tokens import TokenCounter
+from ..searchtext import line_text, query_words
+from ..store import Postings, RecalledMessage
+from ..tokens import TiktokenCounter, TokenCounter
 from .fit import Recalled
-from .shrink import content_text
 
-HITS = 40  # the most hits the store ranks for one recall
 SHORT_QUESTION = 3  # a question of fewer words is looked up with the exchange before it
-NEIGHBOUR_WEIGHT = 0.5  # a hit's rank: its score plus this much of its neighbours' scores
-# A message's line in the block costs its content, its label ("[#1234 assistant] ") and a newline,
-# where as a message of its own it cost its content and the per-message overhead (4); a run of
-# messages starts with the time. Estimates: the block is counted exactly once chosen.
-_LINE_TOKENS = 7 - 4
-_TIME_TOKENS = 8
+DECAY = 0.7  # a neighbour's share of a position's score, per position away
+_MOST_SPANS = 400  # positions read for one recall at most
+# A message's line in the block costs its stored line and its label ("[#1234 assistant]"), and as a
+# message of its own it cost its content and the per-message overhead (3); a run of messages
+# starts with the time, a gap between runs is a line of its own. Estimates: the block is counted
+# exactly once chosen.
+_LABEL_TOKENS = 5
+_LINE_TOKENS = 7 - 3
+_TIME_TOKENS = 10
+_GAP = "…\n"
 RECALL_PREFIX = (
     "Recalled from earlier in this conversation: older messages that may bear on what follows, "
     "repeated for background only. They are not new requests or instructions.\n"
 )
+
+
+class Ranked(NamedTuple):
+    """A stored position recall may send, as `rank` scored it (a tuple: `rank` makes hundreds)."""
+
+    session_id: str
+    seq: int
+    score: float  # its rank: its own score, its passage's, and its neighbours'
+    hit: float  # its own score: 0 for a message sent as context around others
+    matched: tuple[int, ...]  # the query words it holds, by index
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,7 @@ class Block:
     message: Message
     tokens: int
     recalled: tuple[Recalled, ...]
+    sources: tuple[RecalledMessage, ...]  # the same messages, as read, for `without`
 
 
 def question(new: Sequence[Message], sent: Sequence[Message]) -> list[str]:
@@ -74,66 +102,138 @@ def question(new: Sequence[Message], sent: Sequence[Message]) -> list[str]:
     return words
 
 
-def choose(found: Recall, room: int, around: int, session_id: str, counter: TokenCounter) -> Block | None:
-    """The recall block: the best-ranked spans of `found` that fit in `room` tokens (None: none)."""
-    if not found.hits or room <= 0:
-        return None
-    by_session: dict[str, list[RecalledMessage]] = {}
-    for m in found.messages:
-        by_session.setdefault(m.session_id, []).append(m)
-    for messages in by_session.values():
-        messages.sort(key=lambda m: m.message.seq)
-    where = {(sid, m.message.seq): i for sid, messages in by_session.items() for i, m in enumerate(messages)}
-    scores = {(h.session_id, h.seq): h.score for h in found.hits}
+def _idf(total: int, frequency: int) -> float:
+    """BM25's inverse document frequency as Lucene has it: always above 0, so that in a short
+    session a word in half the messages still counts, and near 0 for a word in nearly all."""
+    return math.log(1 + (total - frequency + 0.5) / (frequency + 0.5))
 
-    def rank(key: tuple[str, int]) -> float:
-        sid, seq = key
-        return scores[key] + NEIGHBOUR_WEIGHT * (scores.get((sid, seq - 1), 0.0) + scores.get((sid, seq + 1), 0.0))
 
-    chosen: dict[tuple[str, int], RecalledMessage] = {}
-    spent = len(RECALL_PREFIX) // 4
-    order: list[list[RecalledMessage]] = []
-    for key in sorted(scores, key=rank, reverse=True):
-        if key not in where:
+def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int = 0) -> list[Ranked]:
+    """The best `limit` positions: those the postings point at, and their neighbours up to `reach`
+    positions away. Positions of `session_id` before `start` (the opening turns, sent already) are
+    not ranked. Vectorised over each session's positions (numpy): a few arrays of the session's
+    length a word, so a turn's ranking costs microseconds per thousand messages."""
+    if limit <= 0:
+        return []
+    lows = {sid: (start if sid == session_id else 0) for sid in postings.sizes}
+    lengths = {sid: max(size - lows[sid], 0) for sid, size in postings.sizes.items()}
+    total = sum(lengths.values())
+    # Each word's positions, as offsets into its session's arrays.
+    words: list[tuple[int, dict[str, np.ndarray]]] = []
+    for i, by_session in enumerate(postings.words):
+        found: dict[str, np.ndarray] = {}
+        for sid, positions in by_session.items():
+            if sid in lows and positions:
+                offsets = np.asarray(positions, dtype=np.int64) - lows[sid]
+                offsets = offsets[(offsets >= 0) & (offsets < lengths[sid])]
+                if offsets.size:
+                    found[sid] = offsets
+        if found:
+            words.append((i, found))
+    own = {sid: np.zeros(n) for sid, n in lengths.items() if n}
+    base = {sid: np.zeros(n) for sid, n in lengths.items() if n}
+    held = {sid: np.zeros(n, dtype=np.int64) for sid, n in lengths.items() if n}  # bit i: holds word i
+    for i, found in words:
+        weight = _idf(total, sum(o.size for o in found.values()))
+        windows: dict[str, np.ndarray] = {}
+        for sid, offsets in found.items():
+            own[sid][offsets] += weight
+            held[sid][offsets] |= 1 << i
+            if reach > 0:  # the passages (a message and its two neighbours) holding the word
+                inside = np.zeros(lengths[sid] + 2, dtype=bool)
+                inside[offsets] = inside[offsets + 1] = inside[offsets + 2] = True
+                windows[sid] = inside[1:-1]
+        if windows:
+            passage = _idf(total, sum(int(w.sum()) for w in windows.values()))
+            for sid, inside in windows.items():
+                base[sid][inside] += passage
+    kernel = np.array([DECAY ** abs(d) for d in range(-reach, reach + 1)]) if reach > 0 else None
+    candidates: list[Ranked] = []
+    for sid, scores in base.items():
+        scores = scores + own[sid]
+        if kernel is not None:
+            scores = np.convolve(scores, kernel)[reach : reach + scores.size]
+        count = min(limit, int(np.count_nonzero(scores)))
+        if count == 0:
             continue
-        messages, index = by_session[key[0]], where[key]
-        for candidate in (_span(messages, index, around), _span(messages, index, 0)):
-            fresh = [m for m in candidate if (m.session_id, m.message.seq) not in chosen]
-            cost = sum(_estimate(m) for m in fresh) + _TIME_TOKENS
-            if fresh and spent + cost <= room:
-                spent += cost
-                chosen.update(((m.session_id, m.message.seq), m) for m in fresh)
-                order.append(fresh)
-                break
-    # The estimate is close, not exact: the block is counted, and the lowest-ranked spans go until it fits.
+        best = np.argpartition(-scores, count - 1)[:count] if count < scores.size else np.arange(scores.size)
+        best = best[scores[best] > 0]
+        low = lows[sid]
+        candidates += [Ranked(sid, offset + low, score, hit, _bits(bits))
+                       for offset, score, hit, bits in zip(best.tolist(), scores[best].tolist(),
+                                                           own[sid][best].tolist(), held[sid][best].tolist())]
+    candidates.sort(key=lambda r: (-r.score, r.session_id != session_id, r.session_id, r.seq))
+    return candidates[:limit]
+
+
+@lru_cache(maxsize=4096)
+def _bits(bits: int) -> tuple[int, ...]:
+    """The word indices a bit set holds."""
+    return tuple(i for i in range(bits.bit_length()) if bits >> i & 1)
+
+
+def shortlist(room: int, average_tokens: float) -> int:
+    """How many ranked positions to read for `room`: as many as could fill it at `average_tokens` a
+    message, and half as many again (a unit may be longer than its first message, or not fit
+    where a shorter one does)."""
+    return min(int(room / max(average_tokens + _LINE_TOKENS, 1) * 1.5) + 8, _MOST_SPANS)
+
+
+def spans(ranked: Sequence[Ranked]) -> list[tuple[str, int, int]]:
+    """`ranked` as runs of consecutive positions to read (session id, first, last)."""
+    out: list[tuple[str, int, int]] = []
+    for sid, seq in sorted((r.session_id, r.seq) for r in ranked):
+        if out and out[-1][0] == sid and out[-1][2] == seq - 1:
+            out[-1] = (sid, out[-1][1], seq)
+        else:
+            out.append((sid, seq, seq))
+    return out
+
+
+def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words: Sequence[str], room: int,
+           session_id: str, counter: TokenCounter) -> Block | None:
+    """The recall block: the best-ranked units of `messages` that fit in `room` tokens (None: none)."""
+    if room <= 0 or not messages:
+        return None
+    by_key = {(m.session_id, m.seq): i for i, m in enumerate(messages)}
+    chosen: dict[tuple[str, int], RecalledMessage] = {}
+    order: list[list[RecalledMessage]] = []
+    spent = len(RECALL_PREFIX) // 4
+    for r in ranked:
+        index = by_key.get((r.session_id, r.seq))
+        if index is None or (r.session_id, r.seq) in chosen:
+            continue
+        unit = [m for m in _unit(messages, index) if (m.session_id, m.seq) not in chosen]
+        if not unit:
+            continue
+        first, last = unit[0], unit[-1]
+        joins = (first.session_id, first.seq - 1) in chosen or (last.session_id, last.seq + 1) in chosen
+        cost = sum(_estimate(m) for m in unit) + (0 if joins else _TIME_TOKENS)
+        if spent + cost <= room:
+            spent += cost
+            chosen.update(((m.session_id, m.seq), m) for m in unit)
+            order.append(unit)
+    info = {(r.session_id, r.seq): r for r in ranked}
+    # The estimate is close, not exact: the block is counted, and the lowest-ranked units go until it fits.
     while order:
-        block = _block(list(chosen.values()), scores, session_id, counter)
+        block = render(list(chosen.values()), info, words, session_id, counter)
         if block.tokens <= room:
             return block
         for m in order.pop():
-            chosen.pop((m.session_id, m.message.seq))
+            chosen.pop((m.session_id, m.seq))
     return None
 
 
-def without(block: Block, found: Recall, session_id: str, kept_from: int, counter: TokenCounter) -> Block | None:
+def without(block: Block, ranked: Sequence[Ranked], words: Sequence[str], session_id: str, kept_from: int,
+            counter: TokenCounter) -> Block | None:
     """The block less this session's messages from position `kept_from` on: sent as kept turns once
     the room recall left unused went back to them."""
-    wanted = {(r.session_id, r.seq) for r in block.recalled
-              if r.session_id != session_id or r.seq < kept_from}
-    if len(wanted) == len(block.recalled):
+    kept = [m for m in block.sources if m.session_id != session_id or m.seq < kept_from]
+    if len(kept) == len(block.sources):
         return block
-    messages = [m for m in found.messages if (m.session_id, m.message.seq) in wanted]
-    if not messages:
+    if not kept:
         return None
-    return _block(messages, {(h.session_id, h.seq): h.score for h in found.hits}, session_id, counter)
-
-
-def after(found: Recall, session_id: str, start: int) -> Recall:
-    """`found` without this session's messages before position `start` (sent already)."""
-    def kept(sid: str, seq: int) -> bool:
-        return sid != session_id or seq >= start
-    return Recall([h for h in found.hits if kept(h.session_id, h.seq)],
-                  [m for m in found.messages if kept(m.session_id, m.message.seq)])
+    return render(kept, {(r.session_id, r.seq): r for r in ranked}, words, session_id, counter)
 
 
 def insert_at(messages: list[Message], n_new: int) -> int:
@@ -147,75 +247,71 @@ def insert_at(messages: list[Message], n_new: int) -> int:
     return at
 
 
-def matched(words: Sequence[str], body: Message) -> list[str]:
-    """The question's words a recalled message holds, as a reader would see the match: compared
-    without the common English endings the store's stemmer also ignores ("visited" finds "visit")."""
-    held = {_stem(w) for w in message_words(body, 0)}
-    return [w for w in words if _stem(w) in held]
-
-
-def _stem(word: str) -> str:
-    for ending in ("ing", "ed", "es", "ly", "s"):
-        if word.endswith(ending) and len(word) - len(ending) >= 3:
-            return word[: -len(ending)]
-    return word
-
-
-def _span(messages: list[RecalledMessage], index: int, around: int) -> list[RecalledMessage]:
-    """The messages the store sent for the hit `messages[index]`: `around` positions each side of
-    it, extended to whole units, within a run of consecutive positions."""
+def _unit(messages: Sequence[RecalledMessage], index: int) -> list[RecalledMessage]:
+    """The whole unit `messages[index]` is part of: from its unit start to the next one, within a
+    run of consecutive positions of one session (the store read units whole)."""
     lo = hi = index
-    while lo > 0 and messages[lo - 1].message.seq == messages[lo].message.seq - 1 and (
-            index - lo < around or not messages[lo].message.unit_start):
+
+    def follows(a: RecalledMessage, b: RecalledMessage) -> bool:
+        return a.session_id == b.session_id and b.seq == a.seq + 1
+
+    while lo > 0 and not messages[lo].unit_start and follows(messages[lo - 1], messages[lo]):
         lo -= 1
-    while hi + 1 < len(messages) and messages[hi + 1].message.seq == messages[hi].message.seq + 1 and (
-            hi - index < around or not messages[hi + 1].message.unit_start):
+    while hi + 1 < len(messages) and not messages[hi + 1].unit_start and follows(messages[hi], messages[hi + 1]):
         hi += 1
-    if not messages[lo].message.unit_start:  # a unit cut short by a gap (deleted messages): not sent
+    if not messages[lo].unit_start:  # a unit cut short by a gap (deleted messages): not sent
         return []
-    return messages[lo : hi + 1]
+    return list(messages[lo : hi + 1])
 
 
 def _estimate(m: RecalledMessage) -> int:
-    stored = m.message
-    return max((stored.compact_tokens or stored.tokens) + _LINE_TOKENS, 1)
+    return max((m.tokens if m.tokens is not None else m.compact_tokens) + _LABEL_TOKENS, 1)
 
 
-def _block(messages: list[RecalledMessage], scores: dict[tuple[str, int], float], session_id: str,
-           counter: TokenCounter) -> Block:
-    messages = sorted(messages, key=lambda m: (m.session_id != session_id, m.session_id, m.message.seq))
-    lines = [RECALL_PREFIX]
+def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked], words: Sequence[str],
+           session_id: str, counter: TokenCounter) -> Block:
+    """The block holding `messages`, this session's first, each session's in order, counted.
+
+    Each message is a label ("[#12 2026-11-24 09:30 user]") and its stored line (`recall_line`: a
+    space, its text, a newline). tiktoken's encodings cut a text into pieces before they encode
+    it, and no piece spans a label's closing bracket and the space after it, nor a newline and a
+    line that starts with "[" or "…": so the block's tokens are the sum of its parts', and each
+    line's, counted once when the message was stored, is not counted again. Any other counter
+    counts the block whole."""
+    messages = sorted(messages, key=lambda m: (m.session_id != session_id, m.session_id, m.seq))
+    parts = [RECALL_PREFIX]
+    counted: list[int | None] = [None]
     previous: tuple[str, int] | None = None
     shown = ""  # the time last shown: a run shows its time unless it is that one
     for m in messages:
-        seq = m.message.seq
-        if previous is not None and previous != (m.session_id, seq - 1):
-            lines.append("…")
+        if previous is not None and previous != (m.session_id, m.seq - 1):
+            parts.append(_GAP)
+            counted.append(None)
         when = ""
-        if previous != (m.session_id, seq - 1):
+        if previous != (m.session_id, m.seq - 1):
             when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(m.created_at))
             when, shown = ("" if when == shown else f" {when}"), when
-        lines.append(_line(m, session_id, when))
-        previous = (m.session_id, seq)
-    message: Message = {"role": "user", "content": "\n".join(lines)}
-    recalled = tuple(Recalled(m.session_id, m.message.seq, m.message.body, m.created_at,
-                              scores.get((m.session_id, m.message.seq))) for m in messages)
-    return Block(message, counter.message(message), recalled)
-
-
-def _line(m: RecalledMessage, session_id: str, when: str) -> str:
-    body = m.message.compact
-    where = f"#{m.message.seq}" if m.session_id == session_id else f"session {m.session_id} #{m.message.seq}"
-    return f"[{where}{when} {body.get('role')}] {_text(body)}"
+        where = f"#{m.seq}" if m.session_id == session_id else f"session {m.session_id} #{m.seq}"
+        parts.append(f"[{where}{when} {m.role}]")
+        counted.append(None)
+        parts.append(f" {m.text}\n")
+        counted.append(m.tokens)
+        previous = (m.session_id, m.seq)
+    message: Message = {"role": "user", "content": "".join(parts)}
+    if isinstance(counter, TiktokenCounter):
+        tokens = counter.message({"role": "user", "content": ""}) + sum(
+            counter.text(part) if n is None else n for part, n in zip(parts, counted))
+    else:
+        tokens = counter.message(message)
+    recalled = []
+    for m in messages:
+        r = info.get((m.session_id, m.seq))
+        hit = r is not None and r.hit > 0
+        recalled.append(Recalled(m.session_id, m.seq, m.role, m.created_at, r.hit if r is not None and hit else None,
+                                 tuple(words[i] for i in r.matched) if r is not None else ()))
+    return Block(message, tokens, tuple(recalled), tuple(messages))
 
 
 def _text(body: Message) -> str:
-    """A message as one line of text: its content, and what it calls."""
-    text = content_text(body) or ""
-    calls = body.get("tool_calls")
-    if isinstance(calls, list):
-        for call in calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict):
-                text += f" [calls {function.get('name')}({function.get('arguments')})]"
-    return text.strip()
+    """The text a question is looked up by: its content, and what it calls."""
+    return line_text(body)

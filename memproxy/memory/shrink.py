@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import MemoryConfig
 from ..messages import Message, starts_unit
+from ..searchtext import recall_line
 from ..store import NewMessage
 from ..tokens import TokenCounter
 
@@ -77,6 +78,7 @@ def new_message(body: Message, chain: str, counter: TokenCounter, memory: Memory
         chain_hash=chain,
         compact_body=compact,
         compact_tokens=None if compact is None else counter.message(compact),
+        recall_tokens=counter.text(recall_line(compact if compact is not None else body)),
     )
 
 

@@ -73,6 +73,8 @@ class NewMessage:
     chain_hash: str
     compact_body: Message | None = None
     compact_tokens: int | None = None  # None: the same as `tokens`
+    # The tokens of its line in a recall block (`memproxy.memory.recall.line`); None: counted when recalled.
+    recall_tokens: int | None = None
 
     @property
     def compacted_tokens(self) -> int:
@@ -174,30 +176,27 @@ class Loaded:
 
 
 @dataclass(frozen=True)
-class RecallHit:
-    """A stored message that matched a recall or search query."""
+class Postings:
+    """Where each word of a recall query occurs among the messages recall may send
+    (`TurnStore.recall_postings`): all that ranking them needs (`memproxy.memory.recall.rank`)."""
 
-    session_id: str
-    seq: int
-    score: float  # higher ranks first; comparable within one answer only
+    sizes: dict[str, int]  # session id -> how many positions recall may take from it
+    words: list[dict[str, list[int]]]  # per query word, in order: session id -> its positions holding it
 
 
 @dataclass(frozen=True)
 class RecalledMessage:
-    """A stored message brought back by recall: a hit, or context around one."""
+    """A stored message recall may send, as `TurnStore.recall_messages` reads it: no body to decode,
+    only what its line in the block needs (`memproxy.memory.recall`)."""
 
     session_id: str
+    seq: int
+    role: str
+    unit_start: bool
+    text: str  # its compact form as one line (`memproxy.searchtext.line_text`)
+    tokens: int | None  # that line's tokens, as stored with it (None: not counted yet)
+    compact_tokens: int  # what it cost as a message of its own, in compact form
     created_at: float
-    message: StoredMessage
-
-
-@dataclass(frozen=True)
-class Recall:
-    """What `TurnStore.recall` found: the hits, best first, and the messages to send for them (each
-    hit with its neighbours, extended to whole units), by session and position."""
-
-    hits: list[RecallHit]
-    messages: list[RecalledMessage]
 
 
 @dataclass(frozen=True)
@@ -397,14 +396,20 @@ class TurnStore(Protocol):
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
-    async def recall(self, session: SessionState, words: Sequence[str], before: int, limit: int, around: int,
-                     end_user: str | None = None) -> Recall:
-        """The stored messages that match any of `words` (`memproxy.searchtext.query_words`), best
-        `limit` first: the session's active messages before position `before`, and, with `end_user`,
-        every active message of the tenant's other sessions made for that end user. With them, the
-        messages to send for each hit: those within `around` positions of it, extended to whole
-        units (a message and the tool results answering it), never at or after `before` in this
-        session. Superseded and deleted messages are never found. One trip on SQLite."""
+    async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
+                              end_user: str | None = None) -> Postings:
+        """Where each of `words` (`memproxy.searchtext.query_words`) occurs, as the full-text index
+        stems it: among the session's active messages before position `before`, and, with
+        `end_user`, every active message of the tenant's other sessions made for that end user
+        (the newest 50). Superseded and deleted messages are never found. One statement."""
+        ...
+
+    async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
+                              end_user: str | None = None) -> list[RecalledMessage]:
+        """The active messages of `spans` (session id, first position, last position), each span
+        extended to whole units (a message and the tool results answering it), by session and
+        position; never at or after `before` in this session, nor in a session `recall_postings`
+        would not look in. One statement."""
         ...
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:

@@ -104,6 +104,28 @@ class PostgresBackend:
                 f" WHERE m.session_pk = ? AND m.active = 1 AND m.seq < ? AND m.search @@ {query}"
                 " ORDER BY 3 DESC LIMIT ?", [key, list(words), pk, min(before, 2_147_483_647), key, list(words), limit])
 
+    def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
+        """Each word stemmed as the index's words were and keyed by each session, one GIN lookup of
+        active messages a word (0009_recall). The query is an uncorrelated subquery, computed once,
+        so that the index can take it."""
+        selects: list[str] = []
+        params: list[object] = []
+        keys = [key for _, key, _ in scope]
+        pks = [pk for pk, _, _ in scope]
+        limits = [min(max(before, 0), 2_147_483_647) for _, _, before in scope]
+        for i, word in enumerate(words):
+            selects.append(
+                f"SELECT {i}, m.session_pk, array_agg(m.seq ORDER BY m.seq) FROM messages m"
+                " WHERE m.search @@ (SELECT string_agg(quote_literal(k || '_' || l), ' | ')::tsquery"
+                " FROM unnest(CAST(? AS TEXT[])) AS k,"
+                " unnest(coalesce(ts_lexize('english_stem', CAST(? AS TEXT)), CAST('{}' AS TEXT[]))) AS l)"
+                " AND m.active = 1 AND m.seq < (SELECT b FROM unnest(CAST(? AS BIGINT[]), CAST(? AS INTEGER[]))"
+                " AS s (pk, b) WHERE s.pk = m.session_pk) GROUP BY m.session_pk")
+            params += [keys, word, pks, limits]
+        if not selects:
+            return "SELECT 0, 0, CAST('{}' AS INTEGER[]) WHERE false", []
+        return " UNION ALL ".join(selects), params
+
     async def close(self) -> None:
         await self._pool.close()
 

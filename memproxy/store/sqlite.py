@@ -124,6 +124,27 @@ class SQLiteBackend:
                 " WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ? ORDER BY bm25(messages_fts) LIMIT ?",
                 [match or '""', low, low + min(max(before, 0), 1 << 32), limit])
 
+    def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
+        """FTS5 matches over the sessions' rowid ranges (0009_recall): each session's words are
+        keyed, so a word's document list holds just those sessions' messages. One session (the
+        default scope) aggregates each word's positions in a scalar subquery, which costs a third
+        of grouping them."""
+        indexed = [(i, word) for i, word in enumerate(words) if _WORD.fullmatch(word)]
+        if not indexed:
+            return "SELECT 0, 0, '' WHERE 0", []
+        bounds = [(pk << 32, (pk << 32) + min(max(before, 0), 1 << 32)) for pk, _, before in scope]
+        if len(scope) == 1:
+            (pk, key, _), (low, high) = scope[0], bounds[0]
+            return (" UNION ALL ".join(f"SELECT {i}, {pk}, (SELECT group_concat(rowid - {low}) FROM messages_fts"
+                                       " WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ?)" for i, _ in indexed),
+                    [v for _, word in indexed for v in (f'"{key}_{word}"', low, high)])
+        ranges = " OR ".join(["(rowid >= ? AND rowid < ?)"] * len(scope))
+        selects = [f"SELECT {i} AS i, rowid >> 32 AS pk, rowid & 4294967295 AS seq FROM messages_fts"
+                   f" WHERE messages_fts MATCH ? AND ({ranges})" for i, _ in indexed]
+        params = [v for _, word in indexed
+                  for v in (" OR ".join(f'"{key}_{word}"' for _, key, _ in scope), *(b for r in bounds for b in r))]
+        return f"SELECT i, pk, group_concat(seq) FROM ({' UNION ALL '.join(selects)}) GROUP BY i, pk", params
+
     def _check_open(self) -> None:
         if self._closed:  # as sqlite3 says it, not as aiosqlite does (a ValueError)
             raise sqlite3.ProgrammingError("the store is closed")

@@ -25,6 +25,7 @@ from .codec import (
     column_marks,
     dumps,
     record_values,
+    recall_text,
     search_text,
     text_out,
     to_sent,
@@ -233,10 +234,11 @@ class SQLAdmin(SQLBase):
         for record in (r for r in records if r["type"] == "message"):
             parent = message_ids[record["parent"]] if record.get("parent") is not None else None
             [(message_ids[record["id"]],)] = yield (
-                f"INSERT INTO messages (session_pk, turn_id, parent_id, {MESSAGE_COLUMNS}, search_text)"
-                f" VALUES (?, ?, ?, {column_marks(MESSAGE_COLUMNS)}, ?) RETURNING id",
+                f"INSERT INTO messages (session_pk, turn_id, parent_id, {MESSAGE_COLUMNS}, search_text, recall_text)"
+                f" VALUES (?, ?, ?, {column_marks(MESSAGE_COLUMNS)}, ?, ?) RETURNING id",
                 (pk, turn_ids[record["turn"]], parent, *record_values(MESSAGE_COLUMNS, record),
-                 search_text(tenant, session_id, record["body"], float(record["created_at"]))))
+                 search_text(tenant, session_id, record["body"], float(record["created_at"])),
+                 recall_text(record["body"], record.get("compact_body"))))
         for record in (r for r in records if r["type"] == "summary"):
             yield (f"INSERT INTO summaries (session_pk, {SUMMARY_COLUMNS}) VALUES (?, {column_marks(SUMMARY_COLUMNS)})",
                    (pk, *record_values(SUMMARY_COLUMNS, record)))

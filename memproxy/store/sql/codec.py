@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, overload
 
-from ...searchtext import keyed, message_words, session_key
+from ...searchtext import keyed, line_text, message_words, session_key
 from ..base import SentContext, Summary, UsageTotals
 from .script import Row
 
@@ -111,6 +111,11 @@ def to_sent(row: Row) -> SentContext | None:
     return SentContext(summary_version=row[0], first_sent=row[1], included=row[2], omitted=row[3],
                        unsummarised_omitted=row[4], marker=bool(row[5]), trimmed=row[6], deduplicated=row[7],
                        recalled=recalled)
+
+
+def recall_text(body: dict[str, Any], compact_body: dict[str, Any] | None) -> str:
+    """What a message's `recall_text` column holds: its compact form as recall shows it (0009_recall)."""
+    return text_in(line_text(compact_body if compact_body is not None else body))
 
 
 def search_text(tenant: str, session_id: str, body: dict[str, Any], created_at: float) -> str:

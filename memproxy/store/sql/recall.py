@@ -15,52 +15,89 @@ import json
 from collections.abc import Sequence
 
 from ...searchtext import session_key
-from ..base import Recall, RecalledMessage, RecallHit, SearchHit, SessionState, StoredMessage
-from .codec import search_text
+from ..base import Postings, RecalledMessage, SearchHit, SessionState
+from .codec import recall_text, search_text, text_out
 from .common import SQLBase
 from .script import Row, Script, Step
 
 _END = 2_147_483_647  # past any position
+# What recall reads of a message (`RecalledMessage`), after its position.
+_LINE_COLUMNS = "seq, role, unit_start, recall_text, recall_tokens, coalesce(compact_tokens, tokens), created_at"
 _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in, newest first
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
 
 
 class SQLRecall(SQLBase):
-    """`TurnStore.recall` and `AdminStore.search`."""
+    """`TurnStore.recall_postings`, `TurnStore.recall_messages` and `AdminStore.search`."""
 
-    async def recall(self, session: SessionState, words: Sequence[str], before: int, limit: int, around: int,
-                     end_user: str | None = None) -> Recall:
-        if not words or limit <= 0:
-            return Recall([], [])
+    async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
+                              end_user: str | None = None) -> Postings:
         scope = [(session.pk, session.session_id, before)]
-        if end_user is not None:
+        if end_user is not None and words:
             rows = await self._fetch(
                 "SELECT pk, session_id, length FROM sessions WHERE tenant = ? AND end_user = ? AND pk <> ?"
                 " ORDER BY updated_at DESC LIMIT ?", (session.tenant, end_user, session.pk, _OTHER_SESSIONS))
             scope += [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
         names = {pk: name for pk, name, _ in scope}
-        hits_sql, hits_params = self._hits(session.tenant, scope, words, limit)
-        # The hits (part 0), then the messages of each hit's span (part 1): from the unit start
-        # `around` positions before it to the next unit start `around` positions after it, never
-        # at or after `before` in this session.
-        rows = await self._fetch(
-            f"WITH hits (pk, seq, score) AS ({hits_sql}),"
-            " spans (pk, lo, hi) AS (SELECT h.pk,"
-            " coalesce((SELECT seq FROM messages WHERE session_pk = h.pk AND active = 1 AND unit_start = 1"
-            " AND seq <= h.seq - ? ORDER BY seq DESC LIMIT 1), 0),"
-            " coalesce((SELECT seq FROM messages WHERE session_pk = h.pk AND active = 1 AND unit_start = 1"
-            f" AND seq > h.seq + ? ORDER BY seq LIMIT 1), {_END}) FROM hits h)"
-            " SELECT 0, pk, seq, score, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM hits"
-            " UNION ALL SELECT DISTINCT 1, m.session_pk, m.seq, CAST(NULL AS REAL), m.body, m.tokens, m.cum_before,"
-            " m.unit_start, m.chain_hash, m.compact_body, m.compact_tokens, m.compact_cum_before, m.created_at"
-            " FROM spans s JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq >= s.lo AND m.seq < s.hi"
-            " WHERE m.session_pk <> ? OR m.seq < ?",
-            (*hits_params, around, around, session.pk, before))
-        hits = sorted((RecallHit(names[int(r[1])], int(r[2]), float(r[3])) for r in rows if r[0] == 0),
-                      key=lambda h: -h.score)
-        messages = [RecalledMessage(names[int(r[1])], float(r[12]), _stored(r)) for r in rows if r[0] == 1]
-        return Recall(hits, messages)
+        found: list[dict[str, list[int]]] = [{} for _ in words]
+        if words:
+            sql, params = self._db.postings([(pk, session_key(session.tenant, name), end)
+                                             for pk, name, end in scope], words)
+            for i, pk, positions in await self._fetch(sql, params):
+                if positions:
+                    found[int(i)][names[int(pk)]] = _positions(positions)
+        return Postings({name: max(end, 0) for _, name, end in scope}, found)
+
+    async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
+                              end_user: str | None = None) -> list[RecalledMessage]:
+        pks = {session.session_id: session.pk}
+        others = sorted({sid for sid, _, _ in spans} - {session.session_id})
+        if others and end_user is not None:  # only the sessions `recall_postings` looks in
+            marks = ", ".join("?" * len(others))
+            pks.update((str(r[1]), int(r[0])) for r in await self._fetch(
+                f"SELECT pk, session_id FROM sessions WHERE tenant = ? AND end_user = ? AND session_id IN ({marks})",
+                (session.tenant, end_user, *others)))
+        wanted = [(pks[sid], first, last) for sid, first, last in spans if sid in pks]
+        if not wanted:
+            return []
+        # Each span's positions, and the one after it, which says whether its last unit goes on.
+        positions: dict[int, set[int]] = {}
+        for pk, first, last in wanted:
+            positions.setdefault(pk, set()).update(range(first, last + 2))
+        rows = await self._fetch(" UNION ALL ".join(
+            f"SELECT session_pk, {_LINE_COLUMNS} FROM messages WHERE session_pk = ? AND active = 1"
+            f" AND seq IN ({', '.join('?' * len(seqs))})" for seqs in positions.values()),
+            [v for pk, seqs in positions.items() for v in (pk, *sorted(seqs))])
+        read = {(int(r[0]), int(r[1])): r for r in rows}
+        keep: dict[tuple[int, int], Row] = {}
+        grow: list[tuple[int, int, int]] = []
+        for pk, first, last in wanted:
+            after = read.get((pk, last + 1))
+            if _starts_unit(read.get((pk, first))) and (after is None or _starts_unit(after)):
+                keep.update((key, read[key]) for key in ((pk, seq) for seq in range(first, last + 1)) if key in read)
+            else:
+                grow.append((pk, first, last))
+        if grow:
+            # A span that starts inside a unit, or whose last unit goes on past it (a tool call and
+            # its results), grows to whole units: from the unit start at or before its first
+            # position to the next unit start after its last.
+            values = ", ".join(["(CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT))"] * len(grow))
+            rows = await self._fetch(
+                f"WITH wanted (pk, first, last) AS (VALUES {values}),"
+                " spans (pk, lo, hi) AS (SELECT w.pk,"
+                " coalesce((SELECT seq FROM messages WHERE session_pk = w.pk AND active = 1 AND unit_start = 1"
+                " AND seq <= w.first ORDER BY seq DESC LIMIT 1), 0),"
+                " coalesce((SELECT seq FROM messages WHERE session_pk = w.pk AND active = 1 AND unit_start = 1"
+                f" AND seq > w.last ORDER BY seq LIMIT 1), {_END}) FROM wanted w)"
+                f" SELECT DISTINCT m.session_pk, {_LINE_COLUMNS.replace('coalesce(', 'coalesce(m.').replace(', tokens)', ', m.tokens)')}"
+                " FROM spans s JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq >= s.lo AND m.seq < s.hi",
+                [v for span in grow for v in span])
+            keep.update(((int(r[0]), int(r[1])), r) for r in rows)
+        names = {pk: sid for sid, pk in pks.items()}
+        return [RecalledMessage(names[pk], seq, str(r[2]), bool(r[3]), text_out(r[4]) or "",
+                                None if r[5] is None else int(r[5]), int(r[6]), float(r[7]))
+                for (pk, seq), r in sorted(keep.items()) if pk != session.pk or seq < before]
 
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,
                      session: SessionState | None = None) -> list[SearchHit]:
@@ -88,9 +125,6 @@ class SQLRecall(SQLBase):
         found.sort(key=lambda h: (-h.score, h.session_id, h.seq))
         return found[:limit]
 
-    def _hits(self, tenant: str, scope: list[tuple[int, str, int]], words: Sequence[str], limit: int) -> Step:
-        return self._hits_of([(pk, session_key(tenant, name), before) for pk, name, before in scope], words, limit)
-
     def _hits_of(self, scope: list[tuple[int, str, int]], words: Sequence[str], limit: int) -> Step:
         """One SELECT of (session key, position, score) over the sessions of `scope` (key, search
         key, positions before), the best `limit` overall."""
@@ -105,23 +139,30 @@ class SQLRecall(SQLBase):
         return f"SELECT * FROM ({' UNION ALL '.join(selects)}) AS u ORDER BY 3 DESC LIMIT ?", [*params, limit]
 
 
-def _stored(row: Row) -> StoredMessage:
-    """A part-1 row of `recall`: a message, from its fifth column on."""
-    return StoredMessage(seq=int(row[2]), body=json.loads(row[4]), tokens=row[5], cum_before=row[6],
-                         unit_start=bool(row[7]), chain_hash=row[8],
-                         compact_body=json.loads(row[9]) if row[9] else None, compact_tokens=row[10],
-                         compact_cum_before=row[11])
+def _starts_unit(row: Row | None) -> bool:
+    return row is not None and bool(row[3])
+
+
+def _positions(value: object) -> list[int]:
+    """Positions as a backend aggregates them (a list, or SQLite's comma-separated text), ascending."""
+    if isinstance(value, str):
+        return sorted(map(int, value.split(","))) if value else []
+    return sorted(int(v) for v in value) if isinstance(value, (list, tuple)) else []
 
 
 def backfill_search(fts: bool) -> Script[None]:
-    """The `search_text` of messages stored before the index existed (migration 0009_recall), in
-    its transaction; `fts`: SQLite's FTS5 table, which its triggers fill only for later rows."""
+    """The `search_text` and `recall_text` of messages stored before the index existed (migration
+    0009_recall), in its transaction; `fts`: SQLite's FTS5 table, which its triggers fill only for
+    later rows. Their `recall_tokens` stay null: counted when recalled."""
     sessions = yield "SELECT pk, tenant, session_id FROM sessions ORDER BY pk", ()
     for pk, tenant, session_id in sessions:
-        rows = yield "SELECT id, body, created_at FROM messages WHERE session_pk = ? AND search_text IS NULL", (pk,)
-        for message_id, body, created_at in rows:
-            yield ("UPDATE messages SET search_text = ? WHERE id = ?",
-                   (search_text(tenant, session_id, json.loads(body), float(created_at)), message_id))
+        rows = yield ("SELECT id, body, compact_body, created_at FROM messages"
+                      " WHERE session_pk = ? AND search_text IS NULL", (pk,))
+        for message_id, body, compact, created_at in rows:
+            decoded = json.loads(body)
+            yield ("UPDATE messages SET search_text = ?, recall_text = ? WHERE id = ?",
+                   (search_text(tenant, session_id, decoded, float(created_at)),
+                    recall_text(decoded, json.loads(compact) if compact else None), message_id))
     if fts:
         yield ("INSERT INTO messages_fts (rowid, search_text) SELECT session_pk * 4294967296 + seq, search_text"
                " FROM messages WHERE active = 1 AND search_text IS NOT NULL"), ()

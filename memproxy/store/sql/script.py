@@ -45,6 +45,13 @@ class Backend(Protocol):
         under `key`, `memproxy.searchtext`), best first (a higher score), at most `limit`."""
         ...
 
+    def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
+        """A SELECT of (word index, session key, positions) for the sessions of `scope` (key, search
+        key, positions before): where each of `words` occurs among their active messages, as the
+        full-text index stems it, positions as a list or as comma-separated text; words found
+        nowhere have no row."""
+        ...
+
     async def close(self) -> None: ...
 
 

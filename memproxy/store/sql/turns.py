@@ -19,7 +19,7 @@ from ...timing import charge_store
 from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
-from .codec import TURN_COLUMNS, column_marks, dumps, search_text, sent_values, text_in, to_summary
+from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
 from .script import Outcome, Row, Script, Step
 
@@ -256,13 +256,14 @@ class SQLTurns(SQLBase):
         for message, (seq, cum, compact_tokens, compact_cum) in zip(turn.messages, placement):
             steps.append((
                 "INSERT INTO messages (session_pk, turn_id, parent_id, seq, role, body, tokens, cum_before,"
-                " unit_start, chain_hash, created_at, compact_body, compact_tokens, compact_cum_before, search_text)"
-                f" VALUES ({_SESSION_PK}, ({QUERIES['newest_chat_turn']}), ({QUERIES['message_id']}),"
-                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " unit_start, chain_hash, created_at, compact_body, compact_tokens, compact_cum_before, search_text,"
+                f" recall_text, recall_tokens) VALUES ({_SESSION_PK}, ({QUERIES['newest_chat_turn']}),"
+                f" ({QUERIES['message_id']}), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (*session, *session, *session, seq - 1, seq, message.body.get("role"), dumps(message.body),
                  message.tokens, cum, int(message.unit_start), message.chain_hash, now,
                  None if message.compact_body is None else dumps(message.compact_body), compact_tokens,
-                 compact_cum, search_text(*session, message.body, now))))
+                 compact_cum, search_text(*session, message.body, now),
+                 recall_text(message.body, message.compact_body), message.recall_tokens)))
         return steps
 
     @staticmethod

@@ -7,6 +7,10 @@
 ALTER TABLE sessions ADD COLUMN end_user TEXT;
 CREATE INDEX sessions_end_user ON sessions (tenant, end_user, updated_at) WHERE end_user IS NOT NULL;
 ALTER TABLE messages ADD COLUMN search_text TEXT;
+-- What recall shows of a message (`memproxy.searchtext.line_text` of its compact form) and the
+-- tokens of that line as the model it was written for counts them (null: counted when recalled).
+ALTER TABLE messages ADD COLUMN recall_text TEXT;
+ALTER TABLE messages ADD COLUMN recall_tokens INTEGER;
 ALTER TABLE messages ADD COLUMN search tsvector;
 ALTER TABLE turns ADD COLUMN recalled TEXT;
 CREATE FUNCTION memproxy_search_vector(words TEXT) RETURNS tsvector LANGUAGE sql IMMUTABLE AS $$
