@@ -431,7 +431,9 @@ async def test_the_oldest_schema_migrates_with_its_data(backend: StoreUnderTest)
         assert (message.compact_tokens, message.compact_cum_before, message.compact_body) == (12, 0, None)
         assert await store.current_summary(session, 1) is None
         # Its text was indexed by the migration that made the index (0009_recall).
-        assert [h.seq for h in (await store.recall(session, ["lighthouse"], 1, 5, 0)).hits] == [0]
+        assert (await store.recall_postings(session, ["lighthouse"], 1)).words == [{"s": [0]}]
+        [line] = await store.recall_messages(session, [("s", 0, 0)], 1)  # its line, counted when recalled
+        assert (line.text, line.tokens) == ("where is the lighthouse", None)
         await store.record_turn(turn(session, [assistant("a")]))  # new rows take fresh ids
         after = await store.get_session("t", "s")
         assert after is not None and after.length == 2
