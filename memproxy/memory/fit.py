@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import ContextLengthExceeded
@@ -61,8 +62,7 @@ class Fixed:
     tokens: int  # system prompt, new messages, tool schemas and the reply priming
 
 
-@dataclass(frozen=True)
-class Recalled:
+class Recalled(NamedTuple):
     """A stored message sent again in the recall block (`memproxy.memory.recall`)."""
 
     session_id: str

@@ -174,9 +174,9 @@ def _bits(bits: int) -> tuple[int, ...]:
 
 def shortlist(room: int, average_tokens: float) -> int:
     """How many ranked positions to read for `room`: as many as could fill it at `average_tokens` a
-    message, and half as many again (a unit may be longer than its first message, or not fit
+    message, and a fifth as many again (a unit may be longer than its first message, or not fit
     where a shorter one does)."""
-    return min(int(room / max(average_tokens + _LINE_TOKENS, 1) * 1.5) + 8, _MOST_SPANS)
+    return min(int(room / max(average_tokens + _LINE_TOKENS, 1) * 1.2) + 8, _MOST_SPANS)
 
 
 def spans(ranked: Sequence[Ranked]) -> list[tuple[str, int, int]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from ..messages import Message
 
@@ -184,10 +184,9 @@ class Postings:
     words: list[dict[str, list[int]]]  # per query word, in order: session id -> its positions holding it
 
 
-@dataclass(frozen=True)
-class RecalledMessage:
+class RecalledMessage(NamedTuple):
     """A stored message recall may send, as `TurnStore.recall_messages` reads it: no body to decode,
-    only what its line in the block needs (`memproxy.memory.recall`)."""
+    only what its line in the block needs (`memproxy.memory.recall`). A tuple: a turn reads hundreds."""
 
     session_id: str
     seq: int
