@@ -89,10 +89,34 @@ async def checkpoint_log(conn: aiosqlite.Connection) -> tuple[int, int]:
 async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = False) -> aiosqlite.Connection:
     # Implicit transactions: a data-changing statement always runs inside one (see the module's note).
     conn = await aiosqlite.connect(path, isolation_level="IMMEDIATE")
-    setup = [f"busy_timeout = {int(busy_timeout_ms)}", "foreign_keys = ON", "synchronous = NORMAL", *pragmas]
-    for pragma in setup + (["journal_mode = WAL"] if wal else []):
-        await conn.execute_fetchall(f"PRAGMA {pragma}")
+    try:
+        setup = [f"busy_timeout = {int(busy_timeout_ms)}", "foreign_keys = ON", "synchronous = NORMAL", *pragmas]
+        for pragma in setup:
+            await conn.execute_fetchall(f"PRAGMA {pragma}")
+        if wal:
+            await _set_wal(conn, busy_timeout_ms)
+    except BaseException:
+        await conn.close()  # else its thread outlives the loop that waits for it
+        raise
     return conn
+
+
+async def _set_wal(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
+    """WAL mode, waiting up to the busy timeout for a process that holds the file (another one
+    opening it and migrating): SQLite answers a journal mode change that finds the file locked
+    with "database is locked" at once, without its busy handler."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + busy_timeout_ms / 1000
+    pause = 0.005
+    while True:
+        try:
+            await conn.execute_fetchall("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or loop.time() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)  # a retry's backoff, not a wait for an event: nothing announces the lock's end
+        pause = min(pause * 2, 0.1)
 
 
 class SQLiteBackend:
