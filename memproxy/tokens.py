@@ -60,7 +60,7 @@ def load_encoding(name: str) -> tiktoken.Encoding:
 
 
 _SHORT_TEXT = 4096  # characters: texts up to this long are remembered...
-_SHORT_TEXTS = 2048  # ...this many at a time (at most some tens of MB)
+_SHORT_TEXTS = 8192  # ...this many at a time (at most some tens of MB): recall's labels recur too
 
 
 def encoding_name_for(model: str) -> str:
@@ -84,7 +84,7 @@ class TiktokenCounter:
         count = self._short.get(text)
         if count is None:
             if len(self._short) >= _SHORT_TEXTS:
-                self._short.clear()  # a bounded cache; what recurs is counted again soon enough
+                del self._short[next(iter(self._short))]  # a bounded cache: the oldest goes
             count = self._short[text] = len(self.encoding.encode(text, disallowed_special=()))
         return count
 

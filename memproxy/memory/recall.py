@@ -195,32 +195,34 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
     """The recall block: the best-ranked units of `messages` that fit in `room` tokens (None: none)."""
     if room <= 0 or not messages:
         return None
+    unit_of, bounds = _units(messages)
     by_key = {(m.session_id, m.seq): i for i, m in enumerate(messages)}
-    chosen: dict[tuple[str, int], RecalledMessage] = {}
-    order: list[list[RecalledMessage]] = []
+    taken: list[int] = []  # the units chosen, best first
+    chosen: set[int] = set()
     spent = len(RECALL_PREFIX) // 4
     for r in ranked:
         index = by_key.get((r.session_id, r.seq))
-        if index is None or (r.session_id, r.seq) in chosen:
+        if index is None:
             continue
-        unit = [m for m in _unit(messages, index) if (m.session_id, m.seq) not in chosen]
-        if not unit:
+        unit = unit_of[index]
+        if unit < 0 or unit in chosen:  # cut short by a gap (deleted messages), or chosen already
             continue
-        first, last = unit[0], unit[-1]
-        joins = (first.session_id, first.seq - 1) in chosen or (last.session_id, last.seq + 1) in chosen
-        cost = sum(_estimate(m) for m in unit) + (0 if joins else _TIME_TOKENS)
+        lo, hi, cost = bounds[unit]
+        # A unit next to a chosen one continues its run: no time shown again.
+        if not ((lo > 0 and unit_of[lo - 1] in chosen and _follows(messages[lo - 1], messages[lo]))
+                or (hi < len(messages) and unit_of[hi] in chosen and _follows(messages[hi - 1], messages[hi]))):
+            cost += _TIME_TOKENS
         if spent + cost <= room:
             spent += cost
-            chosen.update(((m.session_id, m.seq), m) for m in unit)
-            order.append(unit)
+            chosen.add(unit)
+            taken.append(unit)
     info = {(r.session_id, r.seq): r for r in ranked}
     # The estimate is close, not exact: the block is counted, and the lowest-ranked units go until it fits.
-    while order:
-        block = render(list(chosen.values()), info, words, session_id, counter)
+    while taken:
+        block = render([m for m, u in zip(messages, unit_of) if u in chosen], info, words, session_id, counter)
         if block.tokens <= room:
             return block
-        for m in order.pop():
-            chosen.pop((m.session_id, m.seq))
+        chosen.discard(taken.pop())
     return None
 
 
@@ -247,21 +249,27 @@ def insert_at(messages: list[Message], n_new: int) -> int:
     return at
 
 
-def _unit(messages: Sequence[RecalledMessage], index: int) -> list[RecalledMessage]:
-    """The whole unit `messages[index]` is part of: from its unit start to the next one, within a
-    run of consecutive positions of one session (the store read units whole)."""
-    lo = hi = index
+def _follows(a: RecalledMessage, b: RecalledMessage) -> bool:
+    return a.session_id == b.session_id and b.seq == a.seq + 1
 
-    def follows(a: RecalledMessage, b: RecalledMessage) -> bool:
-        return a.session_id == b.session_id and b.seq == a.seq + 1
 
-    while lo > 0 and not messages[lo].unit_start and follows(messages[lo - 1], messages[lo]):
-        lo -= 1
-    while hi + 1 < len(messages) and not messages[hi + 1].unit_start and follows(messages[hi], messages[hi + 1]):
-        hi += 1
-    if not messages[lo].unit_start:  # a unit cut short by a gap (deleted messages): not sent
-        return []
-    return list(messages[lo : hi + 1])
+def _units(messages: Sequence[RecalledMessage]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Each message's unit (an index into the second list, -1 for a unit cut short by a gap), and
+    each unit's messages (`messages[lo:hi]`) and estimated tokens. A unit runs from a unit start to
+    the next, within consecutive positions of one session (the store read units whole)."""
+    unit_of: list[int] = []
+    bounds: list[tuple[int, int, int]] = []
+    for i, m in enumerate(messages):
+        if i and not m.unit_start and _follows(messages[i - 1], m) and unit_of[-1] >= 0:
+            lo, _, cost = bounds[-1]
+            bounds[-1] = (lo, i + 1, cost + _estimate(m))
+            unit_of.append(len(bounds) - 1)
+        elif m.unit_start:
+            bounds.append((i, i + 1, _estimate(m)))
+            unit_of.append(len(bounds) - 1)
+        else:
+            unit_of.append(-1)
+    return unit_of, bounds
 
 
 def _estimate(m: RecalledMessage) -> int:
