@@ -49,6 +49,8 @@ def load_litellm() -> Any:
 class LitellmCounter:
     """litellm's counter, for providers whose tokenizer tiktoken does not know."""
 
+    sums_lines = False  # an unknown tokenizer: a recall block is counted whole
+
     def __init__(self, litellm: Any, model: str) -> None:
         self._litellm = litellm
         self._model = model

@@ -33,6 +33,10 @@ TOKENS_PER_IMAGE = 765  # a high-detail 512px tile set; images are never cut, so
 
 
 class TokenCounter(Protocol):
+    # Whether the count of lines joined is the sum of their counts, when each line ends with a
+    # newline and each but the first starts with "[" or "…" (a recall block, `memory.recall.render`).
+    sums_lines: bool
+
     def __hash__(self) -> int: ...  # counters key caches of counts
 
     def text(self, text: str) -> int: ...
@@ -73,6 +77,10 @@ def encoding_name_for(model: str) -> str:
 
 
 class TiktokenCounter:
+    # tiktoken's pre-tokenizer never makes one piece of a newline and a following "[" or "…", nor of
+    # a "]" and the space after it (checked on arbitrary text by tests/test_recall.py).
+    sums_lines = True
+
     def __init__(self, encoding_name: str) -> None:
         self.encoding = load_encoding(encoding_name)
         # Short texts recur on every request (roles, names, a session's system prompt): counted once.

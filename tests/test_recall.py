@@ -218,6 +218,19 @@ def test_the_block_counts_exactly_as_the_sum_of_its_stored_lines(
     assert block.tokens == counter.message(block.message)
 
 
+class WholeCounter(TiktokenCounter):
+    """A counter that cannot say its counts add up across lines (as litellm's, for other tokenizers)."""
+
+    sums_lines = False
+
+
+def test_a_counter_that_cannot_sum_lines_counts_the_block_whole() -> None:
+    counter = WholeCounter("o200k_base")
+    wrong = [RecalledMessage(SESSION, n, "user", True, f"line {n}", 999, 10, 1_700_000_000.0) for n in range(3)]
+    block = recall.render(wrong, {}, [], SESSION, counter)  # stored counts from another tokenizer, say
+    assert block.tokens == counter.message(block.message) < 999
+
+
 def test_the_block_goes_before_the_new_messages_or_the_unit_they_continue() -> None:
     kept = [SYSTEM, user("a"), assistant("b")]
     assert recall.insert_at([*kept, user("new")], 1) == 3

@@ -73,7 +73,7 @@ class NewMessage:
     chain_hash: str
     compact_body: Message | None = None
     compact_tokens: int | None = None  # None: the same as `tokens`
-    # The tokens of its line in a recall block (`memproxy.memory.recall.line`); None: counted when recalled.
+    # The tokens of its line in a recall block (`memproxy.searchtext.recall_line`); None: counted when recalled.
     recall_tokens: int | None = None
 
     @property
@@ -408,7 +408,8 @@ class TurnStore(Protocol):
         """The active messages of `spans` (session id, first position, last position), each span
         extended to whole units (a message and the tool results answering it), by session and
         position; never at or after `before` in this session, nor in a session `recall_postings`
-        would not look in. One statement."""
+        would not look in. One statement for chat without tools; one more where a span must grow
+        to whole units, and one to name an end user's other sessions."""
         ...
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:

@@ -21,8 +21,9 @@ from .common import SQLBase
 from .script import Row, Script, Step
 
 _END = 2_147_483_647  # past any position
-# What recall reads of a message (`RecalledMessage`), after its position.
-_LINE_COLUMNS = "seq, role, unit_start, recall_text, recall_tokens, coalesce(compact_tokens, tokens), created_at"
+# What recall reads of a message (`RecalledMessage`), its session's key first (`messages m`).
+_LINE_COLUMNS = ("m.session_pk, m.seq, m.role, m.unit_start, m.recall_text, m.recall_tokens,"
+                 " coalesce(m.compact_tokens, m.tokens), m.created_at")
 _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in, newest first
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
@@ -66,8 +67,8 @@ class SQLRecall(SQLBase):
         for pk, first, last in wanted:
             positions.setdefault(pk, set()).update(range(first, last + 2))
         rows = await self._fetch(" UNION ALL ".join(
-            f"SELECT session_pk, {_LINE_COLUMNS} FROM messages WHERE session_pk = ? AND active = 1"
-            f" AND seq IN ({', '.join('?' * len(seqs))})" for seqs in positions.values()),
+            f"SELECT {_LINE_COLUMNS} FROM messages m WHERE m.session_pk = ? AND m.active = 1"
+            f" AND m.seq IN ({', '.join('?' * len(seqs))})" for seqs in positions.values()),
             [v for pk, seqs in positions.items() for v in (pk, *sorted(seqs))])
         read = {(int(r[0]), int(r[1])): r for r in rows}
         keep: dict[tuple[int, int], Row] = {}
@@ -90,7 +91,7 @@ class SQLRecall(SQLBase):
                 " AND seq <= w.first ORDER BY seq DESC LIMIT 1), 0),"
                 " coalesce((SELECT seq FROM messages WHERE session_pk = w.pk AND active = 1 AND unit_start = 1"
                 f" AND seq > w.last ORDER BY seq LIMIT 1), {_END}) FROM wanted w)"
-                f" SELECT DISTINCT m.session_pk, {_LINE_COLUMNS.replace('coalesce(', 'coalesce(m.').replace(', tokens)', ', m.tokens)')}"
+                f" SELECT DISTINCT {_LINE_COLUMNS}"
                 " FROM spans s JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq >= s.lo AND m.seq < s.hi",
                 [v for span in grow for v in span])
             keep.update(((int(r[0]), int(r[1])), r) for r in rows)
