@@ -28,7 +28,8 @@ LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass
           VIA_LITELLM: "memproxy, memory on, via litellm", LITELLM: "LiteLLM proxy"}
 COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", VIA_LITELLM: "#9ecae1", LITELLM: "#d62728"}
 SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
-            "## 2. Throughput", "## 3. Streams", "## 4. History sweep", "## 5. Resident memory",
+            "## 2. Throughput", "## 3. Streams", "## 4. History sweep",
+            "## 4b. Long sessions sent whole", "## 5. Resident memory",
             "## 6. Where the time goes", "## 7. Token-cost replay", "## 8. Recall quality", "## 9. Recall speed",
             "## How it was measured")
 PLOTS = ("bench-latency.png", "bench-throughput.png", "bench-ttft.png", "bench-history.png", "bench-rss.png",
@@ -37,6 +38,7 @@ PLOTS = ("bench-latency.png", "bench-throughput.png", "bench-ttft.png", "bench-h
 RECALL_TARGETS = {"4000": 0.90, "2000": 0.85}
 MULTI_HOP_TARGET = ("4000", "1", 0.75)
 MODE_LABELS = {"off": "recall off", "bm25": "plain BM25", "recall": "recall"}
+LONG_TRANSPORTS = {"openai": "own client", "litellm": "via litellm"}
 CATEGORY_NAMES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop", "5": "adversarial"}
 
 
@@ -244,6 +246,7 @@ class Report:
             rows.append((f"latency at {int(sizes[-1]):,} stored messages within 1.2x of {int(sizes[0]):,} (p50)",
                          f"{ms(stat(big, 'p50'), 2)} ms vs {ms(stat(small, 'p50'), 2)} ms", ratio(r),
                          spread(per_round), r <= 1.2))
+        rows.extend(self.long_targets())
         busiest = self.r["concurrency"][self.busiest()]
         name = (f"throughput per core at least LiteLLM proxy's (requests per server CPU-second, "
                 f"{self.busiest()} clients)")
@@ -256,6 +259,33 @@ class Report:
                          r >= 1.0))
         else:
             rows.append((name, f"{ms(median(mine_per_cpu), 0)} vs -", "-", "-", None))
+        return rows
+
+    def long_sizes(self) -> tuple[str, str] | None:
+        """The long-session sweep's sizes the 1.5x target compares: those nearest 100 and 500 turns."""
+        turns = [int(t) for t in self.r.get("long", {}).get("turns", [])]
+        if len(turns) < 2:
+            return None
+        small, big = (min(turns, key=lambda t: abs(t - want)) for want in (100, 500))
+        return (str(small), str(big)) if small != big else (str(turns[-2]), str(turns[-1]))
+
+    def long_targets(self) -> list[Target]:
+        sizes = self.long_sizes()
+        if sizes is None:
+            return []
+        small, big = sizes
+        rows: list[Target] = []
+        for store, by_transport in self.r["long"]["stores"].items():
+            for transport, by_size in by_transport.items():
+                at_small, at_big = by_size[small], by_size[big]
+                m_small, m_big = stat(at_small, "memory_p50"), stat(at_big, "memory_p50")
+                tokens_small, tokens_big = stat(at_small, "context_tokens_p50"), stat(at_big, "context_tokens_p50")
+                r = m_big / m_small
+                rows.append((f"long sessions sent whole, {store}, {LONG_TRANSPORTS[transport]}: memory work at "
+                             f"{tokens_big:,.0f} tokens sent within 1.5x of {tokens_small:,.0f} (p50)",
+                             f"{ms(m_big, 2)} ms vs {ms(m_small, 2)} ms", ratio(r),
+                             spread(quotients([x.get("memory_p50", math.nan) for x in at_big],
+                                              [x.get("memory_p50", math.nan) for x in at_small])), r <= 1.5))
         return rows
 
     def sweep_window(self) -> str:
@@ -515,6 +545,39 @@ class Report:
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
         self.save(fig, "bench-history.png")
+
+    def section_long(self) -> None:
+        long = self.r.get("long")
+        if not long or not long.get("stores"):
+            return
+        turns = [str(t) for t in long["turns"]]
+        self.add("## 4b. Long sessions sent whole", "",
+                 f"One client, 0 ms upstream, memory on, on sessions of the given number of turns (~{long['words']} "
+                 f"words a message, seeded through the Store API) that all fit a {long['window']:,}-token window, so "
+                 "every turn sends the whole history upstream. Each round has sessions of its own (a session gains "
+                 "at most a round's requests while measured); each request goes to every transport and size in "
+                 "turn. Memory work is Server-Timing's `memory` (all but the upstream call); `upstream` is the "
+                 "upstream call as memproxy timed it, serialising the request included. Median of rounds.", "",
+                 "| store | transport | " + " | ".join(f"{int(t):,} turns" for t in turns) + " |",
+                 "|---|---|" + "---|" * len(turns))
+        for store, by_transport in long["stores"].items():
+            for transport, by_size in by_transport.items():
+                cells = [f"{ms(stat(by_size[t], 'memory_p50'), 2)} ms ({stat(by_size[t], 'context_tokens_p50'):,.0f}"
+                         " tokens)" for t in turns]
+                self.add(f"| {store} | {LONG_TRANSPORTS[transport]} | " + " | ".join(cells) + " |")
+        self.add("", "What still grows with the size sent is the request itself. The upstream call as memproxy "
+                 "times it (its own client, SQLite) beside the same body, as the upstream received it, sent "
+                 "straight to the upstream by the load generator (already serialised: the difference is "
+                 "memproxy serialising it and its HTTP client):", "",
+                 "| turns | request body | memproxy `upstream` p50 | direct, same body, p50 |", "|---|---|---|---|")
+        sqlite = long["stores"].get("sqlite", {}).get("openai", {})
+        for t in turns:
+            direct = long["direct"].get(t)
+            if direct and t in sqlite:
+                self.add(f"| {int(t):,} | {direct['bytes'] / 1024:,.0f} KiB | {ms(stat(sqlite[t], 'upstream_p50'), 2)} ms "
+                         f"| {ms(direct['p50'], 2)} ms |")
+        seeded = ", ".join(f"{store} {took} s" for store, took in long.get("seed_s", {}).items())
+        self.add("", f"Seeding took {seeded}.", "")
 
     def section_rss(self) -> None:
         rss, soak = self.r["rss"], self.r["soak"]
@@ -804,6 +867,7 @@ class Report:
             self.section_throughput()
             self.section_streams()
             self.section_history()
+            self.section_long()
             self.section_rss()
             self.section_timing()
             self.section_replay()

@@ -76,7 +76,13 @@ RECALL_WINDOWS = {4000: 256, 2000: 256, 1000: 128}
 # What the recall replay's questions are asked under, on the one replayed store: recall off, plain
 # BM25 (the hits alone, no neighbouring messages), recall as it ships.
 RECALL_MODES: dict[str, dict[str, Any]] = {"off": {"recall_tokens": 0}, "bm25": {"recall_context": 0}, "recall": {}}
-RECALL_SESSION = "recall-speed"  # the speed phase's measured session (its client's `X-Session-Id`)
+RECALL_SESSION = "recall-speed"
+# The long-session sweep (issue 17): sessions that all fit a 128k window and are sent whole, of
+# ~95 tokens a turn, through memproxy's own client and through litellm, on SQLite and PostgreSQL.
+LONG_WINDOW = 131_072
+LONG_MODELS = {"openai": "bench-long", "litellm": "bench-long-litellm"}
+LONG_WORDS = 40  # words a seeded message: ~47 tokens
+POSTGRES_URL = os.environ.get("MEMPROXY_BENCH_POSTGRES_URL", "postgresql://root@127.0.0.1:5432/test")  # the speed phase's measured session (its client's `X-Session-Id`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class Plan:
     recall_store_size: int = 1_000_000  # messages in the big store (the rest in other sessions,
     recall_other_size: int = 1_000  # of this many each)
     recall_requests: int = 60  # per store, mode and round
+    long_turns: tuple[int, ...] = (10, 100, 500, 1_000)  # the long-session sweep's sessions, in turns
+    long_requests: int = 10  # per session size, store, transport and round
     upstream_delay_ms: float = 50.0  # a fast model; every phase but the CPU cost and the history sweep
     p99_limit_ms: float = 100.0  # the throughput ladder's bar
     stream_chunks: int = 10
@@ -123,12 +131,15 @@ QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, st
              rates=(50, 200), step_seconds=0.4, throughput_rounds=1, history_sizes=(10, 1_000),
              history_requests=5, soak_seconds=1.0, replay_exchanges=25, replay_conversations=1, warmup=10,
              recall_conversations=1, recall_sessions=3, recall_questions=12, recall_session_size=500,
-             recall_store_size=5_000, recall_other_size=500, recall_requests=5)
+             recall_store_size=5_000, recall_other_size=500, recall_requests=5, long_turns=(10, 100),
+             long_requests=2)
 
 
-def memproxy_config(upstream: str, db: Path, memory: dict[str, Any], window: int,
-                    extra_models: dict[str, tuple[int, int]] | None = None) -> str:
-    """The config of a memproxy run by the bench; `extra_models` are name -> (window, output reserve)."""
+def memproxy_config(upstream: str, db: Path | str, memory: dict[str, Any], window: int,
+                    extra_models: dict[str, tuple[int, int]] | None = None, via_litellm: tuple[str, ...] = (),
+                    schema: str | None = None) -> str:
+    """The config of a memproxy run by the bench; `db` a SQLite file or a database URL,
+    `extra_models` name -> (window, output reserve), those in `via_litellm` with `transport: litellm`."""
     memory_lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in memory.items())
     extra = "".join(f"""\
   - name: {name}
@@ -137,14 +148,17 @@ def memproxy_config(upstream: str, db: Path, memory: dict[str, Any], window: int
     api_key: upstream-key
     context_window: {context}
     max_output_tokens: {output}
-""" for name, (context, output) in (extra_models or {}).items())
+""" + ("    transport: litellm\n" if name in via_litellm else "")
+        for name, (context, output) in (extra_models or {}).items())
+    url = db if isinstance(db, str) else f"sqlite:///{db}"
+    schema_line = f"  schema: {schema}\n" if schema else ""
     return f"""\
 server:
   host: 127.0.0.1
   port: 0
 storage:
-  url: "sqlite:///{db}"
-models:
+  url: "{url}"
+{schema_line}models:
   - name: bench
     model: openai/bench-model
     api_base: {upstream}/v1
@@ -418,6 +432,97 @@ async def phase_history(bench: Bench) -> dict[str, list[dict[str, Any]]]:
         for size, sample in samples.items():
             out[str(size)].append(summarize(sample))
     return out
+
+
+async def phase_long(processes: servers.Processes, upstream: servers.Server, workdir: Path,
+                     plan: Plan) -> dict[str, Any]:
+    """Memory work on long sessions sent whole: sessions of `plan.long_turns` turns (~95 tokens
+    each) that all fit a 128k window, on SQLite and on PostgreSQL, through memproxy's own client and
+    through litellm. One client, 0 ms upstream; each request goes to every (transport, size) in turn,
+    rotated from round to round. Every round has sessions of its own, so a session grows by at most
+    `long_requests` turns while it is measured. Last, the body memproxy sent for each size is sent
+    straight to the upstream, to set what serialising it costs beside the direct path's own cost."""
+    memory = MemoryConfig(**BENCH_MEMORY)
+    out: dict[str, Any] = {"turns": list(plan.long_turns), "window": LONG_WINDOW, "words": LONG_WORDS,
+                           "stores": {}, "direct": {}, "seed_s": {}, "notes": []}
+    stores: dict[str, tuple[str, str | None]] = {"sqlite": (f"sqlite:///{workdir / 'long.db'}", None)}
+    if await seed.postgres_reachable(POSTGRES_URL):
+        stores["postgres"] = (POSTGRES_URL, f"bench_long_{os.getpid()}")
+    else:
+        out["notes"].append(f"PostgreSQL was not reachable at {POSTGRES_URL}: its rows were not measured")
+    models = {name: (LONG_WINDOW, 512) for name in LONG_MODELS.values()}
+    pairs = [(transport, turns) for transport in LONG_MODELS for turns in plan.long_turns]
+    rng = random.Random(17)
+    try:
+        for store, (url, schema) in stores.items():
+            print(f"bench: seeding the long sessions ({store})", flush=True)
+            started = time.perf_counter()
+            await seed.seed_long_sessions(url, schema, TENANT, [f"long-{transport}-{turns}-{r}" for transport, turns
+                                                                 in pairs for r in range(plan.rounds)],
+                                          [2 * turns for _, turns in pairs for _ in range(plan.rounds)],
+                                          LONG_WORDS, memory, ENCODING)
+            out["seed_s"][store] = round(time.perf_counter() - started, 1)
+            config = workdir / f"memproxy-long-{store}.yaml"
+            config.write_text(memproxy_config(upstream.url, url, BENCH_MEMORY, WINDOW, models,
+                                              via_litellm=(LONG_MODELS["litellm"],), schema=schema))
+            server = servers.start_memproxy(processes, f"memproxy-long-{store}", config)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+                await _control(session, upstream.url, delay_ms=0, replies={})
+                results: dict[str, dict[str, list[dict[str, Any]]]] = {
+                    transport: {str(turns): [] for turns in plan.long_turns} for transport in LONG_MODELS}
+                question = 0
+                for r in range(plan.rounds):
+                    samples = {pair: load.Sample() for pair in pairs}
+                    for _ in range(plan.long_requests):
+                        text = seed.message_text(rng, LONG_WORDS // 2)
+                        question += 1
+                        for transport, turns in rotate(pairs, r):
+                            target = load.Target(store, f"{server.url}/v1/chat/completions",
+                                                 {"Authorization": f"Bearer {PROXY_KEY}"},
+                                                 model=LONG_MODELS[transport], sessions=f"long-{transport}-{turns}")
+                            await load.send(session, target, load.chat_body(target.model, question, text=text),
+                                            str(r), samples[(transport, turns)], time.perf_counter(), False)
+                    for (transport, turns), sample in samples.items():
+                        results[transport][str(turns)].append(summarize(sample))
+                out["stores"][store] = results
+                if store == "sqlite":
+                    out["direct"] = await _direct_long(session, server, upstream, plan)
+            server.stop()
+    finally:
+        if "postgres" in stores:
+            await seed.drop_schema(POSTGRES_URL, stores["postgres"][1] or "")
+    return out
+
+
+async def _direct_long(session: aiohttp.ClientSession, server: servers.Server, upstream: servers.Server,
+                       plan: Plan) -> dict[str, dict[str, Any]]:
+    """For each size: one more turn through memproxy's own client, the body it sent as the upstream
+    received it, and that body sent straight to the upstream `rounds x long_requests` times."""
+    direct: dict[str, dict[str, Any]] = {}
+    headers = {"Authorization": "Bearer upstream-key", "Content-Type": "application/json"}
+    for turns in plan.long_turns:
+        await _control(session, upstream.url, keep_last=True)
+        target = load.Target("long", f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {PROXY_KEY}"},
+                             model=LONG_MODELS["openai"], sessions=f"long-openai-{turns}")
+        sample = load.Sample()
+        await load.send(session, target, load.chat_body(target.model, 0), "0", sample, time.perf_counter(), False)
+        async with session.get(f"{upstream.url}/_last") as response:
+            body = await response.read()
+        await _control(session, upstream.url, keep_last=False)
+        latencies = []
+        for _ in range(plan.rounds * plan.long_requests):
+            started = time.perf_counter()
+            async with session.post(f"{upstream.url}/v1/chat/completions", data=body, headers=headers) as response:
+                await response.read()
+                response.raise_for_status()
+            latencies.append((time.perf_counter() - started) * 1000)
+        direct[str(turns)] = {"bytes": len(body), "p50": round(load.percentile(latencies, 50), 3)}
+    return direct
+
+
+async def _control(session: aiohttp.ClientSession, upstream: str, **settings: Any) -> None:
+    async with session.post(f"{upstream}/_control", json=settings) as response:
+        response.raise_for_status()
 
 
 async def phase_soak(bench: Bench) -> dict[str, dict[str, Any]]:
@@ -736,6 +841,9 @@ async def measure_paths(args: argparse.Namespace, plan: Plan, processes: servers
     memproxy.stop()  # the recall phases' servers need the cores
     if litellm is not None:
         litellm.stop()
+    print("bench: long sessions sent whole", flush=True)
+    results["long"] = await phase_long(processes, upstream, workdir, plan)
+    notes.extend(results["long"]["notes"])
     results["paths"] = list(bench.targets)
     results["rss"] = {"series": sampler.series, "marks": sampler.marks}
     print("bench: token-cost replay", flush=True)

@@ -12,9 +12,12 @@ turns instead (`seed_recall_store`), so that the search index sees a real vocabu
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
+
+import asyncpg
 
 from memproxy.config import MemoryConfig, StorageConfig
 from memproxy.memory.shrink import new_message
@@ -81,6 +84,38 @@ async def seed_recall_store(db_url: str, tenant: str, session_id: str, session_s
     finally:
         await store.close()
     return time.perf_counter() - started
+
+
+async def seed_long_sessions(db_url: str, schema: str | None, tenant: str, session_ids: Sequence[str],
+                             sizes: Sequence[int], words_per_message: int, memory: MemoryConfig,
+                             encoding: str) -> None:
+    """The long-session sweep's sessions, `session_ids[i]` holding `sizes[i]` messages."""
+    store = await open_store(StorageConfig(url=db_url, schema=schema))
+    counter = TiktokenCounter(encoding)
+    rng = random.Random(7)
+    try:
+        for session_id, size in zip(session_ids, sizes):
+            await seed_session(store, tenant, session_id, size, lambda: message_text(rng, words_per_message),
+                               counter, memory, "bench-long")
+    finally:
+        await store.close()
+
+
+async def postgres_reachable(url: str) -> bool:
+    try:
+        conn = await asyncio.wait_for(asyncpg.connect(url), 5)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+        return False
+    await conn.close()
+    return True
+
+
+async def drop_schema(url: str, schema: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
 
 
 async def seed_session(store: Store, tenant: str, session_id: str, size: int, text: Callable[[], str],

@@ -10,7 +10,9 @@ run time through `POST /_control` (JSON), so one server serves every phase:
 - `replies`: {sha256(last user message): reply}, so a replayed conversation gets its recorded
   answers back whoever sits in front;
 - `count_tokens`: count the prompt tokens of every request received (memproxy's own counter),
-  split into chat and summariser requests; `GET /_stats` returns the counts.
+  split into chat and summariser requests; `GET /_stats` returns the counts;
+- `keep_last`: keep the body of the last chat request as received; `GET /_last` returns it (the
+  long-session sweep sends it again on the direct path, to weigh what serialising it costs).
 
 Summariser requests (memproxy's, told apart by their instructions) get a short generic summary, so a
 replay can fold history without a model.
@@ -49,6 +51,8 @@ class FakeProvider:
         self.pace = 0.005
         self.replies: dict[str, str] = {}
         self.counter: Any = None
+        self.keep_last = False  # keep the last chat request's body (`GET /_last`)
+        self.last = b""
         self.stats = {"requests": 0, "chat_requests": 0, "chat_prompt_tokens": 0,
                       "summary_requests": 0, "summary_prompt_tokens": 0, "summary_completion_tokens": 0}
 
@@ -64,6 +68,8 @@ class FakeProvider:
             self.replies = dict(settings["replies"])
         if "count_tokens" in settings:
             self.counter = _counter(settings["count_tokens"]) if settings["count_tokens"] else None
+        if "keep_last" in settings:
+            self.keep_last, self.last = bool(settings["keep_last"]), b""
         if settings.get("reset_stats"):
             self.stats = dict.fromkeys(self.stats, 0)
         return web.json_response({"ok": True})
@@ -71,11 +77,17 @@ class FakeProvider:
     async def get_stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats)
 
+    async def get_last(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.last, content_type="application/json")
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
+        if self.keep_last:
+            self.last = raw
         messages = body.get("messages") or []
         self.stats["requests"] += 1
         summarising = bool(messages) and str(messages[0].get("content", "")).startswith(SUMMARIZER_OPENING)
@@ -158,6 +170,7 @@ def make_app(provider: FakeProvider) -> web.Application:
     app.router.add_get("/v1/models", provider.models)
     app.router.add_post("/_control", provider.control)
     app.router.add_get("/_stats", provider.get_stats)
+    app.router.add_get("/_last", provider.get_last)
     return app
 
 

@@ -111,6 +111,8 @@ class StorageConfig:
     schema: Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")] | None = None
     # A chat turn the store fails to plan: 503 store_unavailable, or forwarded without memory.
     on_failure: StoreFailurePolicy = "error"
+    # Recently served sessions' decoded histories kept between turns, at most this many MiB (0: off).
+    history_cache_mb: Count = 64
 
     @property
     def is_postgres(self) -> bool:

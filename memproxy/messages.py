@@ -92,8 +92,25 @@ def validate_message(message: Any, where: str) -> None:
 def wire_form(message: Message) -> Message:
     """A message as it goes upstream: the openai client litellm sends with drops top-level null
     fields (an assistant's `content: null` beside its tool calls), so memproxy drops them itself and
-    the admin context preview shows the very bytes sent."""
+    the admin context preview shows the very bytes sent. A message with none is itself, not a copy:
+    messages are never changed once built (stored ones are shared with the store's history cache)."""
+    if None not in message.values():
+        return message
     return {k: v for k, v in message.items() if v is not None}
+
+
+def detached(message: Message) -> Message:
+    """A copy of a message that shares no list or dict with it, for code that may change what it is
+    given (litellm rewrites content parts in place)."""
+    return {k: _copied(v) for k, v in message.items()}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
 
 
 def split_system(messages: Sequence[Message]) -> tuple[list[Message], list[Message]]:

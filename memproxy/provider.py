@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
-from .messages import Message
+from .messages import Message, detached
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, status_error
 
@@ -134,7 +134,7 @@ class Provider:
         kwargs: dict[str, Any] = {
             **native,
             "model": model.model,
-            "messages": messages,
+            "messages": [detached(m) for m in messages],  # litellm may rewrite them; they are shared
             "timeout": model.timeout_seconds,
             "max_retries": 0,  # the client retries; a proxy that retries too multiplies the wait
             "allowed_openai_params": list(native),

@@ -69,8 +69,8 @@ def test_quick_bench_writes_report_and_plots(tmp_path: Path) -> None:
 
     results = json.loads((tmp_path / "bench-results.json").read_text(encoding="utf-8"))
     assert results["paths"] == ["direct", "memproxy-memory", "memproxy-pass", "memproxy-litellm"]
-    for phase in ("cpu", "concurrency", "streams", "throughput", "history", "soak", "rss", "replay", "recall",
-                  "recall_speed"):
+    for phase in ("cpu", "concurrency", "streams", "throughput", "history", "long", "soak", "rss", "replay",
+                  "recall", "recall_speed"):
         assert phase in results, phase
     memory_on = results["cpu"]["memproxy-memory"][0]
     assert memory_on["errors"] == 0 and memory_on["n"] > 0 and "memory_p50" in memory_on

@@ -21,8 +21,9 @@ import pytest
 
 from helpers import assistant, tool, user
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, Summary, SummaryCall, Totals, TurnRecord,
-                            Usage)
+from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, StoredMessage, Summary, SummaryCall, Totals,
+                            TurnRecord, Usage)
+from memproxy.store import open_store as open_store_config
 from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
 from memproxy.store.sql import QUERIES
@@ -662,3 +663,52 @@ async def test_the_snapshot_read_with_the_session_is_the_snapshot_at_its_head(op
     assert loaded is not None and not loaded.summary_known
     assert loaded.snapshot(session.length, False, 1000) is None
     assert (await store.snapshot(session, session.length, False, 1000)).summary is None  # none in use
+
+
+async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener, backend: StoreUnderTest) -> None:
+    """A store keeps each session's messages between turns and reads only what is new
+    (`memproxy.store.history_cache`). Whatever happens to the session meanwhile, through another
+    store on the same database (another replica), what it loads is what a store without the cache
+    loads: after turns, an edit, a summary and the message cap, a larger room, a clear, and a
+    deletion followed by the same messages again (the same chain hashes, other token counts)."""
+    cached, writer = await open_store(), await open_store()
+    uncached = await open_store_config(dataclasses.replace(backend.storage, history_cache_mb=0))
+    history = [m for k in range(6) for m in (user(f"q{k}"), assistant(f"a{k}"))]
+
+    async def same(room: int = 1000) -> SessionState | None:
+        got, want = await cached.load("t", "s", room), await uncached.load("t", "s", room)
+        assert got == want
+        return None if want is None else want.session
+
+    await writer.record_turn(turn(None, history))
+    session = await same()
+    assert session is not None and len(cached._history) == 1  # type: ignore[attr-defined]
+    await writer.record_turn(turn(session, [user("next"), assistant("n")]))  # another replica's turn
+    session = await same()
+    assert session is not None and session.length == 14
+    await writer.record_turn(turn(session, [user("edited"), assistant("e")], base=6))  # an edit
+    session = await same()
+    assert session is not None and session.length == 8
+    await writer.save_summary(session, 0, summary(6, session_hashes(await writer.active_range(session, 0, 6))[5]))
+    session = await writer.get_session("t", "s")
+    assert session is not None and await writer.cap_messages(session, 4) > 0  # the cap deletes the oldest
+    await same()
+    await same(room=30)  # a room that reaches only the newest messages, then one that reaches them all
+    session = await same(room=1000)
+    assert session is not None
+    assert await writer.clear_session(session)
+    assert await same() is not None
+    await writer.record_turn(turn(None, history, tokens=10))
+    session = await same()
+    assert session is not None
+    await writer.delete_session(session)
+    assert await same() is None
+    await writer.record_turn(turn(None, history, tokens=20))  # the same hashes, other rows
+    loaded = await cached.load("t", "s", 1000)
+    assert loaded is not None and [m.tokens for m in loaded.messages] == [20] * len(history)
+    await same()
+    await uncached.close()
+
+
+def session_hashes(messages: list[StoredMessage]) -> list[str]:
+    return [m.chain_hash for m in messages]

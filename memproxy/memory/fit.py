@@ -24,6 +24,7 @@ re-tokenized to build a request.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -293,8 +294,8 @@ def _history(
 ) -> tuple[list[Message], int, int, int]:
     """The stored messages as sent (compact when older than the newest exchange, repeats sent once,
     unanswered calls left out), their tokens, and how many were trimmed and deduplicated."""
-    old = [m for m in stored if m.seq < newest]
-    recent = [m for m in stored if m.seq >= newest]
+    split = bisect.bisect_left(stored, newest, key=lambda m: m.seq)
+    old, recent = stored[:split], stored[split:]
     # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too.
     trim = memory.tool_output_max_tokens > 0
     forms = [m.compact if trim else m.body for m in old]
@@ -317,19 +318,23 @@ def drop_unanswered_calls(
     holding an unanswered call. Such calls are left out of what is sent (the store keeps them), and
     a message left with neither calls nor content is not sent. Returns the tokens this saved.
     """
+    callers = [i for i, message in enumerate(bodies) if message.get("tool_calls")]
+    if not callers:  # most conversations: nothing to look at
+        return list(bodies), 0
     sequence = bodies + new
-    history: list[Message] = []
+    history: list[Message] = bodies[: callers[0]]
     saved = 0
-    for i, (message, count) in enumerate(zip(bodies, tokens)):
+    for i in range(callers[0], len(bodies)):
+        message, count = bodies[i], tokens[i]
         calls = message.get("tool_calls")
         if not calls:
             history.append(message)
             continue
         answered = set()
-        for following in sequence[i + 1 :]:
-            if following.get("role") != "tool":
-                break
-            answered.add(following.get("tool_call_id"))
+        j = i + 1  # the tool results that follow it (indexed: a slice would copy the rest each time)
+        while j < len(sequence) and sequence[j].get("role") == "tool":
+            answered.add(sequence[j].get("tool_call_id"))
+            j += 1
         kept = [call for call in calls if call.get("id") in answered]
         if len(kept) == len(calls):
             history.append(message)

@@ -13,7 +13,6 @@ transcript both cut long texts through it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,28 +81,25 @@ def new_message(body: Message, chain: str, counter: TokenCounter, memory: Memory
     )
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()  # a provider's lone surrogate too
-
-
 def dedupe_repeats(
     messages: Sequence[Message], tokens: Sequence[int], min_tokens: int, counter: TokenCounter
 ) -> tuple[list[Message], int]:
     """Later copies of a large content replaced by a reference to the first; returns the tokens saved."""
+    out = list(messages)
     if min_tokens <= 0:
-        return list(messages), 0
+        return out, 0
     seen: dict[str, int] = {}
-    out: list[Message] = []
     saved = 0
-    for index, (message, count) in enumerate(zip(messages, tokens)):
+    # Only large contents are looked at; most chat messages are not (a comprehension, not a loop).
+    for index in [i for i, count in enumerate(tokens) if count >= min_tokens]:
+        message, count = messages[index], tokens[index]
         text = content_text(message)
-        if text is None or count < min_tokens or message.get("role") == "assistant":
-            out.append(message)
+        if text is None or message.get("role") == "assistant":
             continue
-        digest = _digest(text)
-        if digest not in seen:
-            seen[digest] = index
-            out.append(message)
+        # Keyed by the text itself: a string caches its hash, and stored messages are the same
+        # objects from turn to turn (the store's history cache), so each is hashed once, not per turn.
+        if text not in seen:
+            seen[text] = index
             continue
         reference: dict[str, Any] = {
             **message,
@@ -111,8 +107,7 @@ def dedupe_repeats(
         }
         smaller = count - counter.message(reference)
         if smaller <= 0:  # a repeat shorter than its reference goes as it is: never grow a request
-            out.append(message)
             continue
         saved += smaller
-        out.append(reference)
+        out[index] = reference
     return out, saved

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from .errors import translated
+from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
@@ -133,7 +134,8 @@ class PostgresBackend:
 class PostgresStore(SQLStore):
     @classmethod
     async def open(
-        cls, url: str, min_size: int = 1, max_size: int = 10, schema: str | None = None
+        cls, url: str, min_size: int = 1, max_size: int = 10, schema: str | None = None,
+        history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
     ) -> PostgresStore:
         if schema:
             await _create_schema(url, schema)
@@ -141,7 +143,7 @@ class PostgresStore(SQLStore):
         pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
         assert pool is not None
         await _migrate(pool)
-        return cls(PostgresBackend(pool))
+        return cls(PostgresBackend(pool), history_cache_bytes)
 
 
 async def _create_schema(url: str, schema: str) -> None:

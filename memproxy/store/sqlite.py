@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 import aiosqlite
 
 from .errors import translated
+from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
@@ -326,7 +327,8 @@ def _rows(outcome: Outcome) -> list[Row]:
 
 class SQLiteStore(SQLStore):
     @classmethod
-    async def open(cls, url: str, busy_timeout_ms: int = 5000) -> SQLiteStore:
+    async def open(cls, url: str, busy_timeout_ms: int = 5000,
+                   history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES) -> SQLiteStore:
         path = sqlite_path(url)
         if path == ":memory:":
             conn = await _connect(path, busy_timeout_ms)
@@ -339,7 +341,7 @@ class SQLiteStore(SQLStore):
             checkpointer = await _connect(path, 0)
             backend = SQLiteBackend(writer, reader, checkpointer)
         await _migrate(backend)
-        return cls(backend)
+        return cls(backend, history_cache_bytes)
 
 
 async def _migrate(backend: SQLiteBackend) -> None:

@@ -9,6 +9,7 @@ point may be gone).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import time
@@ -19,9 +20,10 @@ from ...timing import charge_store
 from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
+from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES, Cached, HistoryCache, message_cost
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
-from .script import Outcome, Row, Script, Step
+from .script import Backend, Outcome, Row, Script, Step
 
 # A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
 _SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
@@ -80,23 +82,26 @@ QUERIES = {
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     # `load`: a session and its snapshot at the head, in one statement (one read of one state, one
     # trip), its rows told apart by the first column. 0: the session row with its newest message,
-    # its marks (`_HEAD_MARKS`) and its newest summary with the totals where it ends (null if that
-    # history has changed since). 1: the messages any room up to `?` could send, in order (from the
-    # earliest of the last unit start and the first unit starts whose tails fit; all of them when
-    # the whole history fits).
+    # its marks (`_HEAD_MARKS`), its newest summary with the totals where it ends (null if that
+    # history has changed since), where the messages to read start, its first active position, and
+    # whether the cached history (`memproxy.store.history_cache`) still holds: the newest cached
+    # message, by position and row id, still active. 1: the messages any room up to `?` could send,
+    # in order (from the earliest of the last unit start and the first unit starts whose tails fit;
+    # all of them when the whole history fits), less those the cache holds when it holds.
     "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
     " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
-    " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens) FROM sessions s"
+    " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), {start},"
+    " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {cached} THEN 1 ELSE 0 END"
+    " FROM sessions s"
     " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
     " LEFT JOIN summaries su ON su.session_pk = s.pk AND su.version = s.summary_version"
     " LEFT JOIN messages sm ON sm.session_pk = su.session_pk AND sm.active = 1 AND sm.seq = su.covers - 1"
     " AND sm.chain_hash = su.covers_hash WHERE s.tenant = ? AND s.session_id = ?"
-    " UNION ALL SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
-    " m.compact_tokens, m.compact_cum_before, {nulls} FROM sessions s JOIN messages m ON m.session_pk = s.pk"
-    " AND m.active = 1 AND m.seq >= CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES"
-    " (coalesce({marks[0]}, s.length)), (coalesce({marks[2]}, s.length)), (coalesce({marks[3]}, s.length))) v)"
-    " END WHERE s.tenant = ? AND s.session_id = ? ORDER BY 1, 2",
+    " UNION ALL {messages} AND m.seq >= (SELECT max(column1) FROM (VALUES ({start}),"
+    " (CASE WHEN {cached} THEN ? + 1 ELSE 0 END)) w) WHERE s.tenant = ? AND s.session_id = ?"
+    " UNION ALL {messages} AND m.seq >= {start} AND m.seq < CASE WHEN {cached} THEN ? ELSE 0 END"
+    " WHERE s.tenant = ? AND s.session_id = ? ORDER BY 1, 2",
     # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
     # turns on a session are written one at a time, under its row's lock, a summariser call's
     # `summary` turn is not), a message's parent, and what an edit supersedes.
@@ -105,9 +110,15 @@ QUERIES = {
     "message_id": f"SELECT id FROM messages WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq = ?",
     "supersede": f"UPDATE messages SET active = 0 WHERE session_pk = {_SESSION_PK} AND active = 1 AND seq >= ?",
 }
+_NULLS = ", ".join(["NULL"] * (_SESSION_FIELDS + len(_HEAD_MARKS) + _SUMMARY_FIELDS + 3))
 QUERIES["head"] = QUERIES["head"].format(
-    marks=_HEAD_MARKS, all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * _MESSAGE_FIELDS),
-    nulls=", ".join(["NULL"] * (_SESSION_FIELDS + len(_HEAD_MARKS) + _SUMMARY_FIELDS)))
+    messages="SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
+    f" m.compact_tokens, m.compact_cum_before, m.id, {_NULLS} FROM sessions s JOIN messages m ON m.session_pk = s.pk"
+    " AND m.active = 1",
+    all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * (_MESSAGE_FIELDS + 1)),
+    start=f"CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES (coalesce({_HEAD_MARKS[0]},"
+    f" s.length)), (coalesce({_HEAD_MARKS[2]}, s.length)), (coalesce({_HEAD_MARKS[3]}, s.length))) v) END",
+    cached="EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1 AND c.seq = ? AND c.id = ?)")
 
 
 class SQLTurns(SQLBase):
@@ -117,18 +128,30 @@ class SQLTurns(SQLBase):
         row = await self._one(QUERIES["get_session"], (tenant, session_id))
         return None if row is None else _session(row)
 
+    def __init__(self, backend: Backend, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES) -> None:
+        super().__init__(backend)
+        self._history = HistoryCache(history_cache_bytes)
+
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
         key = (tenant, session_id)
-        rows = await self._fetch(QUERIES["head"], (room, room, *key, room, room, room, *key))
+        cached = self._history.get(key)
+        first, last, last_id = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id) if cached \
+            else (-1, -1, -1)
+        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, last, last_id, *key,
+                                                   room, room, room, last, last_id, last, *key,
+                                                   room, room, room, last, last_id, first, *key))
         if not rows:
+            self._history.discard(key)
             return None
-        # The first row: its part (0), the message columns (null), then the session's own columns,
-        # its four marks and its newest summary (`to_summary`'s columns, then two totals).
-        head = rows[0][1 + _MESSAGE_FIELDS:]
+        # The first row: its part (0), the message columns and id (null), then the session's own
+        # columns, its four marks, its newest summary (`to_summary`'s columns, then two totals),
+        # where the messages to read start, its first active position, and whether the cache holds.
+        head = rows[0][2 + _MESSAGE_FIELDS:]
         session = _session(head)
         last_unit, last_user = (None if v is None else int(v) for v in head[_SESSION_FIELDS:_SESSION_FIELDS + 2])
-        stored = [_stored(row[1:1 + _MESSAGE_FIELDS]) for row in rows[1:]]
-        summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):]
+        summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):-3]
+        start, first_active, holds = head[-3:]
+        stored = self._with_cached(key, cached if holds else None, max(int(start), first_active or 0), rows[1:])
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
         in_use = summary[0] is not None and summary[8] is not None and summary[2] <= session.length
@@ -137,6 +160,29 @@ class SQLTurns(SQLBase):
                       summary=to_summary(summary) if in_use else None,
                       summary_totals=Totals(int(summary[8]), int(summary[9])) if in_use else None,
                       summary_known=session.summary_version == 0 or in_use)
+
+    def _with_cached(self, key: tuple[str, str], cached: Cached | None, start: int, rows: list[Row]) \
+            -> list[StoredMessage]:
+        """`load`'s messages from `start` on: the rows read, with the cached ones between them where
+        the cache still holds (the rows are then those before and after it); cached again."""
+        fields = slice(1, 1 + _MESSAGE_FIELDS)
+        read = [(_stored(row[fields]), row[1 + _MESSAGE_FIELDS], message_cost(row[2], row[7])) for row in rows]
+        if cached is None:
+            before, kept, kept_costs, after = [], [], [], read
+        else:
+            first, last = cached.messages[0].seq, cached.messages[-1].seq
+            before = [r for r in read if r[0].seq < first]
+            after = [r for r in read if r[0].seq > last]
+            i = bisect.bisect_left(cached.messages, start, key=lambda m: m.seq)
+            kept, kept_costs = cached.messages[i:], cached.costs[i:]
+        messages = [r[0] for r in before] + kept + [r[0] for r in after]
+        if messages:
+            last_id = after[-1][1] if after else cached.last_id if kept and cached else read[-1][1]
+            costs = [r[2] for r in before] + kept_costs + [r[2] for r in after]
+            self._history.put(key, Cached(messages, costs, last_id, sum(costs)))
+        else:
+            self._history.discard(key)
+        return messages
 
     async def matched_prefix(self, session: SessionState, hashes: Sequence[str]) -> int:
         best = -1

@@ -1,0 +1,78 @@
+"""The decoded history of recently served sessions, kept between turns (`storage.history_cache_mb`).
+
+A turn's plan needs every stored message the budget could send (`TurnStore.load`); with a large
+window that is the whole conversation, already read, decoded and counted on the turn before. The
+store keeps each session's messages as it last read them and, on the next turn, reads only what is
+not cached: the messages after the cached ones, and any before them that a larger room reaches.
+
+The cache can never serve a stale history, because it is checked against the database in the same
+statement that reads the rest, on every turn: stored messages are never rewritten (an edit or a
+regenerate supersedes them, a clear deactivates them, a fork or an import writes new rows, a
+deletion removes them), so the cached messages are still the session's active history exactly when
+the newest of them, by its row id, is still active at its position. Messages the message cap has
+deleted since are dropped by position (the cap deletes the oldest first). That check is the whole
+of it: another replica's turns, edits and forks on a shared PostgreSQL store are seen the same way.
+
+Bounded: each entry costs about its messages' stored JSON plus a fixed overhead per message for the
+decoded objects; past the budget the least recently used sessions are evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+from .base import StoredMessage
+
+# What a decoded message takes: measured with tracemalloc on chat messages of 5 to 400 words, its
+# dicts, strings, `StoredMessage` and chain hash take about 650 bytes plus its JSON text's length
+# (ASCII); a character of other scripts takes 2-4 bytes, hence the factor.
+MESSAGE_OVERHEAD = 700
+TEXT_FACTOR = 2
+
+
+DEFAULT_HISTORY_CACHE_BYTES = 64 << 20
+
+
+class Cached(NamedTuple):
+    messages: list[StoredMessage]  # active positions, oldest first
+    costs: list[int]  # each message's, in bytes as estimated (`message_cost`)
+    last_id: int  # the row id of the newest of them
+    cost: int  # all of them
+
+
+def message_cost(body_text: str, compact_text: str | None) -> int:
+    return MESSAGE_OVERHEAD + TEXT_FACTOR * (len(body_text) + len(compact_text or ""))
+
+
+class HistoryCache:
+    """Sessions' cached histories by (tenant, session id), least recently used first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.used = 0
+        self._entries: OrderedDict[tuple[str, str], Cached] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[str, str]) -> Cached | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple[str, str], entry: Cached) -> None:
+        self.discard(key)
+        if not entry.messages or entry.cost > self.budget:
+            return
+        self._entries[key] = entry
+        self.used += entry.cost
+        while self.used > self.budget:
+            _, evicted = self._entries.popitem(last=False)
+            self.used -= evicted.cost
+
+    def discard(self, key: tuple[str, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used -= entry.cost
