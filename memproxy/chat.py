@@ -20,7 +20,6 @@ into the body.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import traceback
@@ -42,6 +41,7 @@ from .errors import (
     error_body,
     store_unavailable_body,
 )
+from .jsonbytes import dumps
 from .memory.plan import PreparedTurn, prepare_turn
 from .memory.reconcile import HISTORY_MODES, HistoryMode
 from .memory.record import turn_record
@@ -206,7 +206,7 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
             _log_failure("recording a turn", exc)
         exchange.headers[STORED_HEADER] = "true" if exchange.recorded else "false"
     exchange.headers["Server-Timing"] = exchange.timings.header()
-    response = web.Response(body=_json(result), headers=exchange.headers, content_type="application/json",
+    response = web.Response(body=dumps(result), headers=exchange.headers, content_type="application/json",
                             charset="utf-8")
     try:
         await response.prepare(request)
@@ -267,7 +267,7 @@ async def _end_stream(response: web.StreamResponse, exchange: Exchange, exc: Exc
     else:
         _log_failure("a stream after its headers", exc)
         status, body = 500, error_body("internal error", "server_error", "internal_error")
-    await _write_quietly(response, b"data: " + _json(body) + b"\n\n")
+    await _write_quietly(response, b"data: " + dumps(body) + b"\n\n")
     _log(exchange, status)
 
 
@@ -287,7 +287,7 @@ async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.Str
         async with aclosing(chunks):  # a client that went away releases the upstream connection now
             async for chunk in chunks:
                 assembler.add(chunk)
-                await response.write(b"data: " + _json(chunk) + b"\n\n")
+                await response.write(b"data: " + dumps(chunk) + b"\n\n")
     finally:
         upstream_ms = timings.upstream_ended(upstream_started)
     return upstream_ms
@@ -334,14 +334,6 @@ async def _write_quietly_eof(response: web.StreamResponse) -> None:
         pass
 
 
-def _json(value: Any) -> bytes:
-    """JSON for the client, in UTF-8. A lone surrogate in a provider's answer, which no UTF-8
-    encoder takes, goes out as the escape `\\udXXX` the provider sent (the whole value then in
-    ASCII escapes); every other value is encoded once, as before."""
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _log(exchange: Exchange, status: int) -> None:

@@ -27,6 +27,7 @@ import aiohttp
 from . import __version__
 from .config import ModelConfig
 from .errors import UpstreamError
+from .jsonbytes import dumps
 from .messages import Message
 
 PREFIX = "openai/"
@@ -131,7 +132,7 @@ class OpenAIUpstream:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         body = {**params, "model": model_id(model), "messages": messages}
-        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=_request_body(body),
+        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=dumps(body),
                                  headers=headers, timeout=timeout, proxy=self._proxy(base))
 
     def _proxy(self, base: str) -> str | None:
@@ -217,10 +218,3 @@ def _json(raw: bytes) -> Any:
         raise UpstreamError("upstream answered with invalid JSON") from None
 
 
-def _request_body(value: Any) -> bytes:
-    """The request body in UTF-8; with ASCII escapes only if it holds a lone surrogate (a provider's
-    earlier answer, stored and sent again), which no UTF-8 encoder takes."""
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":")).encode()
