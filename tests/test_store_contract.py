@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from helpers import assistant, tool, user
+from memproxy import admin
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, StoredMessage, Summary, SummaryCall, Totals,
                             TurnRecord, Usage)
@@ -669,8 +670,9 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     """A store keeps each session's messages between turns and reads only what is new
     (`memproxy.store.history_cache`). Whatever happens to the session meanwhile, through another
     store on the same database (another replica), what it loads is what a store without the cache
-    loads: after turns, an edit, a summary and the message cap, a larger room, a clear, and a
-    deletion followed by the same messages again (the same chain hashes, other token counts)."""
+    loads: after turns, an edit, a summary and the message cap, a larger room, a clear, a deletion
+    followed by the same messages again (the same chain hashes, other token counts), a fork and an
+    import written under the cached session's id."""
     cached, writer = await open_store(), await open_store()
     uncached = await open_store_config(dataclasses.replace(backend.storage, history_cache_mb=0))
     history = [m for k in range(6) for m in (user(f"q{k}"), assistant(f"a{k}"))]
@@ -706,7 +708,22 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     await writer.record_turn(turn(None, history, tokens=20))  # the same hashes, other rows
     loaded = await cached.load("t", "s", 1000)
     assert loaded is not None and [m.tokens for m in loaded.messages] == [20] * len(history)
-    await same()
+    session = await same()
+    assert session is not None
+    # A fork of another session, then an import, each written where the cached session was.
+    await writer.record_turn(turn(None, [user("other"), assistant("o"), user("more"), assistant("m")],
+                                  session_id="other"))
+    other = await writer.get_session("t", "other")
+    assert other is not None
+    await writer.delete_session(session)
+    await admin.fork(writer, other, "t", "s", at=2)
+    session = await same()
+    assert session is not None and session.length == 2
+    records = await writer.export_session(other)
+    await writer.delete_session(session)
+    await writer.import_session("t", "s", records)
+    session = await same()
+    assert session is not None and session.length == 4
     await uncached.close()
 
 
