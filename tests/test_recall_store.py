@@ -28,6 +28,7 @@ from memproxy.searchtext import recall_line
 from memproxy.config import MemoryConfig
 from memproxy.memory.shrink import new_message
 from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
+from memproxy.store.base import COMMON_WORD_POSITIONS
 from memproxy.store.sql.codec import sent_values, to_sent
 from stores import StoreUnderTest, store_under_test
 from test_plan import COUNTER
@@ -260,3 +261,16 @@ async def test_a_recall_looks_only_at_its_sessions_part_of_the_index(backend: St
     finally:
         await conn.close()
     assert plan.count("Bitmap Index Scan on messages_search") == 2 and "messages_active" not in plan, plan
+
+
+async def test_a_word_too_common_to_rank_by_is_found_nowhere_and_read_no_further(store: Store) -> None:
+    # A word at more than COMMON_WORD_POSITIONS positions is left out (at most one more is read),
+    # in one session and across an end user's sessions alike; a rare word beside it still counts.
+    common = [m for k in range(COMMON_WORD_POSITIONS // 2 + 1) for m in (user(f"the tide {k}"), assistant("tide"))]
+    session = await say(store, "s", [*common, user("a rare heron"), assistant("ok")], end_user="e")
+    found = await store.recall_postings(session, ["tide", "heron"], session.length)
+    assert found.words == [{}, {"s": [len(common)]}]
+    few = await say(store, "few", [user("tide"), assistant("ok")] * 3, end_user="e")
+    assert (await store.recall_postings(few, ["tide"], few.length)).words == [{"few": [0, 2, 4]}]
+    assert (await store.recall_postings(few, ["tide", "heron"], few.length, end_user="e")).words == \
+        [{}, {"s": [len(common)]}]

@@ -175,6 +175,12 @@ class Loaded:
                         summary_totals=self.summary_totals, start=self.start, messages=self.messages)
 
 
+# A recall query word found at more positions than this is left out of the ranking: its weight is
+# small by then, and reading its positions would make a turn's cost grow with the session (a long
+# question of common words on a 10,000-message session took 54 ms unbounded).
+COMMON_WORD_POSITIONS = 1000
+
+
 @dataclass(frozen=True)
 class Postings:
     """Where each word of a recall query occurs among the messages recall may send
@@ -400,7 +406,10 @@ class TurnStore(Protocol):
         """Where each of `words` (`memproxy.searchtext.query_words`) occurs, as the full-text index
         stems it: among the session's active messages before position `before`, and, with
         `end_user`, every active message of the tenant's other sessions made for that end user
-        (the newest 50). Superseded and deleted messages are never found. One statement."""
+        (the newest 50). Superseded and deleted messages are never found. One statement, bounded:
+        a word found at more than `COMMON_WORD_POSITIONS` positions in all is too common to tell
+        messages apart, and is returned as found nowhere (SQLite reads no further than one past it;
+        a PostgreSQL GIN bitmap is built whole)."""
         ...
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,

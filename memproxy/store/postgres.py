@@ -108,7 +108,9 @@ class PostgresBackend:
     def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
         """Each word stemmed as the index's words were and keyed by each session, one GIN lookup of
         active messages a word (0009_recall). The query is an uncorrelated subquery, computed once,
-        so that the index can take it."""
+        so that the index can take it. No LIMIT: under one the planner leaves the GIN index for a
+        scan of the session's messages, and a GIN bitmap is built whole anyway; a word too common
+        to rank by is dropped after the read (`COMMON_WORD_POSITIONS`)."""
         selects: list[str] = []
         params: list[object] = []
         keys = [key for _, key, _ in scope]

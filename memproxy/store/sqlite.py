@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 import aiosqlite
 
 from .errors import translated
+from .base import COMMON_WORD_POSITIONS
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
@@ -52,6 +53,8 @@ _WORD = re.compile(r"[^\W_]+")  # a word as `memproxy.searchtext` makes them: no
 # aiosqlite logs every call with its parameters (stored content, metadata values) at DEBUG: even a
 # server debugging at DEBUG level must never write those.
 logging.getLogger("aiosqlite").setLevel(logging.WARNING)
+
+_READ_POSITIONS = COMMON_WORD_POSITIONS + 1  # one more than a word may have, to tell it is too common
 
 
 def sqlite_path(url: str) -> str:
@@ -160,12 +163,13 @@ class SQLiteBackend:
         bounds = [(pk << 32, (pk << 32) + min(max(before, 0), 1 << 32)) for pk, _, before in scope]
         if len(scope) == 1:
             (pk, key, _), (low, high) = scope[0], bounds[0]
-            return (" UNION ALL ".join(f"SELECT {i}, {pk}, (SELECT group_concat(rowid - {low}) FROM messages_fts"
-                                       " WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ?)" for i, _ in indexed),
+            return (" UNION ALL ".join(f"SELECT {i}, {pk}, (SELECT group_concat(r) FROM (SELECT rowid - {low} AS r"
+                                       " FROM messages_fts WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ?"
+                                       f" LIMIT {_READ_POSITIONS}))" for i, _ in indexed),
                     [v for _, word in indexed for v in (f'"{key}_{word}"', low, high)])
         ranges = " OR ".join(["(rowid >= ? AND rowid < ?)"] * len(scope))
-        selects = [f"SELECT {i} AS i, rowid >> 32 AS pk, rowid & 4294967295 AS seq FROM messages_fts"
-                   f" WHERE messages_fts MATCH ? AND ({ranges})" for i, _ in indexed]
+        selects = [f"SELECT * FROM (SELECT {i} AS i, rowid >> 32 AS pk, rowid & 4294967295 AS seq FROM messages_fts"
+                   f" WHERE messages_fts MATCH ? AND ({ranges}) LIMIT {_READ_POSITIONS})" for i, _ in indexed]
         params = [v for _, word in indexed
                   for v in (" OR ".join(f'"{key}_{word}"' for _, key, _ in scope), *(b for r in bounds for b in r))]
         return f"SELECT i, pk, group_concat(seq) FROM ({' UNION ALL '.join(selects)}) GROUP BY i, pk", params

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 
 from ...searchtext import session_key
-from ..base import Postings, RecalledMessage, SearchHit, SessionState
+from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
 from .script import Row, Script, Step
@@ -48,6 +48,9 @@ class SQLRecall(SQLBase):
             for i, pk, positions in await self._fetch(sql, params):
                 if positions:
                     found[int(i)][names[int(pk)]] = _positions(positions)
+            # A word read at the limit is too common to rank by (`COMMON_WORD_POSITIONS`).
+            found = [{} if sum(map(len, by_session.values())) > COMMON_WORD_POSITIONS else by_session
+                     for by_session in found]
         return Postings({name: max(end, 0) for _, name, end in scope}, found)
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
