@@ -334,8 +334,6 @@ async def _write_quietly_eof(response: web.StreamResponse) -> None:
         pass
 
 
-
-
 def _log(exchange: Exchange, status: int) -> None:
     """One line per request; for a stream, the only place its `record` time shows."""
     turn = exchange.turn

@@ -216,5 +216,3 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         raise UpstreamError("upstream answered with invalid JSON") from None
-
-

@@ -14,7 +14,9 @@ import openai
 import pytest
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from db import rows
 from fake_upstream import FakeUpstream, Reply
+from memproxy.config import Config
 from memproxy.typedefs import STORE
 
 pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
@@ -293,3 +295,19 @@ async def test_what_start_up_loaded_is_out_of_the_collectors_sight_while_serving
     assert gc.get_freeze_count() > 0
     answer = await proxy.client().chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
+
+
+async def test_what_the_client_sent_is_stored_and_resent_as_sent_whatever_the_transport_changes(
+        proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    # litellm rewrites content parts in place (it drops an image's `format`); the messages it is
+    # given are copies, so neither the stored turn nor the history cached for the next turn changes.
+    image = {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png", "format": "image/png"}}
+    sent = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}
+    client = proxy.client()
+    await client.chat.completions.create(model="small", messages=[sent])  # type: ignore[list-item]
+    await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "and now?"}])
+    stored = [json.loads(body) for (body,) in rows(config, "SELECT body FROM messages ORDER BY seq")]
+    assert stored[0] == sent
+    assert len(upstream.chat_requests()) == 2
+    first_time, second_time = (request.messages[0] for request in upstream.chat_requests())
+    assert first_time == second_time  # as the transport sends it, the same on both turns

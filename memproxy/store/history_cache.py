@@ -29,8 +29,6 @@ from .base import StoredMessage
 # (ASCII); a character of other scripts takes 2-4 bytes, hence the factor.
 MESSAGE_OVERHEAD = 700
 TEXT_FACTOR = 2
-
-
 DEFAULT_HISTORY_CACHE_BYTES = 64 << 20
 
 
@@ -38,7 +36,10 @@ class Cached(NamedTuple):
     messages: list[StoredMessage]  # active positions, oldest first
     costs: list[int]  # each message's, in bytes as estimated (`message_cost`)
     last_id: int  # the row id of the newest of them
-    cost: int  # all of them
+
+    @property
+    def cost(self) -> int:
+        return sum(self.costs)
 
 
 def message_cost(body_text: str, compact_text: str | None) -> int:

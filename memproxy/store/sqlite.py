@@ -39,8 +39,8 @@ from typing import Any, TypeVar, cast
 
 import aiosqlite
 
-from .errors import translated
 from .base import COMMON_WORD_POSITIONS
+from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async

@@ -124,13 +124,13 @@ QUERIES["head"] = QUERIES["head"].format(
 class SQLTurns(SQLBase):
     """The `TurnStore` methods."""
 
-    async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
-        row = await self._one(QUERIES["get_session"], (tenant, session_id))
-        return None if row is None else _session(row)
-
     def __init__(self, backend: Backend, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES) -> None:
         super().__init__(backend)
         self._history = HistoryCache(history_cache_bytes)
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
+        row = await self._one(QUERIES["get_session"], (tenant, session_id))
+        return None if row is None else _session(row)
 
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
         key = (tenant, session_id)
@@ -177,9 +177,9 @@ class SQLTurns(SQLBase):
             kept, kept_costs = cached.messages[i:], cached.costs[i:]
         messages = [r[0] for r in before] + kept + [r[0] for r in after]
         if messages:
-            last_id = after[-1][1] if after else cached.last_id if kept and cached else read[-1][1]
-            costs = [r[2] for r in before] + kept_costs + [r[2] for r in after]
-            self._history.put(key, Cached(messages, costs, last_id, sum(costs)))
+            last_id = after[-1][1] if after else (cached.last_id if kept and cached else read[-1][1])
+            self._history.put(key, Cached(messages, [r[2] for r in before] + kept_costs + [r[2] for r in after],
+                                          last_id))
         else:
             self._history.discard(key)
         return messages
