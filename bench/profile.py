@@ -3,6 +3,7 @@
     python bench/profile.py                       # memory on, 1 client, 0 ms upstream, 15 s
     python bench/profile.py --pass-through --clients 10 --seconds 20 --out /tmp/profile.txt
     python bench/profile.py --history 10000       # one session seeded with 10,000 long messages
+    python bench/profile.py --recall 10000        # recall on one session of 10,000 LoCoMo turns
 
 Starts the fake upstream and `memproxy serve` under `python -m pyinstrument`, sends requests for the
 given time, stops memproxy (pyinstrument writes its report as the process exits) and prints the
@@ -30,8 +31,9 @@ import load  # noqa: E402
 import seed  # noqa: E402
 import servers  # noqa: E402
 from memproxy.config import MemoryConfig  # noqa: E402
-from run import (BENCH_MEMORY, ENCODING, MEMORY, PASS, TENANT, WINDOW, make_targets, memproxy_config,  # noqa: E402
-                 summarize)
+import replay  # noqa: E402
+from run import (BENCH_MEMORY, ENCODING, MEMORY, PASS, RECALL_SESSION, TENANT, WINDOW, make_targets,  # noqa: E402
+                 memproxy_config, recall_texts, summarize)
 
 
 async def profile(args: argparse.Namespace) -> Path:
@@ -43,6 +45,11 @@ async def profile(args: argparse.Namespace) -> Path:
         db = workdir / "memproxy.db"
         if args.history:
             await seed.seed_sessions(f"sqlite:///{db}", TENANT, [args.history], MemoryConfig(**BENCH_MEMORY), ENCODING)
+        questions: list[str] = []
+        if args.recall:
+            texts, questions = recall_texts(replay.data_path(None))
+            await seed.seed_recall_store(f"sqlite:///{db}", TENANT, RECALL_SESSION, args.recall, args.recall,
+                                         args.recall, texts, MemoryConfig(**BENCH_MEMORY), ENCODING, "bench-sweep")
         config = workdir / "memproxy.yaml"
         config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
         memproxy = processes.start(
@@ -56,6 +63,8 @@ async def profile(args: argparse.Namespace) -> Path:
             await load.closed_loop(session, target, 4, 100, "warm")
             if args.history:
                 sample = await _history_loop(session, target, args.history, args.seconds)
+            elif args.recall:
+                sample = await _recall_loop(session, target, questions, args.seconds)
             else:
                 sample = await load.closed_loop(session, target, args.clients, 10_000_000, "profile",
                                                 deadline=args.seconds)
@@ -79,6 +88,19 @@ async def _history_loop(session: aiohttp.ClientSession, target: load.Target, siz
     return sample
 
 
+async def _recall_loop(session: aiohttp.ClientSession, target: load.Target, questions: list[str],
+                       seconds: float) -> load.Sample:
+    """One client asking the recall session `questions` in turn, through the sweep model (the recall
+    speed phase of `run.py`)."""
+    recall = load.Target("recall", target.url, target.headers, model="bench-sweep", sessions="recall")
+    sample, stop, question = load.Sample(), time.perf_counter() + seconds, 0
+    while time.perf_counter() < stop:
+        body = load.chat_body("bench-sweep", question, text=questions[question % len(questions)])
+        question += 1
+        await load.send(session, recall, body, RECALL_SESSION.removeprefix("recall-"), sample, time.perf_counter(), False)
+    return sample
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="profile memproxy under load with pyinstrument")
     parser.add_argument("--pass-through", action="store_true", help="no session header (memory off)")
@@ -87,6 +109,8 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="the fake upstream's delay")
     parser.add_argument("--history", type=int, default=0,
                         help="profile one session seeded with this many ~400-token messages instead")
+    parser.add_argument("--recall", type=int, default=0,
+                        help="profile recall on one session seeded with this many LoCoMo turns instead")
     parser.add_argument("--out", help="where the text report goes (default: memproxy-profile.txt in the temp dir)")
     args = parser.parse_args()
     out = asyncio.run(profile(args))

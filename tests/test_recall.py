@@ -239,13 +239,30 @@ def test_the_block_goes_before_the_new_messages_or_the_unit_they_continue() -> N
     assert recall.insert_at([*kept, user("again")], 0) == 3  # a regenerate: before the message answered
 
 
-def test_a_short_follow_up_is_looked_up_with_the_exchange_before_it() -> None:
+def test_a_short_follow_up_is_looked_up_with_the_exchange_before_it_weighed_less() -> None:
     sent = [SYSTEM, user("tell me about the lighthouse keeper"), assistant("he lived alone on the cape")]
-    assert recall.question([user("and then?")], [*sent, user("and then?")]) == [
-        "tell", "lighthouse", "keeper", "lived", "alone", "cape"]
+    follow_up = recall.question([user("and then?")], [*sent, user("and then?")])
+    assert follow_up.words == ["tell", "lighthouse", "keeper", "lived", "alone", "cape"]
+    assert follow_up.weights == [recall.CONTEXT_WEIGHT] * 6
+    named = recall.question([user("and the cape?")], [*sent, user("and the cape?")])
+    assert named.words == ["cape", "tell", "lighthouse", "keeper", "lived", "alone"]
+    assert named.weights == [1.0] + [recall.CONTEXT_WEIGHT] * 5
     long = user("what colour was the keeper's boat")
-    assert recall.question([long], [*sent, long]) == ["colour", "keeper", "boat"]
-    assert recall.question([], [*sent, long]) == ["colour", "keeper", "boat"]  # the latest stored one
+    assert recall.question([long], [*sent, long]) == (["colour", "keeper", "boat"], [1.0] * 3)
+    assert recall.question([], [*sent, long]).words == ["colour", "keeper", "boat"]  # the latest stored one
+
+
+def test_a_short_question_that_names_its_subject_ranks_it_above_the_exchange_before_it() -> None:
+    history = [m for i in range(40) for m in (user(f"question {i}"), assistant(f"answer {i}"))]
+    history[10] = user("we went to the beach in May")
+    for n in (30, 31, 50, 51):
+        history[n] = user("the lighthouse keeper lived alone on the cape")
+    sent = [SYSTEM, *history, user("tell me about the lighthouse keeper"), assistant("he lived alone on the cape")]
+    query = recall.question([user("the beach?")], [*sent, user("the beach?")])
+    ranked = recall.rank(postings(history, query.words, 80), 0, SESSION, 10, weights=query.weights)
+    assert ranked[0].seq == 10
+    unweighted = recall.rank(postings(history, query.words, 80), 0, SESSION, 10)
+    assert unweighted[0].seq != 10  # what the weights are for: the exchange's words outvote the question's
 
 
 def test_matched_words_ignore_common_endings() -> None:

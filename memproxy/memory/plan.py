@@ -193,12 +193,14 @@ async def _recall(
     """The fit with recall (`memory.recall`): room held back from older kept turns, the store's best
     matches for the question in it, and whatever room they leave unused given back to those turns."""
     held = await build(session, room)
-    words = recall.question(fixed.new, context.messages)
+    query = recall.question(fixed.new, context.messages)
+    words = query.words
     if held.recall_room <= 0 or not words:
         return context
     postings = await store.recall_postings(session, words, held.first_sent, end_user)
     limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
-    ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end)
+    ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end,
+                         weights=query.weights)
     messages = await store.recall_messages(session, recall.spans(ranked), held.first_sent, end_user)
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
