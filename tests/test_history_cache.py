@@ -10,7 +10,7 @@ from memproxy.store.history_cache import Cached, HistoryCache, message_cost
 def entry(size: int, cost: int) -> Cached:
     messages = [StoredMessage(seq=i, body={"role": "user", "content": "x"}, tokens=1, cum_before=i, unit_start=True,
                               chain_hash=str(i)) for i in range(size)]
-    return Cached(messages, [cost // size] * size, last_id=size)
+    return Cached(messages, [cost // size] * size, last_id=size, session_created=1.0)
 
 
 def test_the_least_recently_used_sessions_go_first_past_the_budget() -> None:

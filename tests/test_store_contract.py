@@ -671,8 +671,8 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     (`memproxy.store.history_cache`). Whatever happens to the session meanwhile, through another
     store on the same database (another replica), what it loads is what a store without the cache
     loads: after turns, an edit, a summary and the message cap, a larger room, a clear, a deletion
-    followed by the same messages again (the same chain hashes, other token counts), a fork and an
-    import written under the cached session's id."""
+    followed by the same messages again (the same chain hashes, other token counts), a deletion and
+    new messages unseen in between, a fork and an import written under the cached session's id."""
     cached, writer = await open_store(), await open_store()
     uncached = await open_store_config(dataclasses.replace(backend.storage, history_cache_mb=0))
     history = [m for k in range(6) for m in (user(f"q{k}"), assistant(f"a{k}"))]
@@ -710,6 +710,13 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     assert loaded is not None and [m.tokens for m in loaded.messages] == [20] * len(history)
     session = await same()
     assert session is not None
+    # Deleted and written again with as many messages, unseen by the cached store meanwhile: on
+    # SQLite the new rows take the deleted rows' ids (and the session its row's), which the
+    # session's creation time tells apart.
+    await writer.delete_session(session)
+    await writer.record_turn(turn(None, [user(f"new {m['content']}") for m in history], tokens=30))
+    session = await same()
+    assert session is not None
     # A fork of another session, then an import, each written where the cached session was.
     await writer.record_turn(turn(None, [user("other"), assistant("o"), user("more"), assistant("m")],
                                   session_id="other"))
@@ -729,3 +736,4 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
 
 def session_hashes(messages: list[StoredMessage]) -> list[str]:
     return [m.chain_hash for m in messages]
+

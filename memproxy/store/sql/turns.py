@@ -84,8 +84,8 @@ QUERIES = {
     # trip), its rows told apart by the first column. 0: the session row with its newest message,
     # its marks (`_HEAD_MARKS`), its newest summary with the totals where it ends (null if that
     # history has changed since), where the messages to read start, its first active position, and
-    # whether the cached history (`memproxy.store.history_cache`) still holds: the newest cached
-    # message, by position and row id, still active. 1: the messages any room up to `?` could send,
+    # whether the cached history (`memproxy.store.history_cache`) still holds: the same session (by
+    # its creation time) with the newest cached message, by position and row id, still active. 1: the messages any room up to `?` could send,
     # in order (from the earliest of the last unit start and the first unit starts whose tails fit;
     # all of them when the whole history fits), less those the cache holds when it holds.
     "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
@@ -118,7 +118,8 @@ QUERIES["head"] = QUERIES["head"].format(
     all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * (_MESSAGE_FIELDS + 1)),
     start=f"CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES (coalesce({_HEAD_MARKS[0]},"
     f" s.length)), (coalesce({_HEAD_MARKS[2]}, s.length)), (coalesce({_HEAD_MARKS[3]}, s.length))) v) END",
-    cached="EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1 AND c.seq = ? AND c.id = ?)")
+    cached="(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
+    " AND c.seq = ? AND c.id = ?))")
 
 
 class SQLTurns(SQLBase):
@@ -135,11 +136,12 @@ class SQLTurns(SQLBase):
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
         key = (tenant, session_id)
         cached = self._history.get(key)
-        first, last, last_id = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id) if cached \
-            else (-1, -1, -1)
-        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, last, last_id, *key,
-                                                   room, room, room, last, last_id, last, *key,
-                                                   room, room, room, last, last_id, first, *key))
+        first, last, last_id, created = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id,
+                                         cached.session_created) if cached else (-1, -1, -1, -1.0)
+        held = (created, last, last_id)
+        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, *held, *key,
+                                                   room, room, room, *held, last, *key,
+                                                   room, room, room, *held, first, *key))
         if not rows:
             self._history.discard(key)
             return None
@@ -151,7 +153,8 @@ class SQLTurns(SQLBase):
         last_unit, last_user = (None if v is None else int(v) for v in head[_SESSION_FIELDS:_SESSION_FIELDS + 2])
         summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):-3]
         start, first_active, holds = head[-3:]
-        stored = self._with_cached(key, cached if holds else None, max(int(start), first_active or 0), rows[1:])
+        stored = self._with_cached(key, session.created_at, cached if holds else None,
+                                   max(int(start), first_active or 0), rows[1:])
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
         in_use = summary[0] is not None and summary[8] is not None and summary[2] <= session.length
@@ -161,8 +164,8 @@ class SQLTurns(SQLBase):
                       summary_totals=Totals(int(summary[8]), int(summary[9])) if in_use else None,
                       summary_known=session.summary_version == 0 or in_use)
 
-    def _with_cached(self, key: tuple[str, str], cached: Cached | None, start: int, rows: list[Row]) \
-            -> list[StoredMessage]:
+    def _with_cached(self, key: tuple[str, str], created: float, cached: Cached | None, start: int,
+                     rows: list[Row]) -> list[StoredMessage]:
         """`load`'s messages from `start` on: the rows read, with the cached ones between them where
         the cache still holds (the rows are then those before and after it); cached again."""
         fields = slice(1, 1 + _MESSAGE_FIELDS)
@@ -179,7 +182,7 @@ class SQLTurns(SQLBase):
         if messages:
             last_id = after[-1][1] if after else (cached.last_id if kept and cached else read[-1][1])
             self._history.put(key, Cached(messages, [r[2] for r in before] + kept_costs + [r[2] for r in after],
-                                          last_id))
+                                          last_id, created))
         else:
             self._history.discard(key)
         return messages
