@@ -113,6 +113,8 @@ class StorageConfig:
     on_failure: StoreFailurePolicy = "error"
     # Recently served sessions' decoded histories kept between turns, at most this many MiB (0: off).
     history_cache_mb: Count = 64
+    # Recently recalled sessions' full-text index kept in memory between turns, at most this many MiB (0: off).
+    recall_cache_mb: Count = 64
 
     @property
     def is_postgres(self) -> bool:

@@ -29,10 +29,13 @@ from memproxy.config import MemoryConfig
 from memproxy.memory.shrink import new_message
 from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
 from memproxy.store.base import COMMON_WORD_POSITIONS
+from memproxy.store import open_store
+from memproxy.store import migrations as sqlite_migrations
 from memproxy.store.sql.codec import sent_values, to_sent
+from memproxy.store.sqlite import FTS_TOKENIZER
 from stores import StoreUnderTest, store_under_test
 from test_plan import COUNTER
-from test_store_contract import turn
+from test_store_contract import summary, turn
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -133,6 +136,84 @@ async def test_the_index_holds_exactly_the_active_messages(
         hits = await store.search(tenant, [f"zq{n}x"], 10)
         holding = {key for key, text in expected.items() if text == f"zq{n}x"}
         assert {(h.session_id, h.seq) for h in hits} == holding
+
+
+WORDS = ["harbour", "harbours", "running", "runs", "the", "café", "lighthouse", "keeper"]
+
+
+@settings(max_examples=20, deadline=None, database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS, tools=st.lists(st.booleans(), min_size=14, max_size=14))
+async def test_the_index_in_memory_answers_as_the_stores_index_does(
+    backend: StoreUnderTest, store: Store, ops: list[tuple[str, int, int]], tools: list[bool]
+) -> None:
+    """A store keeps each session's index in memory between recalls (`memproxy.store.recall_index`);
+    whatever another store (another replica) does to the sessions meanwhile, it finds and reads
+    exactly what a store without it does: after turns, tool calls, edits, clears, forks, imports,
+    deletions (and the same ids written again), message caps and prunes."""
+    tenant = f"r{time.monotonic_ns()}"
+    cached = await backend.open()
+    uncached = await open_store(dataclasses.replace(backend.storage, recall_cache_mb=0))
+    written = 0
+
+    def text() -> str:
+        nonlocal written
+        written += 1
+        return f"zq{written}x {WORDS[written % len(WORDS)]} {WORDS[written * 3 % len(WORDS)]}"
+
+    async def same(sid: str) -> None:
+        session = await cached.get_session(tenant, sid)
+        if session is None:
+            return
+        for before in {session.length, max(session.length - 3, 0), session.length + 5}:
+            words = [*WORDS, f"zq{written}x", "zzz"]
+            want = await uncached.recall_postings(session, words, before)
+            assert await cached.recall_postings(session, words, before) == want
+            spans = [(sid, k, k) for k in range(min(before, session.length))] + [(sid, 0, max(before - 1, 0))]
+            for span in spans:
+                want_lines = await uncached.recall_messages(session, [span], before)
+                assert await cached.recall_messages(session, [span], before) == want_lines
+
+    try:
+        for (op, which, n), tool_unit in zip(ops, tools):
+            sid = f"s{which}"
+            current = await store.get_session(tenant, sid)
+            if op == "say" or current is None:
+                call = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"c{written}", "type": "function", "function": {"name": "look", "arguments": text()}}]}
+                unit = [user(text()), call, tool(f"c{written}", text()), assistant(text())] if tool_unit \
+                    else [user(text()), assistant(text())]
+                await say(store, sid, unit, tenant)
+            elif op == "edit" and current.length:
+                await say(store, sid, [user(text())], tenant, base=min(n, current.length - 1) // 2 * 2)
+            elif op == "clear":
+                await store.clear_session(current)
+            elif op == "fork" and await store.get_session(tenant, f"{sid}f{n}") is None:
+                await admin.fork(store, current, tenant, f"{sid}f{n}", current.length // 2 * 2)
+            elif op == "import" and await store.get_session(tenant, f"{sid}i{n}") is None:
+                await store.import_session(tenant, f"{sid}i{n}", await store.export_session(current))
+            elif op == "delete":
+                await store.delete_session(current)
+                await say(store, sid, [user(text()), assistant(text())], tenant)  # the same id, written again
+            elif op == "cap" and current.length > 2:
+                # A summary of the older half, which the message cap may then delete.
+                covers = current.length // 2
+                [last] = await store.active_range(current, covers - 1, covers)
+                await store.save_summary(current, current.summary_version, summary(covers, last.chain_hash))
+                await store.cap_messages(await session_of(store, sid, tenant), 2)
+            elif op == "prune":
+                await store.prune(time.time() + 1, tenant)
+            await same(sid)
+        for which in range(4):
+            await same(f"s{which}")
+    finally:
+        await cached.close()
+        await uncached.close()
+
+
+def test_the_stemmer_probe_uses_the_indexs_tokenizer() -> None:
+    migration = (Path(sqlite_migrations.__file__).parent / "migrations" / "sqlite" / "0009_recall.sql").read_text()
+    assert f'tokenize = "{FTS_TOKENIZER}"' in migration
 
 
 # --- recall --------------------------------------------------------------------------------------

@@ -302,36 +302,40 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     line's, counted once when the message was stored, is not counted again. A counter that cannot
     say so (`TokenCounter.sums_lines`) counts the block whole."""
     messages = sorted(messages, key=lambda m: (m.session_id != session_id, m.session_id, m.seq))
+    sums = counter.sums_lines
+    text = counter.text
     parts = [RECALL_PREFIX]
-    counted: list[int | None] = [None]
-    previous: tuple[str, int] | None = None
+    tokens = text(RECALL_PREFIX) if sums else 0
+    previous_sid, previous_seq = None, -2
     shown = ""  # the time last shown: a run shows its time unless it is that one
     for m in messages:
-        if previous is not None and previous != (m.session_id, m.seq - 1):
-            parts.append(_GAP)
-            counted.append(None)
+        sid, seq = m.session_id, m.seq
         when = ""
-        if previous != (m.session_id, m.seq - 1):
+        if sid != previous_sid or seq != previous_seq + 1:  # a run starts: after a gap, with its time
+            if previous_sid is not None:
+                parts.append(_GAP)
+                tokens += text(_GAP) if sums else 0
             when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(m.created_at))
             when, shown = ("" if when == shown else f" {when}"), when
-        where = f"#{m.seq}" if m.session_id == session_id else f"session {m.session_id} #{m.seq}"
-        parts.append(f"[{where}{when} {m.role}]")
-        counted.append(None)
-        parts.append(f" {m.text}\n")
-        counted.append(m.tokens)
-        previous = (m.session_id, m.seq)
+        label = f"[#{seq}{when} {m.role}]" if sid == session_id else f"[session {sid} #{seq}{when} {m.role}]"
+        line = f" {m.text}\n"
+        parts += (label, line)
+        if sums:
+            tokens += text(label) + (m.tokens if m.tokens is not None else text(line))
+        previous_sid, previous_seq = sid, seq
     message: Message = {"role": "user", "content": "".join(parts)}
-    if counter.sums_lines:
-        tokens = counter.message({"role": "user", "content": ""}) + sum(
-            counter.text(part) if n is None else n for part, n in zip(parts, counted))
-    else:
-        tokens = counter.message(message)
+    tokens = counter.message({"role": "user", "content": ""}) + tokens if sums else counter.message(message)
     recalled = []
+    said: dict[tuple[int, ...], tuple[str, ...]] = {}  # the matched words, by word indices
     for m in messages:
         r = info.get((m.session_id, m.seq))
-        hit = r is not None and r.hit > 0
-        recalled.append(Recalled(m.session_id, m.seq, m.role, m.created_at, r.hit if r is not None and hit else None,
-                                 tuple(words[i] for i in r.matched) if r is not None else ()))
+        if r is None:
+            recalled.append(Recalled(m.session_id, m.seq, m.role, m.created_at, None, ()))
+            continue
+        matched = said.get(r.matched)
+        if matched is None:
+            matched = said[r.matched] = tuple(words[i] for i in r.matched)
+        recalled.append(Recalled(m.session_id, m.seq, m.role, m.created_at, r.hit if r.hit > 0 else None, matched))
     return Block(message, tokens, tuple(recalled), tuple(messages))
 
 

@@ -19,6 +19,7 @@ import asyncpg
 
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
+from .recall_index import DEFAULT_RECALL_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
@@ -105,6 +106,12 @@ class PostgresBackend:
                 f" WHERE m.session_pk = ? AND m.active = 1 AND m.seq < ? AND m.search @@ {query}"
                 " ORDER BY 3 DESC LIMIT ?", [key, list(words), pk, min(before, 2_147_483_647), key, list(words), limit])
 
+    async def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
+        """The english stemmer's lexemes, as the search vector holds them (0009_recall)."""
+        rows = await self.fetch("SELECT ts_lexize('english_stem', w) FROM unnest(CAST(? AS TEXT[]))"
+                                " WITH ORDINALITY AS u (w, i) ORDER BY i", [list(words)])
+        return [tuple(r[0] or ()) for r in rows]
+
     def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
         """Each word stemmed as the index's words were and keyed by each session, one GIN lookup of
         active messages a word (0009_recall). The query is an uncorrelated subquery, computed once,
@@ -137,7 +144,7 @@ class PostgresStore(SQLStore):
     @classmethod
     async def open(
         cls, url: str, min_size: int = 1, max_size: int = 10, schema: str | None = None,
-        history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
+        history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES, recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES,
     ) -> PostgresStore:
         if schema:
             await _create_schema(url, schema)
@@ -145,7 +152,7 @@ class PostgresStore(SQLStore):
         pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
         assert pool is not None
         await _migrate(pool)
-        return cls(PostgresBackend(pool), history_cache_bytes)
+        return cls(PostgresBackend(pool), history_cache_bytes, recall_cache_bytes)
 
 
 async def _create_schema(url: str, schema: str) -> None:

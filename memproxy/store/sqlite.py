@@ -42,6 +42,7 @@ import aiosqlite
 from .base import COMMON_WORD_POSITIONS
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
+from .recall_index import DEFAULT_RECALL_CACHE_BYTES
 from .migrations import BACKFILL_SEARCH, migrations, statements
 from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
 
@@ -123,6 +124,33 @@ async def _set_wal(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
         pause = min(pause * 2, 0.1)
 
 
+# The full-text index's tokenizer, as migration 0009_recall creates it (a test holds them equal).
+FTS_TOKENIZER = "porter unicode61 remove_diacritics 2 tokenchars '_'"
+_PROBE_KEY = "0" * 12 + "_"  # a session key's shape: the stemmer sees `key_word` as the index holds it
+
+
+class _Stemmer:
+    """The index's own tokenizer, asked directly: an in-memory FTS5 table with the same tokenizer,
+    each word written as a row and read back from its vocabulary. Stems are exactly the store's,
+    whatever SQLite's porter stemmer does; microseconds a word, in this thread (no I/O)."""
+
+    def __init__(self) -> None:
+        self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._db.execute(f'CREATE VIRTUAL TABLE probe USING fts5(words, tokenize = "{FTS_TOKENIZER}")')
+        self._db.execute("CREATE VIRTUAL TABLE probe_terms USING fts5vocab(probe, instance)")
+
+    def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
+        out: list[list[str]] = [[] for _ in words]
+        with self._db:
+            self._db.executemany("INSERT INTO probe (rowid, words) VALUES (?, ?)",
+                                 [(i, _PROBE_KEY + word) for i, word in enumerate(words)])
+            for doc, term in self._db.execute("SELECT doc, term FROM probe_terms ORDER BY doc, offset"):
+                if term.startswith(_PROBE_KEY):  # a word the tokenizer splits: its first piece is keyed
+                    out[doc].append(term[len(_PROBE_KEY):])
+            self._db.execute("DELETE FROM probe")
+        return [tuple(stems) for stems in out]
+
+
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
 
@@ -137,6 +165,7 @@ class SQLiteBackend:
         self._checkpointer = checkpointer  # None for `:memory:`
         self._checkpointing: asyncio.Task[None] | None = None
         self._closed = False
+        self._stemmer = _Stemmer()
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
@@ -151,6 +180,9 @@ class SQLiteBackend:
         return ("SELECT rowid >> 32, rowid & 4294967295, -bm25(messages_fts) FROM messages_fts"
                 " WHERE messages_fts MATCH ? AND rowid >= ? AND rowid < ? ORDER BY bm25(messages_fts) LIMIT ?",
                 [match or '""', low, low + min(max(before, 0), 1 << 32), limit])
+
+    async def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
+        return self._stemmer.stems(words)
 
     def postings(self, scope: Sequence[tuple[int, str, int]], words: Sequence[str]) -> Step:
         """FTS5 matches over the sessions' rowid ranges (0009_recall): each session's words are
@@ -332,7 +364,8 @@ def _rows(outcome: Outcome) -> list[Row]:
 class SQLiteStore(SQLStore):
     @classmethod
     async def open(cls, url: str, busy_timeout_ms: int = 5000,
-                   history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES) -> SQLiteStore:
+                   history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
+                   recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES) -> SQLiteStore:
         path = sqlite_path(url)
         if path == ":memory:":
             conn = await _connect(path, busy_timeout_ms)
@@ -345,7 +378,7 @@ class SQLiteStore(SQLStore):
             checkpointer = await _connect(path, 0)
             backend = SQLiteBackend(writer, reader, checkpointer)
         await _migrate(backend)
-        return cls(backend, history_cache_bytes)
+        return cls(backend, history_cache_bytes, recall_cache_bytes)
 
 
 async def _migrate(backend: SQLiteBackend) -> None:

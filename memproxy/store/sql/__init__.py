@@ -10,6 +10,8 @@ of them; each backend subclasses it with its `Backend`.
 
 from __future__ import annotations
 
+from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES, HistoryCache
+from ..recall_index import DEFAULT_RECALL_CACHE_BYTES, RecallCache
 from .admin import SQLAdmin
 from .recall import SQLRecall, backfill_search
 from .script import Backend, Outcome, Row, Script, Step, run_script_async
@@ -20,4 +22,12 @@ __all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLRecall", "SQL
 
 
 class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
-    """The whole `Store`: the turn half and the admin half over one backend."""
+    """The whole `Store`: the turn half and the admin half over one backend, with what each keeps
+    in memory between calls (at most the given bytes; 0: nothing)."""
+
+    def __init__(self, backend: Backend, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
+                 recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES) -> None:
+        super().__init__(backend)
+        self._history = HistoryCache(history_cache_bytes)
+        self._recall_index = RecallCache(recall_cache_bytes)
+        self._stem_cache = {}

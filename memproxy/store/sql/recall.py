@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
+from ..recall_index import RecallCache, SessionIndex
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
 from .script import Row, Script, Step
@@ -27,13 +29,54 @@ _LINE_COLUMNS = ("m.session_pk, m.seq, m.role, m.unit_start, m.recall_text, m.re
 _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in, newest first
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
+_STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`), a few MiB
+# The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
+# one statement. Row 0: the session's first active position, whether the index still holds (the
+# same session, by its creation time, with the newest indexed message, by position and row id,
+# still active), whether the message at position `before` starts a unit (null: none there), and
+# the session's creation time. Then the active messages not indexed yet before `before`: after the
+# index where it holds, from the start where it does not.
+_HOLDS = ("(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
+          " AND c.seq = ? AND c.id = ?))")
+_INDEX_READ = (
+    f"SELECT 0, (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {_HOLDS}"
+    " THEN 1 ELSE 0 END, NULL, (SELECT unit_start FROM messages WHERE session_pk = s.pk AND active = 1 AND seq = ?),"
+    " NULL, NULL, NULL, s.created_at, NULL FROM sessions s WHERE s.pk = ?"
+    " UNION ALL SELECT 1, m.seq, m.id, m.role, m.unit_start, m.recall_text, m.recall_tokens,"
+    " coalesce(m.compact_tokens, m.tokens), m.created_at, m.search_text FROM sessions s JOIN messages m"
+    f" ON m.session_pk = s.pk AND m.active = 1 WHERE s.pk = ? AND m.seq >= CASE WHEN {_HOLDS} THEN ? ELSE 0 END"
+    " AND m.seq < ? ORDER BY 1, 2")
+
+
+class _Indexed(NamedTuple):
+    """A session's index as one call may use it: its messages from `low` (the first active
+    position) to before `before`, and whether the message at `before` starts a unit."""
+
+    entry: SessionIndex
+    low: int
+    before: int
+    next_starts_unit: bool | None  # None: no active message there
 
 
 class SQLRecall(SQLBase):
-    """`TurnStore.recall_postings`, `TurnStore.recall_messages` and `AdminStore.search`."""
+    """`TurnStore.recall_postings`, `TurnStore.recall_messages` and `AdminStore.search`. Within one
+    session (the default scope) both answer from the session's index in memory where they can
+    (`memproxy.store.recall_index`, `storage.recall_cache_mb`); across an end user's sessions,
+    from the store's index."""
+
+    _recall_index: RecallCache  # `SQLStore` sets them
+    _stem_cache: dict[str, tuple[str, ...]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
                               end_user: str | None = None) -> Postings:
+        indexed = await self._indexed(session, before) if end_user is None and words else None
+        if indexed is not None:
+            stems = await self._stems(words)
+            held: list[dict[str, list[int]]] = []
+            for word in words:
+                positions = indexed.entry.positions(stems[word], indexed.low, indexed.before)
+                held.append({session.session_id: positions} if 0 < len(positions) <= COMMON_WORD_POSITIONS else {})
+            return Postings({session.session_id: max(before, 0)}, held)
         scope = [(session.pk, session.session_id, before)]
         if end_user is not None and words:
             rows = await self._fetch(
@@ -55,6 +98,10 @@ class SQLRecall(SQLBase):
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
                               end_user: str | None = None) -> list[RecalledMessage]:
+        if end_user is None:
+            indexed = await self._indexed(session, before) if spans else None
+            if indexed is not None:
+                return _lines(indexed, [(first, last) for sid, first, last in spans if sid == session.session_id])
         pks = {session.session_id: session.pk}
         others = sorted({sid for sid, _, _ in spans} - {session.session_id})
         if others and end_user is not None:  # only the sessions `recall_postings` looks in
@@ -103,6 +150,48 @@ class SQLRecall(SQLBase):
                                 None if r[5] is None else int(r[5]), int(r[6]), float(r[7]))
                 for (pk, seq), r in sorted(keep.items()) if pk != session.pk or seq < before]
 
+    async def _indexed(self, session: SessionState, before: int) -> _Indexed | None:
+        """The session's index, checked against the store and brought up to `before` in one
+        statement (None: the cache is off, or the session is gone)."""
+        if self._recall_index.budget <= 0:
+            return None
+        key = (session.tenant, session.session_id)
+        index = self._recall_index.get(key)
+        held = (index.created, index.end - 1, index.ids[-1]) if index else (-1.0, -1, -1)
+        end = index.end if index else 0
+        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end, before))
+        if not rows or rows[0][0] != 0:
+            self._recall_index.discard(key)
+            return None
+        _, low, holds, _, next_start, _, _, _, created, _ = rows[0]
+        new = rows[1:]
+        if not holds or index is None:
+            index = SessionIndex(float(created), int(new[0][1]) if new else 0)
+        if new:
+            if int(new[0][1]) != index.end or int(new[-1][1]) != index.end + len(new) - 1:
+                self._recall_index.discard(key)  # not the contiguous positions the index needs
+                return None
+            terms = [_words(row[9]) for row in new]
+            stems = await self._stems(sorted({w for ws in terms for w in ws}))
+            for row, words in zip(new, terms):
+                line = RecalledMessage(session.session_id, int(row[1]), str(row[3]), bool(row[4]),
+                                       text_out(row[5]) or "", None if row[6] is None else int(row[6]),
+                                       int(row[7]), float(row[8]))
+                index.add(int(row[2]), line, [stem for w in words for stem in stems[w]])
+            self._recall_index.put(key, index)
+        return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
+                        None if next_start is None else bool(next_start))
+
+    async def _stems(self, words: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """`words` as the store's index stems them (`Backend.stems`), those asked before from memory."""
+        cache = self._stem_cache
+        missing = [w for w in dict.fromkeys(words) if w not in cache]
+        if missing:
+            if len(cache) + len(missing) > _STEMS_KEPT:
+                cache.clear()
+            cache.update(zip(missing, await self._db.stems(missing)))
+        return {w: cache[w] for w in words}
+
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,
                      session: SessionState | None = None) -> list[SearchHit]:
         if not words or limit <= 0:
@@ -141,6 +230,35 @@ class SQLRecall(SQLBase):
         if len(selects) == 1:
             return selects[0], params
         return f"SELECT * FROM ({' UNION ALL '.join(selects)}) AS u ORDER BY 3 DESC LIMIT ?", [*params, limit]
+
+
+def _words(text: str | None) -> set[str]:
+    """The distinct words of a `search_text` (`key_word key_word ...`), without the key."""
+    return {token.split("_", 1)[1] for token in (text or "").split() if "_" in token}
+
+
+def _lines(indexed: _Indexed, spans: Sequence[tuple[int, int]]) -> list[RecalledMessage]:
+    """`TurnStore.recall_messages` for one session, from its index: each span's messages, grown to
+    whole units where it starts inside one or its last unit goes on past it, before `before`."""
+    index, low, before = indexed.entry, indexed.low, indexed.before
+
+    def starts(seq: int) -> bool | None:
+        if seq == before:
+            return indexed.next_starts_unit
+        line = index.line(seq) if low <= seq < before else None
+        return None if line is None else line.unit_start
+
+    keep: set[int] = set()
+    for first, last in spans:
+        after = starts(last + 1)
+        lo, hi = first, last + 1
+        if not (starts(first) and after is not False):
+            while lo > low and not starts(lo):
+                lo -= 1
+            while hi < before and not starts(hi):
+                hi += 1
+        keep.update(range(max(lo, low), min(hi, before)))
+    return [line for seq in sorted(keep) if (line := index.line(seq)) is not None]
 
 
 def _starts_unit(row: Row | None) -> bool:

@@ -52,6 +52,11 @@ class Backend(Protocol):
         nowhere have no row."""
         ...
 
+    async def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
+        """Each of `words` as the full-text index stems it (the terms `postings` looks it up by,
+        without the session key; none for a word the index leaves out), in order."""
+        ...
+
     async def close(self) -> None: ...
 
 

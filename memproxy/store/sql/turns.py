@@ -20,7 +20,7 @@ from ...timing import charge_store
 from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
-from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES, Cached, HistoryCache, message_cost
+from ..history_cache import Cached, HistoryCache, message_cost
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
 from .script import Backend, Outcome, Row, Script, Step
@@ -125,9 +125,7 @@ QUERIES["head"] = QUERIES["head"].format(
 class SQLTurns(SQLBase):
     """The `TurnStore` methods."""
 
-    def __init__(self, backend: Backend, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES) -> None:
-        super().__init__(backend)
-        self._history = HistoryCache(history_cache_bytes)
+    _history: HistoryCache  # `SQLStore` sets it
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
         row = await self._one(QUERIES["get_session"], (tenant, session_id))
