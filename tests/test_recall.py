@@ -284,3 +284,23 @@ def test_the_fit_holds_room_for_recall_only_from_older_turns() -> None:
                  reserve=10_000)
     assert greedy.messages[-3:] == [*history[-2:], *new]
     assert dataclasses.replace(held, recall_room=0) != plain  # the cut moved
+
+
+def test_without_gives_the_block_a_fresh_render_of_what_is_left_would() -> None:
+    def line(sid: str, seq: int, at: float) -> RecalledMessage:
+        text = f"message {seq} of {sid}"
+        return RecalledMessage(sid, seq, "user", True, text, COUNTER.text(f" {text}\n"), 9, at)
+
+    mine = [line(SESSION, n, 1_700_000_000.0 + 3600 * (n > 5)) for n in (1, 2, 5, 6, 9)]
+    info = {(SESSION, 5): recall.Ranked(SESSION, 5, 2.0, 1.5, (0,))}
+    for counter in (COUNTER, WholeCounter("o200k_base")):
+        for others in ([], [line("other", 3, 1_700_000_000.0)]):
+            block = recall.render([*mine, *others], info, ["five"], SESSION, counter)
+            for kept_from in (0, 2, 6, 7, 10):
+                smaller = recall.without(block, list(info.values()), ["five"], SESSION, kept_from, counter)
+                left = [m for m in [*mine, *others] if m.session_id != SESSION or m.seq < kept_from]
+                fresh = recall.render(left, info, ["five"], SESSION, counter) if left else None
+                assert (smaller.message, smaller.tokens, smaller.recalled) == (  # type: ignore[union-attr]
+                    fresh.message, fresh.tokens, fresh.recalled) if fresh else smaller is None
+                if smaller is not None:
+                    assert smaller.tokens == counter.message(smaller.message)

@@ -94,6 +94,8 @@ class Block:
     tokens: int
     recalled: tuple[Recalled, ...]
     sources: tuple[RecalledMessage, ...]  # the same messages, as read, for `without`
+    parts: tuple[str, ...] = ()  # the content's parts, and after each source message the parts
+    ends: tuple[tuple[int, int], ...] = ()  # through it and their tokens (none: counted whole)
 
 
 def question(new: Sequence[Message], sent: Sequence[Message]) -> Query:
@@ -250,6 +252,14 @@ def without(block: Block, ranked: Sequence[Ranked], words: Sequence[str], sessio
         return block
     if not kept:
         return None
+    n = len(kept)
+    if block.ends and all(a is b for a, b in zip(kept, block.sources)):
+        # What goes is the end of the block (this session's latest, where no other session follows):
+        # the block up to there, as rendered, its tokens summed so far.
+        parts, tokens = block.ends[n - 1]
+        return Block({"role": "user", "content": "".join(block.parts[:parts])},
+                     block.tokens - block.ends[-1][1] + tokens, block.recalled[:n], block.sources[:n],
+                     block.parts[:parts], block.ends[:n])
     return render(kept, {(r.session_id, r.seq): r for r in ranked}, words, session_id, counter)
 
 
@@ -306,6 +316,7 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     text = counter.text
     parts = [RECALL_PREFIX]
     tokens = text(RECALL_PREFIX) if sums else 0
+    ends: list[tuple[int, int]] = []
     previous_sid, previous_seq = None, -2
     shown = ""  # the time last shown: a run shows its time unless it is that one
     for m in messages:
@@ -322,6 +333,7 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
         parts += (label, line)
         if sums:
             tokens += text(label) + (m.tokens if m.tokens is not None else text(line))
+            ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
     message: Message = {"role": "user", "content": "".join(parts)}
     tokens = counter.message({"role": "user", "content": ""}) + tokens if sums else counter.message(message)
@@ -336,6 +348,6 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
         if matched is None:
             matched = said[r.matched] = tuple(words[i] for i in r.matched)
         recalled.append(Recalled(m.session_id, m.seq, m.role, m.created_at, r.hit if r.hit > 0 else None, matched))
-    return Block(message, tokens, tuple(recalled), tuple(messages))
+    return Block(message, tokens, tuple(recalled), tuple(messages), tuple(parts), tuple(ends))
 
 
