@@ -47,6 +47,7 @@ from .memory.reconcile import HISTORY_MODES, HistoryMode
 from .memory.record import turn_record
 from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
+from .params import check_params
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, end_user, is_session_id
 from .store import StoreUnavailable, TurnRecord
@@ -130,6 +131,7 @@ def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
     for key in ("tools", "functions"):
         if key in body and not isinstance(body[key], list):
             raise BadRequest(f"'{key}' must be an array", param=key)
+    check_params(body)
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
     return Exchange(model=model, messages=messages, params=params, timings=timings)
 

@@ -91,6 +91,15 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, str], int, str, str | None, str | N
     ("unknown-model", chat(model="gpt-nonexistent"), {}, 404, "invalid_request_error", "model_not_found",
      "model"),
     ("max-tokens-not-int", chat(max_tokens="lots"), {}, 400, "invalid_request_error", None, "max_tokens"),
+    ("max-completion-tokens-bool", chat(max_completion_tokens=True), {}, 400, "invalid_request_error", None,
+     "max_completion_tokens"),
+    ("n-zero", chat(n=0), {}, 400, "invalid_request_error", None, "n"),
+    ("n-string", chat(n="2"), {}, 400, "invalid_request_error", None, "n"),
+    ("temperature-string", chat(temperature="hot"), {}, 400, "invalid_request_error", None, "temperature"),
+    ("top-p-string", chat(top_p="high"), {}, 400, "invalid_request_error", None, "top_p"),
+    ("seed-fraction", chat(seed=1.5), {}, 400, "invalid_request_error", None, "seed"),
+    ("stop-number", chat(stop=5), {}, 400, "invalid_request_error", None, "stop"),
+    ("logprobs-string", chat(logprobs="yes"), {}, 400, "invalid_request_error", None, "logprobs"),
     ("max-tokens-over-window", chat(max_tokens=5000), {}, 400, "invalid_request_error",
      "context_length_exceeded", "max_tokens"),
     ("session-id-bad-chars", chat(), {"X-Session-Id": "has space"}, 400, "invalid_request_error",
@@ -129,6 +138,32 @@ async def test_bad_request_is_openai_shaped_and_stores_nothing(
             assert_shape(await response.json(), type=error_type, code=code, param=param)
     assert upstream.received == []
     assert stored_rows(config) == {table: [] for table in TABLES}
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "lots"), ("temperature", "hot"), ("n", 0),
+                                          ("stop", {"at": "."})])
+async def test_a_parameter_of_the_wrong_type_is_refused_without_a_session_too(
+    proxy: Proxy, upstream: FakeUpstream, field: str, value: Any
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=chat(**{field: value}),
+                             headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+            assert response.status == 400
+            body = await response.json()
+            assert_shape(body, type="invalid_request_error", code=None, param=field)
+            assert field in body["error"]["message"]
+    assert upstream.received == []
+
+
+async def test_parameters_of_the_right_type_or_null_go_upstream_as_sent(proxy: Proxy, upstream: FakeUpstream) -> None:
+    sent = {"max_tokens": None, "temperature": 0, "top_p": 0.5, "n": 1, "seed": 7, "stop": ["."], "user": "u1",
+            "presence_penalty": -1.5, "logprobs": False, "future_parameter": {"any": "shape"}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=chat(**sent),
+                             headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+            assert response.status == 200
+    received = upstream.last().body
+    assert {k: received.get(k) for k in sent} == sent
 
 
 async def test_bad_requests_leave_an_existing_session_unchanged(

@@ -1,0 +1,58 @@
+"""The chat request's scalar parameters, type-checked before anything is planned, stored or sent.
+
+Whatever the provider, a `max_tokens` of "lots" or a `temperature` of "hot" is the client's mistake,
+and it gets the answer OpenAI gives it (400 `invalid_request_error`, `param` naming the field)
+before memproxy plans a turn around it or pays for an upstream call. Only types are checked, and
+the bounds every provider shares (a token count or a choice count is positive): ranges differ by
+provider (Anthropic's temperature stops at 1, OpenAI's at 2), so those are the provider's to say.
+`null` is accepted wherever OpenAI accepts it (it means "the default"); parameters not listed here
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from .errors import BadRequest
+
+_Count = Annotated[StrictInt, Field(ge=1)]
+_Number = StrictFloat | StrictInt
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the rest pass through unchecked
+
+    max_tokens: _Count | None = None
+    max_completion_tokens: _Count | None = None
+    n: _Count | None = None
+    temperature: _Number | None = None
+    top_p: _Number | None = None
+    presence_penalty: _Number | None = None
+    frequency_penalty: _Number | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None
+    user: StrictStr | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+
+
+_EXPECTED = {
+    "max_tokens": "a positive integer", "max_completion_tokens": "a positive integer", "n": "a positive integer",
+    "temperature": "a number", "top_p": "a number", "presence_penalty": "a number", "frequency_penalty": "a number",
+    "seed": "an integer", "logprobs": "a boolean", "top_logprobs": "an integer of at least 0",
+    "parallel_tool_calls": "a boolean", "store": "a boolean", "user": "a string",
+    "stop": "a string or an array of strings",
+}
+
+
+def check_params(body: dict[str, Any]) -> None:
+    """Raise `BadRequest` naming the first parameter of `body` of the wrong type."""
+    try:
+        _Params.model_validate(body)
+    except ValidationError as exc:
+        param = str(exc.errors()[0]["loc"][0])
+        raise BadRequest(f"'{param}' must be {_EXPECTED.get(param, 'valid')}, or null", param=param) from None
