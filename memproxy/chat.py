@@ -219,10 +219,22 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
     return response
 
 
+def _with_usage(params: dict[str, Any]) -> dict[str, Any] | None:
+    """`params` asking the provider for the stream's usage, where the client did not ask (None
+    where it did): a turn is recorded with what it cost, whatever the client wanted to see."""
+    options = params.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return None
+    return {**params, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+
+
 async def _forward_stream(request: web.Request, exchange: Exchange) -> web.StreamResponse:
     provider = request.app[PROVIDER]
+    # A recorded turn's usage is asked for even where the client did not ask; the client's stream
+    # is then relayed as it would have been without it (`_relay`: no usage field, no usage chunk).
+    asking = _with_usage(exchange.params) if exchange.turn is not None else None
     upstream_started = time.perf_counter()
-    chunks = await provider.stream(exchange.model, exchange.messages, exchange.params)
+    chunks = await provider.stream(exchange.model, exchange.messages, asking or exchange.params)
     exchange.timings.upstream_ended(upstream_started)
     # The headers leave now, before the answer is complete and recorded: the whole split, `record`
     # included, is in the request's log line.
@@ -235,7 +247,8 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
     await response.prepare(request)
     assembler = StreamAssembler()
     try:
-        upstream_ms = await _relay(chunks, response, assembler, exchange.timings, upstream_started)
+        upstream_ms = await _relay(chunks, response, assembler, exchange.timings, upstream_started,
+                                   hide_usage=asking is not None)
         if not assembler.complete:
             raise ProxyError("the upstream stream ended before the answer was complete",
                              status=502, code="upstream_incomplete")
@@ -282,13 +295,19 @@ def _log_failure(where: str, exc: BaseException) -> None:
 
 
 async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
-                 assembler: StreamAssembler, timings: Timings, upstream_started: float) -> float:
+                 assembler: StreamAssembler, timings: Timings, upstream_started: float, hide_usage: bool) -> float:
     """Relay the stream to the client; returns how long the upstream took (relaying included),
-    also when the stream or the client broke off."""
+    also when the stream or the client broke off. `hide_usage`: the usage was asked for memproxy's
+    own record, and the client sees none of it (no `usage` field, no chunk holding only usage)."""
     try:
         async with aclosing(chunks):  # a client that went away releases the upstream connection now
             async for chunk in chunks:
                 assembler.add(chunk)
+                if hide_usage and "usage" in chunk:
+                    if chunk["usage"] is not None and not any(
+                            c.get("delta") or c.get("finish_reason") for c in chunk.get("choices") or []):
+                        continue  # the usage chunk (litellm's holds an empty choice)
+                    chunk = {k: v for k, v in chunk.items() if k != "usage"}
                 await response.write(b"data: " + dumps(chunk) + b"\n\n")
     finally:
         upstream_ms = timings.upstream_ended(upstream_started)

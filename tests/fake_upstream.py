@@ -182,8 +182,11 @@ class FakeUpstream:
         base = {"id": f"chatcmpl-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": body.get("model")}
 
+        # As OpenAI streams: asked for usage, every chunk carries `usage` (null until the last).
+        usage_field = {"usage": None} if (body.get("stream_options") or {}).get("include_usage") else {}
+
         async def send(delta: dict[str, Any], finish: str | None = None) -> None:
-            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **usage_field}
             await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 
         await send({"role": "assistant", "content": ""})

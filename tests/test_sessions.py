@@ -378,6 +378,40 @@ async def test_complete_stream_is_stored_with_its_assembled_content(
     ]
 
 
+async def raw_stream(proxy: Proxy, body: dict[str, Any], **headers: str) -> list[dict[str, Any]]:
+    """The events of one streamed request as the client receives them, `[DONE]` left out."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json={**body, "stream": True},
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", **headers}) as response:
+            assert response.status == 200
+            text = (await response.read()).decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_a_streamed_turn_records_its_usage_though_the_client_did_not_ask_for_it(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    usage = {"prompt_tokens": 42, "completion_tokens": 7, "total_tokens": 49}
+    upstream.enqueue(Reply(content="streamed with no usage asked for", usage=usage))
+    events = await raw_stream(proxy, {"model": "small", "messages": [user("q1")]}, **{"X-Session-Id": "s1"})
+    assert upstream.last().body["stream_options"] == {"include_usage": True}  # asked for the record
+    # The client's stream is what it would have been: no usage field, no chunk of usage alone.
+    assert events and all("usage" not in e and e["choices"] for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "streamed with no usage asked for"
+    assert turn_rows(config) == [("new", "small", 42, 7)]
+    # A client that asks for it gets it as the provider sent it.
+    upstream.enqueue(Reply(content="with usage", usage=usage))
+    events = await raw_stream(proxy, {"model": "small", "messages": [user("q2")],
+                                      "stream_options": {"include_usage": True}}, **{"X-Session-Id": "s1"})
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
+    assert all(e["usage"] is None for e in events[:-1])
+    # Without a session nothing is recorded, and nothing is asked for.
+    upstream.enqueue(Reply(content="passed through"))
+    events = await raw_stream(proxy, {"model": "small", "messages": [user("q3")]})
+    assert "stream_options" not in upstream.last().body and all("usage" not in e for e in events)
+
+
 async def test_streamed_tool_calls_are_assembled_into_the_stored_message(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:
