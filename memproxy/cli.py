@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections import Counter
@@ -27,6 +28,18 @@ from .store.errors import StoreConflict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`memproxy sessions list | head`): stop quietly.
+        # Python's own advice: point stdout at devnull, or the interpreter's last flush fails too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="memproxy", description="OpenAI-compatible proxy with memory.")
     parser.add_argument("--version", action="version", version=f"memproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)

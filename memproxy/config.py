@@ -223,7 +223,7 @@ class Config:
 
 _CONFIG = TypeAdapter(Config)
 # Keys whose empty string means the default, as an absent key does (`${VAR:-}` left empty).
-_EMPTY_IS_DEFAULT = frozenset({"host", "url", "tokenizer", "transport", "overflow", "on_failure"})
+_EMPTY_IS_DEFAULT = frozenset({"host", "url", "tokenizer", "transport", "overflow", "on_failure", "api_base"})
 
 
 def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:

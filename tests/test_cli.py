@@ -210,3 +210,17 @@ def test_serve_refuses_a_public_address_without_keys(tmp_path: Path, in_config: 
     assert "refusing to bind 0.0.0.0" in result.stderr
     assert "listening" not in result.stdout
     assert not (tmp_path / "x.db").exists()  # it stopped before opening anything
+
+
+def test_output_to_a_reader_that_stopped_reading_ends_quietly() -> None:
+    """`memproxy ... | head`: the pipe is closed before memproxy writes (its read end is closed as
+    soon as the process is started, long before its imports are done)."""
+    config = Path(__file__).resolve().parent.parent / "config.example.yaml"
+    child = subprocess.Popen([*memproxy_command(), "check-config", "-c", str(config)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=clean_env())
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    with child.stderr:
+        errors = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 1, errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors

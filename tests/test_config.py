@@ -92,6 +92,15 @@ def test_example_config_loads_without_any_environment() -> None:
     assert config.memory.summarizer_model == "small"
 
 
+def test_the_example_config_reaches_openai_where_the_openai_environment_says() -> None:
+    def base(environ: dict[str, str]) -> str | None:
+        return load_config(ROOT / "config.example.yaml", environ=environ).models[0].api_base
+
+    assert base({}) is None  # the transport's default: OPENAI_BASE_URL, else OPENAI_API_BASE, else OpenAI's
+    assert base({"OPENAI_BASE_URL": "http://127.0.0.1:8000/v1"}) == "http://127.0.0.1:8000/v1"
+    assert base({"OPENAI_API_BASE": "http://127.0.0.1:8001/v1"}) is None  # read by the transport itself
+
+
 def test_every_config_key_is_documented_in_the_example() -> None:
     example = (ROOT / "config.example.yaml").read_text()
     documented = set(re.findall(r"\b([a-z_]+):", example))
