@@ -21,6 +21,7 @@ from .exports import has_gap, summaries_in_use
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
 from .memory.summaries import FoldResult, Summarizer
 from .messages import validate_message, wire_form
+from .params import check_params
 from .searchtext import matched_words, query_words
 from .provider import Provider
 from .session_ids import is_session_id
@@ -271,6 +272,7 @@ async def context(
     for key in ("tools", "functions"):
         if params.get(key) is not None and not isinstance(params[key], list):
             raise BadRequest(f"'{key}' must be an array", param=key)
+    check_params(params)
     counter = provider.counter(model)
     # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
