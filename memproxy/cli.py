@@ -23,6 +23,7 @@ from .app import runner as app_runner
 from .config import Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
+from .provider import check_windows
 from .store import Store, open_store
 from .store.errors import StoreConflict
 
@@ -83,6 +84,11 @@ def _main(argv: Sequence[str] | None) -> int:
         target = StorageConfig(url=args.target, schema=args.to_schema)
         return asyncio.run(_migrate_store(source, target, args.resume))
     if args.command == "check-config":
+        try:
+            check_windows(config)  # what `serve` checks at start besides the file itself
+        except ConfigError as exc:
+            print(f"memproxy: config error: {ConfigError(exc.key, exc.why, source=args.config)}", file=sys.stderr)
+            return 2
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {config.storage.url})")
         return 0
@@ -100,6 +106,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
+        check_windows(config)  # before anything starts: a model whose window is unknown opens no store
         asyncio.run(_serve(config))
     except ConfigError as exc:  # found at start, e.g. a model whose context window is unknown
         print(f"memproxy: config error: {exc}", file=sys.stderr)
@@ -181,7 +188,11 @@ async def _serve(config: Config) -> None:
     access_log = logging.getLogger("aiohttp.access") if server.access_log else None
     runner = app_runner(config, access_log=access_log, handler_cancellation=True,
                         keepalive_timeout=server.keepalive_timeout_seconds)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except BaseException:
+        await runner.cleanup()  # what started before the failure stops (the store's threads would keep the process)
+        raise
     assert runner.server is not None
     # aiohttp's server, each connection wrapped with the header deadline (memproxy.deadlines).
     loop = asyncio.get_running_loop()

@@ -68,6 +68,31 @@ class LitellmCounter:
         return int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
 
 
+def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
+    """`models[index]`'s context window: as configured, else litellm's local model info."""
+    if model.context_window is not None:
+        return model.context_window
+    try:
+        info = litellm.get_model_info(model.model)
+    except Exception:
+        info = {}
+    window = info.get("max_input_tokens") or info.get("max_tokens")
+    if not window:
+        raise ConfigError(f"models[{index}].context_window",
+                          f"litellm knows no context window for {model.model!r}; set it")
+    return int(window)
+
+
+def check_windows(config: Config) -> None:
+    """What `Provider` checks of the models at start, without starting anything: every window known.
+    litellm is imported only where a model sets none (`memproxy check-config` stays light otherwise)."""
+    unset = [(index, model) for index, model in enumerate(config.models) if model.context_window is None]
+    if unset:
+        litellm = load_litellm()
+        for index, model in unset:
+            resolve_window(litellm, index, model)
+
+
 class Provider:
     def __init__(self, config: Config, litellm: Any = None) -> None:
         self._litellm = litellm or load_litellm()
@@ -77,7 +102,7 @@ class Provider:
         self._native: dict[str, bool] = {}
         self._unpriced: set[str] = set()
         for index, model in enumerate(config.models):
-            self._windows[model.name] = self._resolve_window(index, model)
+            self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
             self._native[model.name] = transport(model) == "openai"
 
@@ -105,19 +130,6 @@ class Provider:
             self._unpriced.add(model.model)
             return None
         return float(prompt_cost + completion_cost)
-
-    def _resolve_window(self, index: int, model: ModelConfig) -> int:
-        if model.context_window is not None:
-            return model.context_window
-        try:
-            info = self._litellm.get_model_info(model.model)
-        except Exception:
-            info = {}
-        window = info.get("max_input_tokens") or info.get("max_tokens")
-        if not window:
-            raise ConfigError(f"models[{index}].context_window",
-                              f"litellm knows no context window for {model.model!r}; set it")
-        return int(window)
 
     def _make_counter(self, model: ModelConfig) -> TokenCounter:
         tokenizer: str = model.tokenizer  # an encoding's name once `auto` is resolved

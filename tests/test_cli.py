@@ -181,6 +181,22 @@ def test_bad_config_is_reported_by_key(
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_check_config_refuses_what_serve_refuses_a_window_litellm_does_not_know(tmp_path: Path, command: str) -> None:
+    config = write_config(tmp_path / "ollama.yaml", "http://127.0.0.1:9/v1", sqlite_at(tmp_path / "x.db"))
+    config.write_text(config.read_text().replace("model: openai/small", "model: ollama/some-local-model")
+                      .replace("context_window: 2000", "context_window: null"))
+    result = run_cli(command, "-c", str(config), "--port", "0", MEMPROXY_TEST_UPSTREAM_KEY="k") \
+        if command == "serve" else run_cli(command, "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k")
+    assert result.returncode == 2, result.stderr
+    assert "models[0].context_window: litellm knows no context window for 'ollama/some-local-model'" in result.stderr
+    assert str(config) in result.stderr or command == "serve"
+    # Known to litellm's local model info, the window may be left out.
+    config.write_text(config.read_text().replace("ollama/some-local-model", "openai/gpt-4o-mini"))
+    if command == "check-config":
+        assert run_cli(command, "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k").returncode == 0
+
+
 def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:
     result = run_cli("check-config", "-c", str(tmp_path / "absent.yaml"))
     assert result.returncode == 2
