@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -96,6 +96,34 @@ async def active(backend: StoreUnderTest, tenant: str) -> dict[tuple[str, int], 
     return {(sid, seq): json.loads(body)["content"] for sid, seq, body in rows}
 
 
+async def act(store: Store, tenant: str, op: str, sid: str, n: int, messages: Callable[[], list[Message]]) -> None:
+    """One step of a random history of the tenant's session `sid`: a turn of `messages()` (the
+    first of them alone for an edit), or what else `op` names. A deleted session is written again
+    under its id (on SQLite its rows may take the deleted rows' ids); the cap follows a summary of
+    the older half, so that it has something to delete."""
+    current = await store.get_session(tenant, sid)
+    if op == "say" or current is None:
+        await say(store, sid, messages(), tenant)
+    elif op == "edit" and current.length:
+        await say(store, sid, messages()[:1], tenant, base=min(n, current.length - 1) // 2 * 2)
+    elif op == "clear":
+        await store.clear_session(current)
+    elif op == "fork" and await store.get_session(tenant, f"{sid}f{n}") is None:
+        await admin.fork(store, current, tenant, f"{sid}f{n}", current.length // 2 * 2)
+    elif op == "import" and await store.get_session(tenant, f"{sid}i{n}") is None:
+        await store.import_session(tenant, f"{sid}i{n}", await store.export_session(current))
+    elif op == "delete":
+        await store.delete_session(current)
+        await say(store, sid, messages(), tenant)
+    elif op == "cap" and current.length > 2:
+        covers = current.length // 2
+        [last] = await store.active_range(current, covers - 1, covers)
+        await store.save_summary(current, current.summary_version, summary(covers, last.chain_hash))
+        await store.cap_messages(await session_of(store, sid, tenant), 2)
+    elif op == "prune":
+        await store.prune(time.time() + 1, tenant)
+
+
 @settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS)
@@ -111,24 +139,7 @@ async def test_the_index_holds_exactly_the_active_messages(
         return f"zq{written}x"
 
     for op, which, n in ops:
-        sid = f"s{which}"
-        current = await store.get_session(tenant, sid)
-        if op == "say" or current is None:
-            await say(store, sid, [user(word()), assistant(word())], tenant)
-        elif op == "edit" and current.length:
-            await say(store, sid, [user(word())], tenant, base=min(n, current.length - 1) // 2 * 2)
-        elif op == "clear":
-            await store.clear_session(current)
-        elif op == "fork" and await store.get_session(tenant, f"{sid}f{n}") is None:
-            await admin.fork(store, current, tenant, f"{sid}f{n}", current.length // 2 * 2)
-        elif op == "import" and await store.get_session(tenant, f"{sid}i{n}") is None:
-            await store.import_session(tenant, f"{sid}i{n}", await store.export_session(current))
-        elif op == "delete":
-            await store.delete_session(current)
-        elif op == "cap":
-            await store.cap_messages(current, 2)
-        elif op == "prune":
-            await store.prune(time.time() + 1, tenant)
+        await act(store, tenant, op, f"s{which}", n, lambda: [user(word()), assistant(word())])
     expected = await active(backend, tenant)
     assert await indexed(backend, tenant) == set(expected)
     # And through the store: each message's own word finds it exactly while it is active.
@@ -174,36 +185,17 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
                 want_lines = await uncached.recall_messages(session, [span], before)
                 assert await cached.recall_messages(session, [span], before) == want_lines
 
+    def unit(with_tool: bool) -> list[Message]:
+        if not with_tool:
+            return [user(text()), assistant(text())]
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{written}", "type": "function", "function": {"name": "look", "arguments": text()}}]}
+        return [user(text()), call, tool(f"c{written}", text()), assistant(text())]
+
     try:
-        for (op, which, n), tool_unit in zip(ops, tools):
-            sid = f"s{which}"
-            current = await store.get_session(tenant, sid)
-            if op == "say" or current is None:
-                call = {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": f"c{written}", "type": "function", "function": {"name": "look", "arguments": text()}}]}
-                unit = [user(text()), call, tool(f"c{written}", text()), assistant(text())] if tool_unit \
-                    else [user(text()), assistant(text())]
-                await say(store, sid, unit, tenant)
-            elif op == "edit" and current.length:
-                await say(store, sid, [user(text())], tenant, base=min(n, current.length - 1) // 2 * 2)
-            elif op == "clear":
-                await store.clear_session(current)
-            elif op == "fork" and await store.get_session(tenant, f"{sid}f{n}") is None:
-                await admin.fork(store, current, tenant, f"{sid}f{n}", current.length // 2 * 2)
-            elif op == "import" and await store.get_session(tenant, f"{sid}i{n}") is None:
-                await store.import_session(tenant, f"{sid}i{n}", await store.export_session(current))
-            elif op == "delete":
-                await store.delete_session(current)
-                await say(store, sid, [user(text()), assistant(text())], tenant)  # the same id, written again
-            elif op == "cap" and current.length > 2:
-                # A summary of the older half, which the message cap may then delete.
-                covers = current.length // 2
-                [last] = await store.active_range(current, covers - 1, covers)
-                await store.save_summary(current, current.summary_version, summary(covers, last.chain_hash))
-                await store.cap_messages(await session_of(store, sid, tenant), 2)
-            elif op == "prune":
-                await store.prune(time.time() + 1, tenant)
-            await same(sid)
+        for (op, which, n), with_tool in zip(ops, tools):
+            await act(store, tenant, op, f"s{which}", n, lambda: unit(with_tool))
+            await same(f"s{which}")
         for which in range(4):
             await same(f"s{which}")
     finally:
