@@ -47,7 +47,7 @@ def _bench_recall() -> Any:
 def _bench(out: Path, *options: str) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--no-litellm-proxy", "--out", str(out), *options],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,  # a hang guard: a quick run takes ~2 min here
         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
