@@ -55,4 +55,4 @@ def check_params(body: dict[str, Any]) -> None:
         _Params.model_validate(body)
     except ValidationError as exc:
         param = str(exc.errors()[0]["loc"][0])
-        raise BadRequest(f"'{param}' must be {_EXPECTED.get(param, 'valid')}, or null", param=param) from None
+        raise BadRequest(f"'{param}' must be {_EXPECTED[param]}, or null", param=param) from None

@@ -14,11 +14,11 @@ background. Three steps, the first and last pure:
    the beach?" is about the beach, not about the exchange before it).
 2. The store says where each word occurs (`TurnStore.recall_postings`), as its full-text index stems
    it, and `rank` scores every position from that alone, with the session's own statistics:
-   - a message's score is the sum of its words' inverse document frequencies (times their weight) (BM25 with the term
-     frequency and length normalisation left out: chat messages are short, and measured on the
-     LoCoMo replay they changed nothing), counted over the positions recall may take from, so a
-     word that is everywhere in this session (a name, a greeting) ranks nothing, however rare it
-     is in the rest of the store;
+   - a message's score is the sum of its words' inverse document frequencies, each times its
+     weight (BM25 with the term frequency and length normalisation left out: chat messages are
+     short, and measured on the LoCoMo replay they changed nothing), counted over the positions
+     recall may take from, so a word that is everywhere in this session (a name, a greeting)
+     ranks nothing, however rare it is in the rest of the store;
    - a conversation says things across messages (a question and its answer, a topic over several
      turns), so, with `memory.recall_context` above 0, each message is also scored as the passage
      of itself and its two neighbours (the same sum, with the passage's frequencies), and each
@@ -126,9 +126,9 @@ def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int
          weights: Sequence[float] | None = None) -> list[Ranked]:
     """The best `limit` positions: those the postings point at, and their neighbours up to `reach`
     positions away. Positions of `session_id` before `start` (the opening turns, sent already) are
-    not ranked; `weights`, one per word (default 1), scale each word's share. Vectorised over each session's positions (numpy): a few arrays of the session's
-    length a word, not a Python step a position (measured at 10,000 messages: 0.3-0.5 ms, where
-    loops took 2 ms)."""
+    not ranked; `weights`, one per word (default 1), scale each word's share. Vectorised over each
+    session's positions (numpy): a few arrays of the session's length a word, not a Python step a
+    position (measured at 10,000 messages: 0.3-0.5 ms, where loops took 2 ms)."""
     if limit <= 0:
         return []
     lows = {sid: (start if sid == session_id else 0) for sid in postings.sizes}

@@ -18,12 +18,12 @@ first). That check is the whole
 of it: another replica's turns, edits and forks on a shared PostgreSQL store are seen the same way.
 
 Bounded: each entry costs about its messages' stored JSON plus a fixed overhead per message for the
-decoded objects; past the budget the least recently used sessions are evicted.
+decoded objects; past the budget the least recently used sessions are evicted
+(`memproxy.store.session_cache`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import NamedTuple
 
 from .base import StoredMessage
@@ -42,43 +42,6 @@ class Cached(NamedTuple):
     last_id: int  # the row id of the newest of them
     session_created: float  # the session's `created_at`: a session deleted and created again is another
 
-    @property
-    def cost(self) -> int:
-        return sum(self.costs)
-
 
 def message_cost(body_text: str, compact_text: str | None) -> int:
     return MESSAGE_OVERHEAD + TEXT_FACTOR * (len(body_text) + len(compact_text or ""))
-
-
-class HistoryCache:
-    """Sessions' cached histories by (tenant, session id), least recently used first."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self.used = 0
-        self._entries: OrderedDict[tuple[str, str], Cached] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: tuple[str, str]) -> Cached | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple[str, str], entry: Cached) -> None:
-        self.discard(key)
-        if not entry.messages or entry.cost > self.budget:
-            return
-        self._entries[key] = entry
-        self.used += entry.cost
-        while self.used > self.budget:
-            _, evicted = self._entries.popitem(last=False)
-            self.used -= evicted.cost
-
-    def discard(self, key: tuple[str, str]) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used -= entry.cost

@@ -17,13 +17,12 @@ the same id), the session is indexed afresh. Messages the message cap has delete
 passed over by position (the cap deletes the oldest first).
 
 Bounded: each session costs about its messages' text and their postings; past the budget the least
-recently used sessions are evicted.
+recently used sessions are evicted (`memproxy.store.session_cache`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,38 +79,3 @@ class SessionIndex:
         """The message at position `seq`, if indexed."""
         i = seq - self.first
         return self.lines[i] if 0 <= i < len(self.lines) else None
-
-
-class RecallCache:
-    """Sessions' indexes by (tenant, session id), least recently used first."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self.used = 0
-        self._entries: OrderedDict[tuple[str, str], SessionIndex] = OrderedDict()
-        self._counted: dict[tuple[str, str], int] = {}  # each entry's cost when last put
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: tuple[str, str]) -> SessionIndex | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: tuple[str, str], entry: SessionIndex) -> None:
-        """Keep `entry` (new, or grown in place: its cost is counted again)."""
-        self.discard(key)
-        if not entry.lines or entry.cost > self.budget:
-            return
-        self._entries[key] = entry
-        self._counted[key] = entry.cost
-        self.used += entry.cost
-        while self.used > self.budget:
-            evicted, _ = self._entries.popitem(last=False)
-            self.used -= self._counted.pop(evicted)
-
-    def discard(self, key: tuple[str, str]) -> None:
-        if self._entries.pop(key, None) is not None:
-            self.used -= self._counted.pop(key)

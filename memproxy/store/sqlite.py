@@ -150,6 +150,9 @@ class _Stemmer:
             self._db.execute("DELETE FROM probe")
         return [tuple(stems) for stems in out]
 
+    def close(self) -> None:
+        self._db.close()
+
 
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
@@ -329,6 +332,7 @@ class SQLiteBackend:
             await self._checkpointing
         for conn in {id(c): c for c in (self._checkpointer, self._reader, self._writer) if c}.values():
             await conn.close()
+        self._stemmer.close()
 
 
 @dataclass

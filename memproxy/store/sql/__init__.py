@@ -10,8 +10,9 @@ of them; each backend subclasses it with its `Backend`.
 
 from __future__ import annotations
 
-from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES, HistoryCache
-from ..recall_index import DEFAULT_RECALL_CACHE_BYTES, RecallCache
+from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES
+from ..recall_index import DEFAULT_RECALL_CACHE_BYTES
+from ..session_cache import SessionCache
 from .admin import SQLAdmin
 from .recall import SQLRecall, backfill_search
 from .script import Backend, Outcome, Row, Script, Step, run_script_async
@@ -28,6 +29,6 @@ class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
     def __init__(self, backend: Backend, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
                  recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES) -> None:
         super().__init__(backend)
-        self._history = HistoryCache(history_cache_bytes)
-        self._recall_index = RecallCache(recall_cache_bytes)
+        self._history = SessionCache(history_cache_bytes)
+        self._recall_index = SessionCache(recall_cache_bytes)
         self._stem_cache = {}

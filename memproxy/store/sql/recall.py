@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
-from ..recall_index import RecallCache, SessionIndex
+from ..recall_index import SessionIndex
+from ..session_cache import SessionCache
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
 from .script import Row, Script, Step
@@ -64,7 +65,7 @@ class SQLRecall(SQLBase):
     (`memproxy.store.recall_index`, `storage.recall_cache_mb`); across an end user's sessions,
     from the store's index."""
 
-    _recall_index: RecallCache  # `SQLStore` sets them
+    _recall_index: SessionCache[SessionIndex]  # `SQLStore` sets them
     _stem_cache: dict[str, tuple[str, ...]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
@@ -178,7 +179,7 @@ class SQLRecall(SQLBase):
                                        text_out(row[5]) or "", None if row[6] is None else int(row[6]),
                                        int(row[7]), float(row[8]))
                 index.add(int(row[2]), line, [stem for w in words for stem in stems[w]])
-            self._recall_index.put(key, index)
+            self._recall_index.put(key, index, index.cost)
         return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
                         None if next_start is None else bool(next_start))
 

@@ -20,7 +20,8 @@ from ...timing import charge_store
 from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
-from ..history_cache import Cached, HistoryCache, message_cost
+from ..history_cache import Cached, message_cost
+from ..session_cache import SessionCache
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
 from .script import Backend, Outcome, Row, Script, Step
@@ -85,9 +86,10 @@ QUERIES = {
     # its marks (`_HEAD_MARKS`), its newest summary with the totals where it ends (null if that
     # history has changed since), where the messages to read start, its first active position, and
     # whether the cached history (`memproxy.store.history_cache`) still holds: the same session (by
-    # its creation time) with the newest cached message, by position and row id, still active. 1: the messages any room up to `?` could send,
-    # in order (from the earliest of the last unit start and the first unit starts whose tails fit;
-    # all of them when the whole history fits), less those the cache holds when it holds.
+    # its creation time) with the newest cached message, by position and row id, still active.
+    # 1: the messages any room up to `?` could send, in order (from the earliest of the last unit
+    # start and the first unit starts whose tails fit; all of them when the whole history fits),
+    # less those the cache holds when it holds.
     "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
     " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
@@ -125,7 +127,7 @@ QUERIES["head"] = QUERIES["head"].format(
 class SQLTurns(SQLBase):
     """The `TurnStore` methods."""
 
-    _history: HistoryCache  # `SQLStore` sets it
+    _history: SessionCache[Cached]  # `SQLStore` sets it
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
         row = await self._one(QUERIES["get_session"], (tenant, session_id))
@@ -179,8 +181,8 @@ class SQLTurns(SQLBase):
         messages = [r[0] for r in before] + kept + [r[0] for r in after]
         if messages:
             last_id = after[-1][1] if after else (cached.last_id if kept and cached else read[-1][1])
-            self._history.put(key, Cached(messages, [r[2] for r in before] + kept_costs + [r[2] for r in after],
-                                          last_id, created))
+            costs = [r[2] for r in before] + kept_costs + [r[2] for r in after]
+            self._history.put(key, Cached(messages, costs, last_id, created), sum(costs))
         else:
             self._history.discard(key)
         return messages
