@@ -210,10 +210,27 @@ def starts_unit(message: Message) -> bool:
     return message.get("role") not in ("tool", "function")
 
 
+# What a model said to itself before answering, as providers and litellm name it: stored and shown,
+# but not resent once its exchange is over (`without_reasoning`).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking_blocks")
+
+
+def without_reasoning(message: Message) -> Message:
+    """An assistant message as sent once its exchange is over: without its reasoning. Providers
+    do not want it back (DeepSeek refuses a request that resends `reasoning_content`; OpenAI and
+    Anthropic ignore or drop it), and it can be longer than the answer. Only an unfinished
+    tool-call exchange sends it, verbatim (Anthropic's extended thinking requires its thinking
+    blocks there). The message itself where it has none, never changed."""
+    if message.get("role") != "assistant" or not any(key in message for key in REASONING_KEYS):
+        return message
+    return {k: v for k, v in message.items() if k not in REASONING_KEYS}
+
+
 def assistant_message(message: Message) -> Message:
-    """The assistant reply as stored and resent: the response message without null fields."""
+    """The assistant reply as stored: the response message without null fields, its reasoning
+    kept (visible in the admin API and exports; `without_reasoning` says when it is sent)."""
     out: Message = {"role": "assistant", "content": message.get("content")}
-    for key in ("tool_calls", "function_call", "refusal", "audio", "reasoning_content"):
+    for key in ("tool_calls", "function_call", "refusal", "audio", *REASONING_KEYS):
         value = message.get(key)
         if value:
             out[key] = value

@@ -39,6 +39,7 @@ class Reply:
     # (`'"a\\ud800"'`, a lone surrogate) or any other JSON value (a malformed answer); overrides
     # `content`. A stream sends it whole, in one chunk.
     raw_content: str | None = None
+    reasoning_content: str | None = None  # what the model thought first, as DeepSeek and litellm send it
 
 
 @dataclass
@@ -70,6 +71,8 @@ class FakeUpstream:
     _runner: web.AppRunner | None = None
     _thread: threading.Thread | None = None
     port: int = 0
+    # Refuse a request that sends an assistant message's `reasoning_content` back, as DeepSeek does.
+    refuse_reasoning: bool = False
 
     @property
     def url(self) -> str:
@@ -100,6 +103,7 @@ class FakeUpstream:
             self.received.clear()
             self._script.clear()
             self.summarizer = None
+            self.refuse_reasoning = False
         while self.arrived.acquire(blocking=False):
             pass
 
@@ -148,6 +152,12 @@ class FakeUpstream:
             else:
                 reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
         self.arrived.release()
+        if self.refuse_reasoning and any("reasoning_content" in m for m in received.messages):
+            return web.json_response({"error": {
+                "message": "The reasoning_content is an intermediate result for display purposes only and will"
+                           " not be included in the context for inference. Please remove the reasoning_content"
+                           " from your input messages.",
+                "type": "invalid_request_error", "code": "invalid_request_error", "param": None}}, status=400)
         if reply.gate is not None:
             gate = reply.gate
             await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
@@ -163,6 +173,8 @@ class FakeUpstream:
                                    "content": _RAW if reply.raw_content is not None else reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
+        if reply.reasoning_content is not None:
+            message["reasoning_content"] = reply.reasoning_content
         extra = reply.choices or []
         choices = [
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
@@ -190,6 +202,8 @@ class FakeUpstream:
             await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 
         await send({"role": "assistant", "content": ""})
+        if reply.reasoning_content is not None:
+            await send({"reasoning_content": reply.reasoning_content})
         text = _RAW if reply.raw_content is not None else reply.content or ""
         pieces = [text[i : i + max(1, len(text) // 3)] for i in range(0, len(text), max(1, len(text) // 3))]
         if reply.raw_content is not None:

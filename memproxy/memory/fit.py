@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import ContextLengthExceeded
-from ..messages import Message, starts_unit
+from ..messages import Message, starts_unit, without_reasoning
 from ..store import Snapshot, StoredMessage, Summary, Totals
 from ..tokens import TokenCounter
 from .shrink import dedupe_repeats
@@ -184,7 +184,8 @@ def fit(
     opening: list[Message] = []
     opening_tokens = 0
     if head and not whole and len(head) <= must_start:
-        opening, saved = drop_unanswered_calls([m.body for m in head], [m.tokens for m in head], [], counter)
+        opening, saved = drop_unanswered_calls([without_reasoning(m.body) for m in head], [m.tokens for m in head],
+                                              [], counter)
         opening_tokens = sum(m.tokens for m in head) - saved
         if must_tokens + opening_tokens <= available:
             available -= opening_tokens
@@ -296,16 +297,19 @@ def _history(
     unanswered calls left out), their tokens, and how many were trimmed and deduplicated."""
     split = bisect.bisect_left(stored, newest, key=lambda m: m.seq)
     old, recent = stored[:split], stored[split:]
-    # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too.
+    # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too;
+    # reasoning never does (`without_reasoning`): where the form still holds it (trimming off, a
+    # message stored before reasoning was left out), it goes now, still counted: never under.
     trim = memory.tool_output_max_tokens > 0
-    forms = [m.compact if trim else m.body for m in old]
+    forms = [without_reasoning(m.compact if trim else m.body) for m in old]
     tokens = [m.compact_tokens if trim else m.tokens for m in old] + [m.tokens for m in recent]
     old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
     deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)
     bodies = old_bodies + [m.body for m in recent]
     history, unanswered_saved = drop_unanswered_calls(bodies, tokens, new, counter)
     # A trimmed output sent as a reference to an earlier copy counts as deduplicated, not trimmed.
-    trimmed = sum(1 for a, m in zip(old_bodies, old) if trim and m.compact_body is not None and a is m.compact_body)
+    trimmed = sum(1 for a, m in zip(old_bodies, old)
+                  if trim and m.compact_body is not None and a is m.compact_body and not starts_unit(a))
     return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
 
 

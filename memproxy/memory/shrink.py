@@ -7,6 +7,9 @@ transcript both cut long texts through it.
 - A tool result larger than `tool_output_max_tokens` is sent, once it is older than the newest
   exchange, as its head and tail around a marker giving the full size. The compact form is computed
   once, when the message is stored, and is itself under the limit, so trimming again changes nothing.
+- An assistant message's reasoning (`reasoning_content`, `reasoning`, `thinking_blocks`) is stored
+  and shown but, once older than the newest exchange, not sent: its compact form is the message
+  without it (`memproxy.messages.without_reasoning`), counted without it too.
 - A large content repeated later (the same file read or pasted twice) is sent once: in the older part
   of a request, a later copy becomes a short reference to the earlier one, which is sent too.
 """
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import MemoryConfig
-from ..messages import Message, starts_unit
+from ..messages import Message, starts_unit, without_reasoning
 from ..searchtext import recall_line
 from ..store import NewMessage
 from ..tokens import TokenCounter
@@ -70,6 +73,8 @@ def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter
 def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
     """A message as it will be stored: counted once, with its compact form if it has one."""
     compact = trimmed_tool_output(body, memory.tool_output_max_tokens, counter)
+    if compact is None and (plain := without_reasoning(body)) is not body:
+        compact = plain
     return NewMessage(
         body=body,
         tokens=counter.message(body),
