@@ -63,6 +63,7 @@ SLOW_FIRST = (
     "test_hostile_input.py",
     "test_admin_export.py",
     "test_bench_smoke.py",
+    "test_readme.py",
 )
 
 
