@@ -17,6 +17,7 @@ from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
 from .errors import Conflict, ProxyError, error_body, error_type, store_unavailable_body
+from .inspector import add_routes as add_inspector_routes
 from .memory.retention import sweep
 from .memory.summaries import Summarizer
 from .provider import Provider
@@ -46,6 +47,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
     add_session_routes(app)
+    add_inspector_routes(app)
     return app
 
 
