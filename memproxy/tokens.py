@@ -64,7 +64,12 @@ def load_encoding(name: str) -> tiktoken.Encoding:
 
 
 _SHORT_TEXT = 4096  # characters: texts up to this long are remembered...
-_SHORT_TEXTS = 8192  # ...this many at a time (at most some tens of MB): recall's labels recur too
+_SHORT_TEXTS = 8192  # ...this many at a time (at most some tens of MB)
+# Tiny texts (recall's labels, "[#1234 user]", one per stored position a block may show) are kept
+# apart and many more of them: a long session's labels outnumber `_SHORT_TEXTS`, and evicting them
+# in turn made every recall block encode its labels again (a third of its rendering time).
+_TINY_TEXT = 64
+_TINY_TEXTS = 65536  # at most a few MB
 
 
 def encoding_name_for(model: str) -> str:
@@ -85,15 +90,18 @@ class TiktokenCounter:
         self.encoding = load_encoding(encoding_name)
         # Short texts recur on every request (roles, names, a session's system prompt): counted once.
         self._short: dict[str, int] = {}
+        self._tiny: dict[str, int] = {}
 
     def text(self, text: str) -> int:
-        if len(text) > _SHORT_TEXT:
+        size = len(text)
+        if size > _SHORT_TEXT:
             return len(self.encoding.encode(text, disallowed_special=()))
-        count = self._short.get(text)
+        cache, bound = (self._tiny, _TINY_TEXTS) if size <= _TINY_TEXT else (self._short, _SHORT_TEXTS)
+        count = cache.get(text)
         if count is None:
-            if len(self._short) >= _SHORT_TEXTS:
-                del self._short[next(iter(self._short))]  # a bounded cache: the oldest goes
-            count = self._short[text] = len(self.encoding.encode(text, disallowed_special=()))
+            if len(cache) >= bound:
+                del cache[next(iter(cache))]  # a bounded cache: the oldest goes
+            count = cache[text] = len(self.encoding.encode(text, disallowed_special=()))
         return count
 
     def message(self, message: Message) -> int:

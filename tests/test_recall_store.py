@@ -179,11 +179,14 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
         for before in {session.length, max(session.length - 3, 0), session.length + 5}:
             words = [*WORDS, f"zq{written}x", "zzz"]
             want = await uncached.recall_postings(session, words, before)
-            assert await cached.recall_postings(session, words, before) == want
+            found = await cached.recall_postings(session, words, before)
+            assert found == want
             spans = [(sid, k, k) for k in range(min(before, session.length))] + [(sid, 0, max(before - 1, 0))]
             for span in spans:
                 want_lines = await uncached.recall_messages(session, [span], before)
                 assert await cached.recall_messages(session, [span], before) == want_lines
+                # From the index that call checked, as a turn reads them, without asking again.
+                assert await cached.recall_messages(session, [span], before, None, found) == want_lines
 
     def unit(with_tool: bool) -> list[Message]:
         if not with_tool:

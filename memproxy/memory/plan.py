@@ -201,7 +201,7 @@ async def _recall(
     limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
     ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end,
                          weights=query.weights)
-    messages = await store.recall_messages(session, recall.spans(ranked), held.first_sent, end_user)
+    messages = await store.recall_messages(session, recall.spans(ranked), held.first_sent, end_user, postings)
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
         return context

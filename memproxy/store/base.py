@@ -188,6 +188,9 @@ class Postings:
 
     sizes: dict[str, int]  # session id -> how many positions recall may take from it
     words: list[dict[str, list[int]]]  # per query word, in order: session id -> its positions holding it
+    # The store's own note of where it found them (its in-memory index, checked against the store by
+    # this very call), for `recall_messages` of the same turn to read from without checking again.
+    source: object = field(default=None, compare=False, repr=False)
 
 
 class RecalledMessage(NamedTuple):
@@ -413,12 +416,15 @@ class TurnStore(Protocol):
         ...
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
-                              end_user: str | None = None) -> list[RecalledMessage]:
+                              end_user: str | None = None, found: Postings | None = None) -> list[RecalledMessage]:
         """The active messages of `spans` (session id, first position, last position), each span
         extended to whole units (a message and the tool results answering it), by session and
         position; never at or after `before` in this session, nor in a session `recall_postings`
         would not look in. One statement for chat without tools; one more where a span must grow
-        to whole units, and one to name an end user's other sessions."""
+        to whole units, and one to name an end user's other sessions. `found`: what
+        `recall_postings` answered for the same `before` this turn; where it came from an index
+        that call checked, the messages are read from that index and nothing is asked of the store
+        (a turn is planned from what was stored when it began either way)."""
         ...
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:

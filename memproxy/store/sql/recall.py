@@ -77,7 +77,7 @@ class SQLRecall(SQLBase):
             for word in words:
                 positions = indexed.entry.positions(stems[word], indexed.low, indexed.before)
                 held.append({session.session_id: positions} if 0 < len(positions) <= COMMON_WORD_POSITIONS else {})
-            return Postings({session.session_id: max(before, 0)}, held)
+            return Postings({session.session_id: max(before, 0)}, held, indexed)
         scope = [(session.pk, session.session_id, before)]
         if end_user is not None and words:
             rows = await self._fetch(
@@ -98,9 +98,14 @@ class SQLRecall(SQLBase):
         return Postings({name: max(end, 0) for _, name, end in scope}, found)
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
-                              end_user: str | None = None) -> list[RecalledMessage]:
+                              end_user: str | None = None, found: Postings | None = None) -> list[RecalledMessage]:
         if end_user is None:
-            indexed = await self._indexed(session, before) if spans else None
+            checked = found.source if found is not None else None
+            if isinstance(checked, _Indexed) and checked.entry.created == session.created_at \
+                    and checked.before == max(before, 0):
+                indexed: _Indexed | None = checked
+            else:
+                indexed = await self._indexed(session, before) if spans else None
             if indexed is not None:
                 return _lines(indexed, [(first, last) for sid, first, last in spans if sid == session.session_id])
         pks = {session.session_id: session.pk}
