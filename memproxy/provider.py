@@ -11,6 +11,8 @@ litellm keeps one HTTP client per provider configuration and reuses it; nothing 
 
 Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
 an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
+memproxy's own requests (summaries) always go through litellm, translated for the model
+(`complete_own`).
 """
 
 from __future__ import annotations
@@ -100,11 +102,13 @@ class Provider:
         self._windows: dict[str, int] = {}
         self._counters: dict[str, TokenCounter] = {}
         self._native: dict[str, bool] = {}
+        self._reasoning: dict[str, bool] = {}
         self._unpriced: set[str] = set()
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
             self._native[model.name] = transport(model) == "openai"
+            self._reasoning[model.name] = _reasons(self._litellm, model.model)
 
     async def close(self) -> None:
         """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
@@ -117,6 +121,11 @@ class Provider:
 
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]
+
+    def reasons(self, model: ModelConfig) -> bool:
+        """Whether litellm knows the model to think before it answers (OpenAI's o-series and
+        GPT-5, DeepSeek's reasoner, Claude's extended thinking): its output limit covers both."""
+        return self._reasoning[model.name]
 
     def cost(self, model: ModelConfig, usage: dict[str, Any] | None) -> float | None:
         """What a call cost upstream, where litellm knows the model's price."""
@@ -169,6 +178,21 @@ class Provider:
         result: dict[str, Any] = response.model_dump(exclude_none=True)
         return result
 
+    async def complete_own(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
+                           ) -> dict[str, Any]:
+        """A request of memproxy's own (a summary), whatever the model's transport: through litellm,
+        which translates its parameters for the model (`max_tokens` becomes `max_completion_tokens`
+        for OpenAI's reasoning models) and drops those the model refuses (a `temperature` other
+        than 1 there). A client's request is forwarded as sent; this one is memproxy's to adapt."""
+        kwargs = self._kwargs(model, messages, params)
+        del kwargs["allowed_openai_params"]
+        try:
+            response = await self._acompletion({**kwargs, "drop_params": True})
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        result: dict[str, Any] = response.model_dump(exclude_none=True)
+        return result
+
     async def stream(
         self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
     ) -> AsyncGenerator[dict[str, Any], None]:
@@ -207,6 +231,13 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+def _reasons(litellm: Any, name: str) -> bool:
+    try:
+        return bool(litellm.supports_reasoning(model=name))
+    except Exception:  # a model litellm does not know: it is not told to think
+        return False
 
 
 def _unencodable(exc: BaseException | None) -> bool:

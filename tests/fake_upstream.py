@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -56,7 +57,9 @@ class Received:
     def is_summary(self) -> bool:
         """A request from memproxy's summariser, told apart by its instructions."""
         first = (self.body.get("messages") or [{}])[0]
-        return first.get("role") == "system" and str(first.get("content", "")).startswith(SUMMARIZER_OPENING)
+        # litellm may send a system message in another role to models that want that (o-series).
+        return first.get("role") in ("system", "developer", "user") \
+            and str(first.get("content", "")).startswith(SUMMARIZER_OPENING)
 
 
 @dataclass
@@ -152,6 +155,10 @@ class FakeUpstream:
             else:
                 reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
         self.arrived.release()
+        refusal = _reasoning_model_refusal(body)
+        if refusal is not None:
+            return web.json_response({"error": {"message": refusal, "type": "invalid_request_error",
+                                                "code": "unsupported_parameter", "param": None}}, status=400)
         if self.refuse_reasoning and any("reasoning_content" in m for m in received.messages):
             return web.json_response({"error": {
                 "message": "The reasoning_content is an intermediate result for display purposes only and will"
@@ -229,6 +236,20 @@ class FakeUpstream:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _reasoning_model_refusal(body: dict[str, Any]) -> str | None:
+    """What OpenAI's reasoning models (o1, o3, o4-mini, GPT-5) refuse that other models take, in the
+    API's words; None for anything else."""
+    if not re.match(r"(o\d|gpt-5)", str(body.get("model", ""))):
+        return None
+    if "max_tokens" in body:
+        return ("Unsupported parameter: 'max_tokens' is not supported with this model. "
+                "Use 'max_completion_tokens' instead.")
+    if body.get("temperature", 1) != 1:
+        return (f"Unsupported value: 'temperature' does not support {body['temperature']} with this model. "
+                "Only the default (1) value is supported.")
+    return None
 
 
 _RAW = "@@raw-content@@"  # where a reply's `raw_content` goes, in the JSON text about to be sent

@@ -153,6 +153,35 @@ async def test_the_summariser_model_is_configurable(
         assert request_tokens(COUNTER, request.messages, []) + request.body["max_tokens"] <= window
 
 
+@pytest.mark.parametrize("transport", ["auto", "litellm"])
+async def test_a_reasoning_summariser_gets_parameters_it_accepts(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, transport: str
+) -> None:
+    """memproxy's own request, like any client's, must be valid for its model (issue 15, item 3):
+    to OpenAI's reasoning models `max_tokens` and `temperature: 0` are a 400 (the fake refuses
+    them as the API does). The summary goes through litellm whatever the model's transport, which
+    sends `max_completion_tokens` (the cap plus room to think) and no temperature."""
+    config = make_config(storage, upstream.url, transport, **SUMMARIES, summarizer_model="thinker",
+                         chunk_threshold_tokens=300)
+    thinker = ModelConfig(name="thinker", model="openai/o3-mini", api_base=upstream.url, api_key="upstream-secret",
+                          context_window=200_000, max_output_tokens=1000, transport=transport)
+    proxy = await start_proxy(replace(config, models=(*config.models, thinker)))
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream)
+    for turn in range(6):
+        await chat.say(f"question {turn}: FACT-{turn} {words(40, turn)}")
+        await chat.idle()
+    requests = upstream.summary_requests()
+    assert requests and all(r.body["model"] == "o3-mini" for r in requests)
+    for request in requests:
+        assert "max_tokens" not in request.body and "temperature" not in request.body
+        cap = config.memory.summary_cap(WINDOW)
+        assert cap < request.body["max_completion_tokens"] <= cap + 4096
+    rows = summary_rows(proxy.app[CONFIG])
+    assert rows and {s.model for s in rows} == {"thinker"}  # answered, applied
+    assert facts_in(rows[-1].text)
+
+
 # --- the long conversation ("Done when") -----------------------------------------------------------
 
 

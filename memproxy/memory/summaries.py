@@ -54,6 +54,9 @@ Reply with the updated summary only."""
 
 _TRANSCRIPT_TOOL_CHARS = 2000
 _MIN_TRANSCRIPT_ROOM = 256
+# A thinking summariser's room to think, beyond the summary's cap (at `reasoning_effort: low`,
+# OpenAI's reasoning models spend some hundreds of tokens on a summary; its limit counts them).
+_REASONING_ROOM = 2048
 _MAX_BACKOFF_SECONDS = 3600.0
 
 
@@ -329,6 +332,20 @@ class Summarizer:
         previous summary, the transcript and the answer."""
         return min(self._memory.summary_cap(chat_window), self._provider.window(model) // 4)
 
+    def _output_limit(self, model: ModelConfig, cap: int) -> int:
+        """What a summary call may produce: the summary's cap, and for a model that thinks first
+        (`Provider.reasons`), room to think as well: its limit counts the thinking, and a model
+        that spent the cap on it would answer nothing, every time."""
+        return cap + _REASONING_ROOM if self._provider.reasons(model) else cap
+
+    def _output_params(self, model: ModelConfig, cap: int) -> dict[str, Any]:
+        """The summary call's parameters, as for any model (litellm translates them, `complete_own`):
+        deterministic where the model allows, briefly thought where it thinks."""
+        params: dict[str, Any] = {"max_tokens": self._output_limit(model, cap), "temperature": 0}
+        if self._provider.reasons(model):
+            params["reasoning_effort"] = "low"
+        return params
+
     def _transcript_room(
         self, model: ModelConfig, counter: TokenCounter, cap: int, previous: Summary | None
     ) -> int:
@@ -336,7 +353,8 @@ class Summarizer:
         fixed = sum(counter.message(m) for m in summarizer_messages(None, "", cap))
         # After the first chunk the previous summary is the one just written: up to `cap` tokens.
         previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
-        return window - cap - self._memory.safety_margin(window) - fixed - previous_tokens
+        output = self._output_limit(model, cap)
+        return window - output - self._memory.safety_margin(window) - fixed - previous_tokens
 
     async def _summarise(
         self, session: SessionState, model: ModelConfig, previous: str | None, transcript: str, cap: int
@@ -346,7 +364,7 @@ class Summarizer:
         messages = summarizer_messages(previous, transcript, cap)
         started = time.perf_counter()
         try:
-            response = await self._provider.complete(model, messages, {"max_tokens": cap, "temperature": 0})
+            response = await self._provider.complete_own(model, messages, self._output_params(model, cap))
         except ProxyError as exc:
             return None, f"{exc.status} {exc.code}"
         usage = response.get("usage")
