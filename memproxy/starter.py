@@ -26,7 +26,7 @@ _MODELS: dict[ProviderKind, str] = {
     "openai": """\
   - name: gpt-4o-mini                 # the model name clients send
     model: openai/gpt-4o-mini         # litellm model string: provider/model
-    api_base: ${OPENAI_BASE_URL:-}    # empty: OPENAI_BASE_URL's default, https://api.openai.com/v1
+    api_base: ${OPENAI_BASE_URL:-}    # OPENAI_BASE_URL if set; empty: https://api.openai.com/v1
     api_key: ${OPENAI_API_KEY}        # the provider key; clients' proxy keys are never forwarded
     max_output_tokens: 1024           # output reserve when a request sets no max_tokens
     # context_window: 128000          # max input tokens; left out, litellm's model info gives it
