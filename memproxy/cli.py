@@ -1,7 +1,10 @@
-"""The `memproxy` command: `serve` runs the daemon, `check-config` validates a config file,
-`sessions ...` manages stored sessions (`memproxy.sessions_cli`).
+"""The `memproxy` command: `serve` runs the daemon, `check-config` checks a config file as `serve`
+would (`memproxy.preflight`), `init` writes a starting one (`memproxy.starter`), `sessions ...`
+manages stored sessions (`memproxy.sessions_cli`). The console script enters through
+`memproxy.entry`, which handles `serve`'s stop signals before this module is imported.
 
-Only `serve` and `sessions context` import litellm (once); the other commands stay light.
+Only `serve`, `sessions context` and `check-config` (for a model whose window is not set) import
+litellm (once); the other commands stay light.
 """
 
 from __future__ import annotations
@@ -10,11 +13,11 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 
@@ -23,9 +26,14 @@ from .app import runner as app_runner
 from .config import Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
-from .provider import check_windows
+from .preflight import problems
+from .provider import load_litellm
+from .starter import PROVIDERS, ProviderKind, starter_config
+from .stopping import Stopped, stop_signals
 from .store import Store, open_store
-from .store.errors import StoreConflict
+from .store.errors import DRIVER_ERRORS, StoreConflict
+
+log = logging.getLogger("memproxy")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,8 +61,13 @@ def _main(argv: Sequence[str] | None) -> int:
                        help="allow a non-loopback address with no auth.keys configured")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    check = commands.add_parser("check-config", help="validate a config file and exit")
+    check = commands.add_parser("check-config", help="check a config file as serve would, and exit")
     check.add_argument("-c", "--config", required=True)
+
+    init = commands.add_parser("init", help="write a commented starting config")
+    init.add_argument("--provider", choices=PROVIDERS, default="openai")
+    init.add_argument("-o", "--output", default="memproxy.yaml", help="file to write (- for stdout)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
 
     migrate = commands.add_parser("migrate", help="apply the store's pending migrations and exit")
     migrate.add_argument("-c", "--config", help="YAML config file (storage.url)")
@@ -70,6 +83,8 @@ def _main(argv: Sequence[str] | None) -> int:
     sessions_cli.add_parser(commands)
 
     args = parser.parse_args(argv)
+    if args.command == "init":
+        return _init(args.provider, args.output, args.force)
     try:
         config = load_config(args.config) if getattr(args, "config", None) else Config()
     except ConfigError as exc:
@@ -84,13 +99,10 @@ def _main(argv: Sequence[str] | None) -> int:
         target = StorageConfig(url=args.target, schema=args.to_schema)
         return asyncio.run(_migrate_store(source, target, args.resume))
     if args.command == "check-config":
-        try:
-            check_windows(config)  # what `serve` checks at start besides the file itself
-        except ConfigError as exc:
-            print(f"memproxy: config error: {ConfigError(exc.key, exc.why, source=args.config)}", file=sys.stderr)
-            return 2
+        if found := problems(config):  # what `serve` checks at start besides the file itself
+            return _refuse(found, args.config)
         print(f"{args.config}: ok ({len(config.models)} models, "
-              f"{len(config.auth.keys)} API keys, store {config.storage.url})")
+              f"{len(config.auth.keys)} API keys, store {_without_password(config.storage.url)})")
         return 0
     server = config.server
     server = replace(
@@ -100,19 +112,50 @@ def _main(argv: Sequence[str] | None) -> int:
         allow_unauthenticated=server.allow_unauthenticated or args.allow_unauthenticated,
     )
     config = replace(config, server=server)
-    if not config.auth.keys and not server.is_loopback and not server.allow_unauthenticated:
-        print(f"memproxy: refusing to bind {server.host} with no auth.keys configured; add keys, bind "
-              "127.0.0.1, or pass --allow-unauthenticated", file=sys.stderr)
-        return 2
+    stop_signals.install()  # as `memproxy.entry` does, for a caller that did not come through it
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        check_windows(config)  # before anything starts: a model whose window is unknown opens no store
+        if found := problems(config):  # before anything starts: a config `serve` would stop on opens nothing
+            return _refuse(found, args.config)
+        log.debug("starting: importing litellm")
+        load_litellm()  # here, where a stop signal interrupts it at once; the provider finds it loaded
         asyncio.run(_serve(config))
-    except ConfigError as exc:  # found at start, e.g. a model whose context window is unknown
-        print(f"memproxy: config error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        pass
+    except ConfigError as exc:  # found while starting: the store would not open, the port is taken
+        return _refuse([exc], args.config)
+    except Stopped:  # a stop signal before the server's event loop ran: nothing was left open
+        log.info("stopped while starting")
+    return 0
+
+
+def _refuse(found: list[ConfigError], source: str | None) -> int:
+    for exc in found:
+        print(f"memproxy: config error: {ConfigError(exc.key, exc.why, source=source)}", file=sys.stderr)
+    return 2
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+
+
+def _init(provider: ProviderKind, output: str, force: bool) -> int:
+    text = starter_config(provider)
+    if output == "-":
+        print(text, end="")
+        return 0
+    try:
+        with open(output, "w" if force else "x", encoding="utf-8") as file:  # "x": never over a file
+            file.write(text)
+    except FileExistsError:
+        print(f"memproxy: {output} exists; --force overwrites it", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"memproxy: cannot write {output}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {output} for {provider}; check it with `memproxy check-config -c {output}`, "
+          f"start with `memproxy serve -c {output}`")
     return 0
 
 
@@ -182,32 +225,52 @@ async def _export(store: Store, tenant: str, session_id: str) -> list[dict[str, 
 
 
 async def _serve(config: Config) -> None:
+    """Start, then serve until a stop signal. A signal cancels this task wherever it is, starting
+    (the store opening or migrating) or serving; what had started then stops, in reverse order."""
+    task = asyncio.current_task()
+    assert task is not None
+    closing = False
+
+    def stop() -> None:
+        if not closing:  # a cancel while closing would leave the store open, its threads keeping the process
+            task.cancel()
+
     # A handler whose client went away is cancelled, as in the test server: an answer nobody
     # received is not recorded, so a client's retry of it is not stored twice.
     server = config.server
     access_log = logging.getLogger("aiohttp.access") if server.access_log else None
     runner = app_runner(config, access_log=access_log, handler_cancellation=True,
                         keepalive_timeout=server.keepalive_timeout_seconds)
-    try:
-        await runner.setup()
-    except BaseException:
-        await runner.cleanup()  # what started before the failure stops (the store's threads would keep the process)
-        raise
-    assert runner.server is not None
-    # aiohttp's server, each connection wrapped with the header deadline (memproxy.deadlines).
+    listener = None
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(protocols(runner.server, server.header_timeout_seconds),
-                                        server.host, server.port, reuse_address=True)
-    port = listener.sockets[0].getsockname()[1]
-    print(f"memproxy listening on http://{server.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        listener.close()  # no new connections; the runner then closes idle ones and drains the rest
-        await runner.cleanup()
+    with stop_signals.on_loop(loop, stop):
+        try:
+            log.debug("starting: opening the store, then the provider")
+            try:
+                await runner.setup()
+            except DRIVER_ERRORS as exc:  # what the checks cannot see: a migration, a schema's rights
+                raise ConfigError("storage.url", f"the store did not open: {type(exc).__name__}: {exc}") from exc
+            assert runner.server is not None
+            # aiohttp's server, each connection wrapped with the header deadline (memproxy.deadlines).
+            try:
+                listener = await loop.create_server(
+                    protocols(runner.server, server.header_timeout_seconds), server.host, server.port,
+                    reuse_address=True)
+            except OSError as exc:
+                raise ConfigError("server.port", f"cannot listen on {server.host}:{server.port}: "
+                                                 f"{exc.strerror or exc}") from exc
+            port = listener.sockets[0].getsockname()[1]
+            print(f"memproxy listening on http://{server.host}:{port}", flush=True)
+            await loop.create_future()  # until a stop signal cancels this task
+        except asyncio.CancelledError:
+            if not stop_signals.requested:
+                raise
+            log.info("stopping")
+        finally:
+            closing = True
+            if listener is not None:
+                listener.close()  # no new connections; the runner then closes idle ones and drains the rest
+            await runner.cleanup()  # what started stops (the store's threads would keep the process)
 
 
 if __name__ == "__main__":

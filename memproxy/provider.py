@@ -85,14 +85,19 @@ def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     return int(window)
 
 
-def check_windows(config: Config) -> None:
-    """What `Provider` checks of the models at start, without starting anything: every window known.
-    litellm is imported only where a model sets none (`memproxy check-config` stays light otherwise)."""
+def unknown_windows(config: Config) -> list[ConfigError]:
+    """What `Provider` checks of the models at start, without starting anything: every window known,
+    one error per model whose window is not. litellm is imported only where a model sets none
+    (`memproxy check-config` stays light otherwise)."""
     unset = [(index, model) for index, model in enumerate(config.models) if model.context_window is None]
-    if unset:
-        litellm = load_litellm()
-        for index, model in unset:
+    problems = []
+    litellm = load_litellm() if unset else None
+    for index, model in unset:
+        try:
             resolve_window(litellm, index, model)
+        except ConfigError as exc:
+            problems.append(exc)
+    return problems
 
 
 class Provider:

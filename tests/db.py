@@ -136,6 +136,26 @@ def write_lock_held(config: Config | StorageConfig, table: str = "sessions") -> 
             loop.run(conn.close())  # ends the transaction: the lock goes with it
 
 
+@contextmanager
+def opening_held(storage: StorageConfig) -> Iterator[None]:
+    """Hold, from another connection, what a store opening must have, so it waits there: on SQLite
+    the whole file (`BEGIN EXCLUSIVE`: not even WAL mode can be set), on PostgreSQL the advisory lock
+    its migrations take for the schema (the one `memproxy.store.postgres._migrate` takes)."""
+    if not storage.is_postgres:
+        with closing(sqlite3.connect(sqlite_path(storage.url), isolation_level=None)) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS held (x)")  # an empty file has nothing to lock
+            db.execute("BEGIN EXCLUSIVE")
+            yield
+        return
+    with _LoopThread() as loop:
+        conn: asyncpg.Connection = loop.run(connect(storage))
+        try:
+            loop.run(conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"memproxy-migrate:{storage.schema}"))
+            yield
+        finally:
+            loop.run(conn.close())  # the lock goes with the session
+
+
 def writes_waiting(config: Config | StorageConfig, table: str = "sessions") -> list[int]:
     """PostgreSQL: the server processes waiting for a lock on this schema's `table`."""
     found = rows(config, f"SELECT pid FROM pg_locks WHERE NOT granted AND relation = '{table}'::regclass")

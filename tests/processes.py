@@ -31,7 +31,7 @@ ONE_KEY = f'auth:\n  keys:\n    - {{key: "{PROXY_KEY}", tenant: a}}\n'
 
 def memproxy_command() -> list[str]:
     script = Path(sys.executable).parent / "memproxy"
-    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from memproxy.cli "
+    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from memproxy.entry "
                                                   "import main; sys.exit(main())"]
 
 
@@ -123,7 +123,8 @@ class Served:
         return code
 
 
-def serve(config: Path, logs: list[Path], *args: str, env: dict[str, str] | None = None) -> list[Served]:
+def serve(config: Path, logs: list[Path], *args: str, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> list[Served]:
     """One `memproxy serve` per log file, all launched before any is waited for (so they start, and
     migrate, at the same time); returned once each has printed its address."""
     processes = []
@@ -131,7 +132,7 @@ def serve(config: Path, logs: list[Path], *args: str, env: dict[str, str] | None
         with log.open("w") as err:
             processes.append(subprocess.Popen(
                 [*memproxy_command(), "serve", "-c", str(config), "--port", "0", *args],
-                stdout=subprocess.PIPE, stderr=err, text=True, env=env or clean_env()))
+                stdout=subprocess.PIPE, stderr=err, text=True, env=env or clean_env(), cwd=cwd))
     lines: queue.Queue[tuple[int, str]] = queue.Queue()
 
     def read(i: int, process: subprocess.Popen[str]) -> None:
@@ -165,6 +166,7 @@ def serve(config: Path, logs: list[Path], *args: str, env: dict[str, str] | None
     return [Served(process, urls[i], logs[i]) for i, process in enumerate(processes)]
 
 
-def serve_one(config: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> Served:
-    [served] = serve(config, [log], *args, env=env)
+def serve_one(config: Path, log: Path, *args: str, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Served:
+    [served] = serve(config, [log], *args, env=env, cwd=cwd)
     return served

@@ -151,7 +151,11 @@ class PostgresStore(SQLStore):
         settings = {"search_path": f'"{schema}"'} if schema else None  # quoted: as created, case kept
         pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
         assert pool is not None
-        await _migrate(pool)
+        try:
+            await _migrate(pool)
+        except BaseException:  # a failure, or a stop signal's cancel: the connections go at once
+            pool.terminate()
+            raise
         return cls(PostgresBackend(pool), history_cache_bytes, recall_cache_bytes)
 
 

@@ -33,6 +33,7 @@ import logging
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -92,8 +93,7 @@ async def checkpoint_log(conn: aiosqlite.Connection) -> tuple[int, int]:
 
 
 async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = False) -> aiosqlite.Connection:
-    # Implicit transactions: a data-changing statement always runs inside one (see the module's note).
-    conn = await aiosqlite.connect(path, isolation_level="IMMEDIATE")
+    conn = await _opened(path)
     try:
         setup = [f"busy_timeout = {int(busy_timeout_ms)}", "foreign_keys = ON", "synchronous = NORMAL", *pragmas]
         for pragma in setup:
@@ -104,6 +104,21 @@ async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = F
         await conn.close()  # else its thread outlives the loop that waits for it
         raise
     return conn
+
+
+async def _opened(path: str) -> aiosqlite.Connection:
+    """`aiosqlite.connect`, carried to its end even when cancelled (a stop signal while the store
+    opens), then closed. aiosqlite stops a connect cut short without waiting for its thread, whose
+    late answer then finds the event loop closed and prints a traceback at exit."""
+    # Implicit transactions: a data-changing statement always runs inside one (see the module's note).
+    opening = asyncio.ensure_future(aiosqlite.connect(path, isolation_level="IMMEDIATE"))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        await asyncio.wait([opening])
+        if not opening.cancelled() and opening.exception() is None:
+            await opening.result().close()
+        raise
 
 
 async def _set_wal(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
@@ -377,11 +392,21 @@ class SQLiteStore(SQLStore):
         else:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             # The writer opens the file first, in WAL mode; it never checkpoints on commit.
-            writer = await _connect(path, busy_timeout_ms, "wal_autocheckpoint = 0", wal=True)
-            reader = await _connect(path, busy_timeout_ms)
-            checkpointer = await _connect(path, 0)
+            async with AsyncExitStack() as opening:  # until all three are open, a failure closes the others
+                writer = await _connect(path, busy_timeout_ms, "wal_autocheckpoint = 0", wal=True)
+                opening.push_async_callback(writer.close)
+                reader = await _connect(path, busy_timeout_ms)
+                opening.push_async_callback(reader.close)
+                checkpointer = await _connect(path, 0)
+                opening.pop_all()
             backend = SQLiteBackend(writer, reader, checkpointer)
-        await _migrate(backend)
+        # Whatever stops the opening (a failure, a stop signal's cancel while migrating) closes what
+        # opened: each connection's thread would otherwise keep the process alive.
+        try:
+            await _migrate(backend)
+        except BaseException:
+            await backend.close()
+            raise
         return cls(backend, history_cache_bytes, recall_cache_bytes)
 
 
