@@ -20,12 +20,14 @@ from aiohttp import web
 
 from . import __version__, sessions_cli
 from .app import runner as app_runner
-from .config import Config, ConfigError, StorageConfig, load_config
+from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
+from .logs import configure as configure_logging, log_start
 from .provider import check_windows
 from .store import Store, open_store
 from .store.errors import StoreConflict
+from .typedefs import PROVIDER
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,7 +53,7 @@ def _main(argv: Sequence[str] | None) -> int:
     serve.add_argument("--port", type=int, help="port to bind, 0 for any free one (overrides server.port)")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow a non-loopback address with no auth.keys configured")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="overrides logging.level (default INFO)")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True)
@@ -104,7 +106,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"memproxy: refusing to bind {server.host} with no auth.keys configured; add keys, bind "
               "127.0.0.1, or pass --allow-unauthenticated", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level or config.logging.level, config.logging.format)
     try:
         check_windows(config)  # before anything starts: a model whose window is unknown opens no store
         asyncio.run(_serve(config))
@@ -199,6 +201,8 @@ async def _serve(config: Config) -> None:
     listener = await loop.create_server(protocols(runner.server, server.header_timeout_seconds),
                                         server.host, server.port, reuse_address=True)
     port = listener.sockets[0].getsockname()[1]
+    provider = runner.app[PROVIDER]
+    log_start(config, {model.name: provider.window(model) for model in config.models})
     print(f"memproxy listening on http://{server.host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
