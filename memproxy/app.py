@@ -1,5 +1,5 @@
-"""The application factory: routes, the error and auth middlewares, and one cleanup context per
-resource (store, provider, background tasks, summarizer), which aiohttp unwinds in reverse order so
+"""The application factory: routes, the middlewares (one log line and one count per request, errors,
+auth), and one cleanup context per resource (store, provider, background tasks, summarizer), which aiohttp unwinds in reverse order so
 pending writes finish before the provider and the store close."""
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
-from .errors import Conflict, ProxyError, error_body, error_type, store_unavailable_body
+from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
 from .memory.retention import sweep
 from .memory.summaries import Summarizer
+from .metrics import Metrics
+from .observe import log as request_log, notes, observe
 from .provider import Provider
-from .routes import healthz, models, readyz
+from .routes import healthz, metrics, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
 from .store.errors import StoreConflict
-from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
+from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")
 
@@ -35,14 +37,16 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def create_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[_errors, read_deadlines, _auth],
+        middlewares=[observe, _errors, read_deadlines, _auth],
         client_max_size=config.server.max_body_bytes,
     )
     app[CONFIG] = config
     app[LOCKS] = SessionLocks()
+    app[METRICS] = Metrics(config.metrics)
     app.cleanup_ctx.extend([_store, _provider, _tasks, _summarizer, _retention, _frozen_heap])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
@@ -70,7 +74,7 @@ async def _tasks(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _summarizer(app: web.Application) -> AsyncIterator[None]:
-    app[SUMMARIZER] = Summarizer(app[CONFIG], app[STORE], app[PROVIDER], app[TASKS])
+    app[SUMMARIZER] = Summarizer(app[CONFIG], app[STORE], app[PROVIDER], app[TASKS], app[METRICS])
     yield
 
 
@@ -78,8 +82,8 @@ async def _retention(app: web.Application) -> AsyncIterator[None]:
     """With an idle TTL, a sweep deletes expired sessions every `sweep_interval_seconds`."""
     retention = app[CONFIG].retention
     if retention.idle_ttl_seconds is not None:
-        app[TASKS].spawn(sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds),
-                         optional=True)
+        app[TASKS].spawn(sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds,
+                               app[METRICS]), optional=True)
     yield
 
 
@@ -98,15 +102,22 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ProxyError as exc:
+        noted = notes(request)
+        noted.error = exc.code or exc.type  # a 400 without a code of its own: its type
+        if isinstance(exc, UpstreamError):
+            noted.upstream_status = exc.upstream_status
         response = web.json_response(exc.body(), status=exc.status)
         if isinstance(exc.__cause__, web.RequestPayloadError):
             response.force_close()  # the rest of a body that failed to decode cannot be skipped
         return response
     except StoreConflict as exc:  # the store refused: the session moved meanwhile, or the id exists
+        notes(request).error = Conflict.code
         return web.json_response(Conflict.from_store(exc).body(), status=Conflict.status)
     except StoreUnavailable as exc:
         # The driver's error names only its class: its text may quote stored content.
         log.error("store unavailable on %s %s: %s", request.method, request.path, type(exc.__cause__).__name__)
+        notes(request).error = "store_unavailable"
+        request.app[METRICS].store_error("request")
         return web.json_response(store_unavailable_body(), status=503)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -114,13 +125,16 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = exc.reason
         if exc.status == 413:
             message = f"The request body is larger than server.max_body_bytes ({request.app[CONFIG].server.max_body_bytes} bytes)."
-        body = error_body(message, error_type(exc.status), _HTTP_CODES.get(exc.status))
+        code = _HTTP_CODES.get(exc.status)
+        notes(request).error = code
+        body = error_body(message, error_type(exc.status), code)
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405 must say
         return web.json_response(body, status=exc.status, headers=allow)
     except Exception as exc:
         # Never the message: it may quote request content.
         log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path,
                   exc_info=log.isEnabledFor(logging.DEBUG))
+        notes(request).error = "internal_error"
         return web.json_response(error_body("internal error", "server_error", "internal_error"),
                                  status=500)
 
@@ -165,13 +179,15 @@ class _JsonErrorHandler(web.RequestHandler):
                 code, text = kind_code, kind_text
                 break
         # aiohttp's own log line would quote the offending bytes (a header, perhaps a key): the
-        # exception's kind only.
+        # exception's kind only. No route, method or caller is known: the request line says so.
         if status >= 500:
             log.error("unhandled %s before the application", type(exc).__name__)
-            body = error_body("internal error", "server_error", "internal_error")
+            code = "internal_error"
+            body = error_body("internal error", "server_error", code)
         else:
-            log.info("unparseable request answered %d: %s", status, type(exc).__name__)
             body = error_body(text, error_type(status), code)
+        request_log.info("request", extra={"method": "-", "route": "-", "status": status, "error": code,
+                                           "cause": type(exc).__name__ if exc is not None else None})
         response = web.json_response(body, status=status)
         response.force_close()
         return response

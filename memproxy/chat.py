@@ -38,6 +38,7 @@ from .errors import (
     NotFound,
     Conflict,
     ProxyError,
+    UpstreamError,
     error_body,
     store_unavailable_body,
 )
@@ -47,6 +48,7 @@ from .memory.reconcile import HISTORY_MODES, HistoryMode
 from .memory.record import turn_record
 from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
+from .observe import CLIENT_GONE, notes
 from .params import check_params
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, end_user, is_session_id
@@ -54,7 +56,7 @@ from .store import StoreUnavailable, TurnRecord
 from .store.errors import StoreConflict
 from .streaming import StreamAssembler
 from .timing import BEFORE_UPSTREAM, Timings, measured
-from .typedefs import CALLER, CONFIG, LOCKS, PROVIDER, STORE, SUMMARIZER, TASKS
+from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy.chat")
 
@@ -96,6 +98,8 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     body = await json_object(request)
     exchange = _parse(config, body, timings)
     timings.lap("parse")
+    noted = notes(request)  # the request's log line and metrics (`memproxy.observe`)
+    noted.model, noted.stream, noted.timings = exchange.model.name, exchange.stream, timings
     tenant = request[CALLER].tenant
     if tenant is None:
         raise Forbidden("An admin key manages sessions; chat with a tenant's key.")
@@ -112,6 +116,7 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
             # The request as the client sent it, remembered nowhere: what "continue without memory"
             # asks for, said in a header so the client knows this turn will not be recalled.
             log.error("store unavailable, chat forwarded without memory: %s", type(exc.__cause__).__name__)
+            request.app[METRICS].store_error("passthrough")
             exchange.turn = None
             exchange.headers.update({MEMORY_HEADER: "unavailable", STORED_HEADER: "false"})
         return await _forward(request, exchange)
@@ -165,7 +170,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
         end_user=end_user(request.headers, exchange.params),
     )
-    exchange.turn = turn
+    exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
     context, reconciled, budget = turn.context, turn.reconciled, turn.budget
     if reconciled.superseded:
@@ -206,6 +211,8 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         except Exception as exc:
             # The answer is paid for: the client gets it, told that the turn is not remembered.
             _log_failure("recording a turn", exc)
+            if isinstance(exc, StoreUnavailable):
+                request.app[METRICS].store_error("record")
         exchange.headers[STORED_HEADER] = "true" if exchange.recorded else "false"
     exchange.headers["Server-Timing"] = exchange.timings.header()
     response = web.Response(body=dumps(result), headers=exchange.headers, content_type="application/json",
@@ -215,7 +222,6 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         await response.write_eof()
     finally:
         _after_response(request, exchange)
-    _log(exchange, response.status)
     return response
 
 
@@ -256,34 +262,37 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
             await _record(request, exchange, assembler.message(), assembler.usage, upstream_ms)
         await response.write(b"data: [DONE]\n\n")
     except ConnectionError:
-        _log(exchange, 499)  # the client went away before the answer was complete
+        notes(request).status = CLIENT_GONE  # the client went away before the answer was complete
         return response
     except Exception as exc:  # anything at all: the headers are out, so it can only end the stream
-        await _end_stream(response, exchange, exc)
+        await _end_stream(request, response, exc)
         return response
     await _write_quietly_eof(response)
     _after_response(request, exchange)
-    _log(exchange, 200)
     return response
 
 
-async def _end_stream(response: web.StreamResponse, exchange: Exchange, exc: Exception) -> None:
+async def _end_stream(request: web.Request, response: web.StreamResponse, exc: Exception) -> None:
     """End a stream whose headers are out with one error event, and no `[DONE]`: the client's SDK
     raises it, and what came before it is not a finished answer. A `ProxyError` says what it is; a
     store failure says the answer was not stored; anything else is an internal error, whose text
     (it may quote content) goes nowhere."""
+    noted = notes(request)  # the request ends with this error's status, not the headers' 200
     if isinstance(exc, StoreConflict):
         exc = Conflict.from_store(exc)
     if isinstance(exc, ProxyError):
         status, body = exc.status, exc.body()
+        if isinstance(exc, UpstreamError):
+            noted.upstream_status = exc.upstream_status
     elif isinstance(exc, StoreUnavailable):
         _log_failure("recording a streamed turn", exc)
+        request.app[METRICS].store_error("record")
         status, body = 503, store_unavailable_body()
     else:
         _log_failure("a stream after its headers", exc)
         status, body = 500, error_body("internal error", "server_error", "internal_error")
+    noted.status, noted.error = status, body["error"]["code"] or body["error"]["type"]
     await _write_quietly(response, b"data: " + dumps(body) + b"\n\n")
-    _log(exchange, status)
 
 
 def _log_failure(where: str, exc: BaseException) -> None:
@@ -323,7 +332,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     record = turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
                          exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
     await app[TASKS].run(app[STORE].record_turn(record))
-    exchange.record = record
+    exchange.record = notes(request).record = record
     exchange.timings.lap("record")
 
 
@@ -353,18 +362,3 @@ async def _write_quietly_eof(response: web.StreamResponse) -> None:
         await response.write_eof()
     except ConnectionError:
         pass
-
-
-def _log(exchange: Exchange, status: int) -> None:
-    """One line per request; for a stream, the only place its `record` time shows."""
-    turn = exchange.turn
-    timings = exchange.timings.log_fields()
-    if turn is None:
-        log.info("chat status=%d model=%s session=- %s", status, exchange.model.name, timings)
-        return
-    digest = session_digest(turn.tenant, turn.session_id)
-    log.info(
-        "chat status=%d model=%s session=%s kind=%s context_tokens=%d included=%d omitted=%d recalled=%d %s",
-        status, exchange.model.name, digest, turn.reconciled.kind, turn.context.tokens,
-        turn.context.included, turn.context.omitted, len(turn.context.recalled), timings,
-    )

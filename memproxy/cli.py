@@ -23,15 +23,17 @@ from aiohttp import web
 
 from . import __version__, sessions_cli
 from .app import runner as app_runner
-from .config import Config, ConfigError, StorageConfig, load_config
+from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
+from .logs import configure as configure_logging, log_start
 from .preflight import problems
 from .provider import load_litellm
 from .starter import PROVIDERS, ProviderKind, starter_config
 from .stopping import Stopped, stop_signals
 from .store import Store, open_store
 from .store.errors import DRIVER_ERRORS, StoreConflict
+from .typedefs import PROVIDER
 
 log = logging.getLogger("memproxy")
 
@@ -59,7 +61,7 @@ def _main(argv: Sequence[str] | None) -> int:
     serve.add_argument("--port", type=int, help="port to bind, 0 for any free one (overrides server.port)")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow a non-loopback address with no auth.keys configured")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="overrides logging.level (default INFO)")
 
     check = commands.add_parser("check-config", help="check a config file as serve would, and exit")
     check.add_argument("-c", "--config", required=True)
@@ -113,7 +115,7 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     config = replace(config, server=server)
     stop_signals.install()  # as `memproxy.entry` does, for a caller that did not come through it
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level or config.logging.level, config.logging.format)
     try:
         if found := problems(config):  # before anything starts: a config `serve` would stop on opens nothing
             return _refuse(found, args.config)
@@ -260,6 +262,8 @@ async def _serve(config: Config) -> None:
                 raise ConfigError("server.port", f"cannot listen on {server.host}:{server.port}: "
                                                  f"{exc.strerror or exc}") from exc
             port = listener.sockets[0].getsockname()[1]
+            provider = runner.app[PROVIDER]
+            log_start(config, {model.name: provider.window(model) for model in config.models})
             print(f"memproxy listening on http://{server.host}:{port}", flush=True)
             await loop.create_future()  # until a stop signal cancels this task
         except asyncio.CancelledError:

@@ -39,6 +39,9 @@ TRANSPORTS: tuple[Transport, ...] = ("auto", "openai", "litellm")
 RecallScope = Literal["session", "user"]  # where recall looks: the session, or all of its end user's
 Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
 OVERFLOW_POLICIES: tuple[Overflow, ...] = ("summarize", "marker", "drop")
+LogFormat = Literal["text", "json"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class ConfigError(ValueError):
@@ -68,6 +71,10 @@ def _number(value: Any) -> Any:
 
 def _boolean(value: Any) -> Any:
     return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
 
 
 def _text(value: Any) -> Any:
@@ -206,6 +213,20 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True, config=_SECTION)
+class LoggingConfig:
+    level: Annotated[LogLevel, BeforeValidator(_upper)] = "INFO"  # `serve --log-level` overrides it
+    format: LogFormat = "text"  # json: one JSON object per line (memproxy.logs)
+
+
+@dataclass(frozen=True, config=_SECTION)
+class MetricsConfig:
+    """`GET /metrics` (memproxy.metrics)."""
+
+    public: Flag = False  # else only an admin key may read it (or anyone, with no keys configured)
+    tenant_label: Flag = False  # a `tenant` label on the per-tenant counters: one series per tenant
+
+
+@dataclass(frozen=True, config=_SECTION)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
@@ -213,6 +234,8 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def model(self, name: str) -> ModelConfig | None:
         for model in self.models:
@@ -223,7 +246,8 @@ class Config:
 
 _CONFIG = TypeAdapter(Config)
 # Keys whose empty string means the default, as an absent key does (`${VAR:-}` left empty).
-_EMPTY_IS_DEFAULT = frozenset({"host", "url", "tokenizer", "transport", "overflow", "on_failure", "api_base"})
+_EMPTY_IS_DEFAULT = frozenset({"host", "url", "tokenizer", "transport", "overflow", "on_failure", "api_base",
+                               "level", "format"})
 
 
 def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:

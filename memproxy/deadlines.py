@@ -35,6 +35,7 @@ from aiohttp import web
 
 from .bodies import body_bytes
 from .errors import error_body
+from .observe import notes
 from .typedefs import CONFIG
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -134,6 +135,7 @@ async def read_deadlines(request: web.Request, handler: Handler) -> web.StreamRe
                 async with asyncio.timeout(limit):
                     await body_bytes(request)  # a body that fails to decode: a 400, as the handler's would be
             except TimeoutError:
+                notes(request).error = "request_timeout"
                 response = web.Response(body=_timeout_body("body", limit), status=408,
                                         content_type="application/json")
                 response.force_close()  # the rest of the body is not worth waiting for

@@ -118,6 +118,7 @@ class UpstreamError(ProxyError):
 
     status = 502
     code = "upstream_error"
+    upstream_status: int | None = None  # the provider's own HTTP status, where it answered with one
 
     @staticmethod
     def _type_of(status: int) -> ErrorType:

@@ -1,5 +1,6 @@
-"""What logs may say about a session: a short digest of its tenant and id, never the id itself
-(it may name a person), nor any content, metadata or key."""
+"""What logs may say about a session: never its content, metadata or keys. The request line
+(`memproxy.observe`) carries the session id the client chose, an identifier; the lines of
+background work (a supersede, a summary) name the session by this short digest of tenant and id."""
 
 from __future__ import annotations
 

@@ -1,13 +1,18 @@
-"""The small endpoints: liveness, readiness and the model list. None of them touches litellm."""
+"""The small endpoints: liveness, readiness, metrics and the model list. None of them touches litellm."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from aiohttp import web
 
-from .errors import ProxyError
-from .typedefs import CONFIG, STORE
+from .auth import authenticate
+from .errors import Forbidden, ProxyError
+from .store import StoreUnavailable
+from .typedefs import CALLER, CONFIG, METRICS, STORE
+
+log = logging.getLogger("memproxy")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -28,3 +33,23 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": m.name, "object": "model", "created": created, "owned_by": "memproxy"}
             for m in request.app[CONFIG].models]
     return web.json_response({"object": "list", "data": data})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """`GET /metrics` (`memproxy.metrics`): for an admin key, as the admin API across tenants is,
+    unless `metrics.public`; with no keys configured at all, for anyone, as every endpoint is."""
+    config = request.app[CONFIG]
+    if not config.metrics.public:
+        caller = request[CALLER] = authenticate(config.auth, request.headers.get("Authorization"))
+        if not caller.admin and (config.auth.keys or config.auth.admin_keys):
+            raise Forbidden("Metrics are read with an admin key (auth.admin_keys), unless metrics.public is true.")
+    app_metrics = request.app[METRICS]
+    try:
+        counts = await request.app[STORE].stored_counts()
+        stored: tuple[int, int] | None = (counts.sessions, counts.messages)
+    except StoreUnavailable as exc:  # the rest still tells what is going on: it matters most now
+        log.error("store unavailable for the metrics' counts: %s", type(exc.__cause__).__name__)
+        app_metrics.store_error("metrics")
+        stored = None
+    body, content_type = app_metrics.exposition(stored, request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type})

@@ -1,4 +1,5 @@
-"""Where a chat request's time goes, part by part: its `Server-Timing` header and its log line.
+"""Where a chat request's time goes, part by part: its `Server-Timing` header, its log line and its
+metrics (`memproxy.observe`).
 
 The time a request spends outside the upstream call is cut into contiguous laps, each charged to the
 part of the memory work it ran: `parse` (reading and validating the body), `reconcile` (the session
@@ -63,10 +64,6 @@ class Timings:
     def header(self, parts: tuple[str, ...] = PARTS, upstream_name: str = "upstream") -> str:
         """`Server-Timing`: `parse;dur=0.05, ..., memory;dur=0.61, upstream;dur=50.20`."""
         return ", ".join(f"{name};dur={ms:.2f}" for name, ms in self.split(parts, upstream_name).items())
-
-    def log_fields(self) -> str:
-        """The whole split for the request's log line: `parse_ms=0.05 ... upstream_ms=50.20`."""
-        return " ".join(f"{name}_ms={ms:.2f}" for name, ms in self.split().items())
 
 
 _current: ContextVar[Timings | None] = ContextVar("memproxy_timings", default=None)

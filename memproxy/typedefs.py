@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     from .auth import Caller
     from .concurrency import BackgroundTasks, SessionLocks
     from .config import Config
+    from .metrics import Metrics
+    from .observe import Notes
     from .provider import Provider
     from .store import Store
     from .memory.summaries import Summarizer
@@ -20,5 +22,7 @@ PROVIDER: web.AppKey[Provider] = web.AppKey("provider")
 TASKS: web.AppKey[BackgroundTasks] = web.AppKey("tasks")
 LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
 SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller")  # who the API key names
+NOTES: web.RequestKey[Notes] = web.RequestKey("notes")  # what the request's log line and metrics say

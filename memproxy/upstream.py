@@ -39,11 +39,14 @@ _CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstr
 def status_error(status: int | None, message: str, code: Any = None) -> UpstreamError:
     """The error for a provider's HTTP status: its status (502 if it gave none that is an error),
     an OpenAI error type for it, and its own error code where it sent a meaningful one."""
+    answered = status if isinstance(status, int) and 100 <= status <= 599 else None
     if not isinstance(status, int) or not 400 <= status <= 599:
         status = 502
     if not isinstance(code, str) or not code or code.isdigit():
         code = _CODES.get(status, "upstream_error")
-    return UpstreamError(message, status=status, code=code)  # its type: `errors.error_type(upstream=True)`
+    error = UpstreamError(message, status=status, code=code)  # its type: `errors.error_type(upstream=True)`
+    error.upstream_status = answered  # for the request's log line
+    return error
 
 
 def unreachable(exc: BaseException) -> UpstreamError:

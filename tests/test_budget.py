@@ -25,6 +25,7 @@ from conftest import Proxy
 from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from helpers import Conversation
+from memproxy.logs import fields
 from memproxy.store.sqlite import sqlite_path
 from memproxy.timing import PARTS
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
@@ -231,7 +232,7 @@ async def test_long_conversation_stays_in_budget_keeping_the_newest_turns(
 async def test_stream_reports_context_tokens_and_timing(
     proxy: Proxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="memproxy.chat")
+    caplog.set_level(logging.INFO, logger="memproxy.http")
     client = proxy.client(session="stream-headers")
     for turn in range(2):
         raw = await client.chat.completions.with_raw_response.create(
@@ -250,9 +251,10 @@ async def test_stream_reports_context_tokens_and_timing(
         assert list(timing) == ["parse", "reconcile", "budget", "recall", "store", "memory",
                                 "upstream-first-chunk"]
         assert_parts_within_memory(timing, ("parse", "reconcile", "budget", "recall", "store"))
-    # The log line has it, with the whole split.
-    [line] = [r.getMessage() for r in caplog.records if r.name == "memproxy.chat"][-1:]
-    assert re.findall(r"(\w+)_ms=\d+\.\d\d", line) == [*PARTS, "memory", "upstream"]
+    # The request's log line has it, with the whole split.
+    [record] = [r for r in caplog.records if r.name == "memproxy.http"][-1:]
+    assert [k for k in fields(record) if k.endswith("_ms")] == ["duration_ms", *(f"{p}_ms" for p in PARTS),
+                                                               "memory_ms", "upstream_ms"]
 
 
 async def test_pass_through_reports_timing(proxy: Proxy, upstream: FakeUpstream) -> None:

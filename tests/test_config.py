@@ -13,7 +13,9 @@ from memproxy.config import (
     AuthConfig,
     Config,
     ConfigError,
+    LoggingConfig,
     MemoryConfig,
+    MetricsConfig,
     ModelConfig,
     ServerConfig,
     StorageConfig,
@@ -104,7 +106,8 @@ def test_the_example_config_reaches_openai_where_the_openai_environment_says() -
 def test_every_config_key_is_documented_in_the_example() -> None:
     example = (ROOT / "config.example.yaml").read_text()
     documented = set(re.findall(r"\b([a-z_]+):", example))
-    sections = (Config, ServerConfig, StorageConfig, ModelConfig, MemoryConfig, AuthConfig, ApiKey)
+    sections = (Config, ServerConfig, StorageConfig, ModelConfig, MemoryConfig, AuthConfig, ApiKey, LoggingConfig,
+                MetricsConfig)
     keys = {f.name for cls in sections for f in dataclasses.fields(cls)}
     missing = sorted(keys - documented)
     assert not missing, f"config keys not documented in config.example.yaml: {missing}"

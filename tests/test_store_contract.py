@@ -22,8 +22,8 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, StoredMessage, Summary, SummaryCall, Totals,
-                            TurnRecord, Usage)
+from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, StoredCounts, StoredMessage, Summary,
+                            SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
 from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
@@ -106,6 +106,35 @@ async def test_recorded_turn_is_committed_and_visible_to_another_store(open_stor
     stored = await reader.active_range(session, 0, 2)
     assert [m.body for m in stored] == [user("hi"), assistant("hello")]
     assert [(m.seq, m.tokens, m.cum_before) for m in stored] == [(0, 10, 0), (1, 10, 10)]
+
+
+async def test_stored_counts_are_exact_and_bounded(open_store: Opener, backend: StoreUnderTest) -> None:
+    """What the metrics' gauges read at each scrape. SQLite counts exactly; PostgreSQL counts up to
+    100,000 rows a table one by one, and past that takes the planner's estimate (kept by ANALYZE)."""
+    store = await open_store()
+    assert await store.stored_counts() == StoredCounts(sessions=0, messages=0)
+    for session_id in ("s", "other"):
+        await store.record_turn(turn(None, [user("hi"), assistant("hello")], session_id=session_id))
+    session = await store.get_session("t", "s")
+    await store.record_turn(turn(session, [user("again"), assistant("yes")]))
+    assert await store.stored_counts() == StoredCounts(sessions=2, messages=6)
+    # Past the bound: 100,050 superseded copies of a message.
+    columns = ", ".join(r[0] for r in await backend.query(
+        "SELECT name FROM pragma_table_info('messages') WHERE name NOT IN ('id', 'seq', 'active')"
+        if backend.kind == "sqlite" else
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+        " AND table_name = 'messages' AND column_name NOT IN ('id', 'seq', 'active')"))
+    await backend.query(f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 100050)"
+                        f" INSERT INTO messages ({columns}, seq, active) SELECT {columns}, 100 + g.n, 0"
+                        f" FROM (SELECT * FROM messages WHERE seq = 0 LIMIT 1) m, g")
+    await backend.query("ANALYZE messages")
+    counts = await store.stored_counts()
+    assert counts.sessions == 2
+    if backend.kind == "sqlite":
+        assert counts.messages == 100_056
+    else:
+        # the estimate ANALYZE left (here: exact), not the 100,001 rows the bounded count stopped at
+        assert counts.messages != 100_001 and abs(counts.messages - 100_056) <= 5_000
 
 
 async def test_reads_see_only_committed_data_and_do_not_wait_for_a_writer(

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 
-from ..store import AdminStore, SessionState, TurnStore
+from ..metrics import Metrics
+from ..store import AdminStore, SessionState, StoreUnavailable, TurnStore
 
 log = logging.getLogger("memproxy")  # the logger the sweep always logged to
 
@@ -28,7 +29,7 @@ def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
     return session is not None and cutoff is not None and session.updated_at < cutoff
 
 
-async def sweep(store: AdminStore, ttl: float, interval: float) -> None:
+async def sweep(store: AdminStore, ttl: float, interval: float, metrics: Metrics | None = None) -> None:
     """Delete expired sessions every `interval` seconds, for as long as the app runs."""
     while True:
         try:
@@ -37,6 +38,8 @@ async def sweep(store: AdminStore, ttl: float, interval: float) -> None:
                 log.info("retention sweep removed=%d", removed)
         except Exception as exc:  # the next sweep tries again
             log.error("retention sweep failed: %s", type(exc).__name__)
+            if metrics is not None and isinstance(exc, StoreUnavailable):
+                metrics.store_error("sweep")
         await asyncio.sleep(interval)
 
 

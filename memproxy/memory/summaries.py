@@ -30,9 +30,10 @@ from ..concurrency import BackgroundTasks
 from ..config import Config, ModelConfig
 from ..errors import ProxyError
 from ..messages import Message
+from ..metrics import Metrics
 from ..provider import Provider
 from ..redact import session_digest
-from ..store import SessionState, StoredMessage, Summary, SummaryCall, TurnStore, Usage
+from ..store import SessionState, StoredMessage, StoreUnavailable, Summary, SummaryCall, TurnStore, Usage
 from ..store.errors import StoreConflict
 from ..tokens import TokenCounter
 from .fit import summary_tokens
@@ -71,6 +72,7 @@ class FoldResult:
     tokens_before: int = 0  # previous summary + the messages folded
     tokens_after: int = 0  # the new summary
     detail: str = ""
+    tokens_folded: int = 0  # of the messages folded by this run, in the chat model's tokens
 
 
 def render_message(message: Message) -> str:
@@ -138,8 +140,10 @@ def chunks(
 
 
 class Summarizer:
-    def __init__(self, config: Config, store: TurnStore, provider: Provider, tasks: BackgroundTasks) -> None:
+    def __init__(self, config: Config, store: TurnStore, provider: Provider, tasks: BackgroundTasks,
+                 metrics: Metrics | None = None) -> None:
         self._config = config
+        self._metrics = metrics
         self._memory = config.memory
         self._store = store
         self._provider = provider
@@ -212,7 +216,11 @@ class Summarizer:
         except Exception as exc:  # a failed summary changes nothing; say why without content
             message = exc.message if isinstance(exc, ProxyError) else type(exc).__name__
             result = FoldResult("failed", None, detail=message)
+            if self._metrics is not None and isinstance(exc, StoreUnavailable):
+                self._metrics.store_error("summary")
         self._note(key, result)
+        if self._metrics is not None:
+            self._metrics.summary(result.outcome, model.name, result.tokens_folded)
         if result.outcome != "nothing":
             log.info(
                 "summary session=%s outcome=%s messages_folded=%d tokens_before=%d tokens_after=%d"
@@ -301,7 +309,8 @@ class Summarizer:
             if text is None or error:
                 before = _size(chat_counter, current) + sum(m.compact_tokens for m in folded + chunk)
                 return FoldResult(outcome, previous, len(folded), before, _size(chat_counter, previous),
-                                  detail=error or "empty or cut-off summary")
+                                  detail=error or "empty or cut-off summary",
+                                  tokens_folded=sum(m.compact_tokens for m in folded))
             summary = Summary(version=version + 1, text=text, covers=chunk[-1].seq + 1,
                               covers_hash=chunk[-1].chain_hash, tokens=tokens, replaced_tokens=replaced,
                               model=model.name)
@@ -310,8 +319,9 @@ class Summarizer:
             folded.extend(chunk)
         if not folded:
             return FoldResult("nothing", current, detail="the lease ran out")
-        before = _size(chat_counter, current) + sum(m.compact_tokens for m in folded)
-        return FoldResult("applied", previous, len(folded), before, _size(chat_counter, previous))
+        folded_tokens = sum(m.compact_tokens for m in folded)
+        return FoldResult("applied", previous, len(folded), _size(chat_counter, current) + folded_tokens,
+                          _size(chat_counter, previous), tokens_folded=folded_tokens)
 
     async def tail_start(self, session: SessionState, chat_window: int) -> int:
         """Where the verbatim tail begins: the newest `tail_turns` turns (a turn starts at a user
@@ -368,6 +378,9 @@ class Summarizer:
         except ProxyError as exc:
             return None, f"{exc.status} {exc.code}"
         usage = response.get("usage")
+        if self._metrics is not None:
+            reported = Usage.reported(usage)
+            self._metrics.usage(model.name, reported.prompt_tokens, reported.completion_tokens, "summary")
         counter = self._provider.counter(model)
         await self._store.record_summary_call(session, SummaryCall(
             model=model.name,

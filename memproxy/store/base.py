@@ -345,6 +345,14 @@ class TurnInfo:
 
 
 @dataclass(frozen=True)
+class StoredCounts:
+    """What the store holds, for the metrics gauges (`AdminStore.stored_counts`)."""
+
+    sessions: int
+    messages: int  # every stored message, superseded ones included
+
+
+@dataclass(frozen=True)
 class UsageTotals:
     sessions: int
     turns: int  # chat turns; summariser calls are counted apart, their tokens and cost included
@@ -564,6 +572,11 @@ class AdminStore(Protocol):
                      session: SessionState | None = None) -> list[SearchHit]:
         """The active messages of the tenant's sessions (of `session` alone, if given) that match
         any of `words`, best `limit` first."""
+        ...
+
+    async def stored_counts(self) -> StoredCounts:
+        """How many sessions and messages the store holds, read at each metrics scrape: one
+        statement, bounded (`Backend.row_count`)."""
         ...
 
     async def tenants_sessions(self) -> list[tuple[str, str]]:

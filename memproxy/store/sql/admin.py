@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..base import MessageRecord, SessionInfo, SessionState, Summary, TurnInfo, UsageTotals
+from ..base import MessageRecord, SessionInfo, SessionState, StoredCounts, Summary, TurnInfo, UsageTotals
 from ..errors import StoreConflict
 from .codec import (
     ADD_TO_ROLLUP,
@@ -38,6 +38,11 @@ from .script import Script
 
 class SQLAdmin(SQLBase):
     """The `AdminStore` methods."""
+
+    async def stored_counts(self) -> StoredCounts:
+        row = await self._one(f"SELECT {self._db.row_count('sessions')}, {self._db.row_count('messages')}")
+        assert row is not None
+        return StoredCounts(sessions=int(row[0]), messages=int(row[1]))
 
     async def summary_history(self, session: SessionState) -> list[Summary]:
         rows = await self._fetch(

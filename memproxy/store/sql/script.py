@@ -52,6 +52,11 @@ class Backend(Protocol):
         nowhere have no row."""
         ...
 
+    def row_count(self, table: str) -> str:
+        """A scalar subquery of how many rows `table` holds, at a bounded cost: exact where counting
+        is cheap, else the database's own estimate past a bound."""
+        ...
+
     async def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
         """Each of `words` as the full-text index stems it (the terms `postings` looks it up by,
         without the session key; none for a word the index leaves out), in order."""
