@@ -64,6 +64,10 @@ SLOW_FIRST = (
     "test_admin_export.py",
     "test_bench_smoke.py",
     "test_readme.py",
+    "test_signals.py",
+    "test_metrics.py",
+    "test_logs.py",
+    "test_inspector.py",
 )
 
 
