@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from .bodies import parse_json
@@ -27,6 +28,7 @@ from .provider import Provider
 from .session_ids import is_session_id
 from .store import (
     AdminStore,
+    EndpointUsage,
     MessageRecord,
     SessionInfo,
     SessionState,
@@ -160,11 +162,31 @@ def turn_json(number: int, turn: TurnInfo) -> dict[str, Any]:
     }
 
 
-def usage_json(tenant: str | None, current: UsageTotals, deleted: UsageTotals) -> dict[str, Any]:
-    """Totals over every session the tenant ever had: `sessions` counts the current ones, and
-    `deleted_sessions` is the part of the totals that sessions since deleted had spent."""
-    return {"object": "usage", "tenant": tenant, **_totals_json(current.plus(deleted)),
-            "sessions": current.sessions, "deleted_sessions": _totals_json(deleted)}
+def usage_json(tenant: str | None, current: UsageTotals, deleted: UsageTotals,
+               endpoints: Sequence[EndpointUsage] = ()) -> dict[str, Any]:
+    """Totals over every session the tenant ever had and every call it made to the pass-through
+    endpoints: `sessions` counts the current ones, `deleted_sessions` is the part of the totals
+    that sessions since deleted had spent, and `endpoints` the part (tokens and cost) that the
+    endpoint calls spent, by endpoint."""
+    totals = _totals_json(current.plus(deleted))
+    by_endpoint: dict[str, dict[str, Any]] = {}
+    for row in endpoints:  # every tenant's rows, with tenant None: summed by endpoint
+        spent = by_endpoint.setdefault(row.endpoint, {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                                      "cost": None})
+        spent["calls"] += row.calls
+        spent["prompt_tokens"] += row.prompt_tokens
+        spent["completion_tokens"] += row.completion_tokens
+        spent["cost"] = _add_cost(spent["cost"], row.cost)
+        totals["prompt_tokens"] += row.prompt_tokens
+        totals["completion_tokens"] += row.completion_tokens
+        totals["cost"] = _add_cost(totals["cost"], row.cost)
+    return {"object": "usage", "tenant": tenant, **totals, "sessions": current.sessions,
+            "deleted_sessions": _totals_json(deleted), "endpoints": by_endpoint}
+
+
+def _add_cost(total: float | None, cost: float | None) -> float | None:
+    """A cost is known if either part knows one."""
+    return None if total is None and cost is None else (total or 0.0) + (cost or 0.0)
 
 
 def _totals_json(usage: UsageTotals) -> dict[str, Any]:
@@ -182,7 +204,8 @@ def _totals_json(usage: UsageTotals) -> dict[str, Any]:
 
 
 async def usage(store: AdminStore, tenant: str | None) -> dict[str, Any]:
-    return usage_json(tenant, await store.usage(tenant), await store.deleted_usage(tenant))
+    return usage_json(tenant, await store.usage(tenant), await store.deleted_usage(tenant),
+                      await store.endpoint_usage(tenant))
 
 
 def compaction(session_id: str, result: FoldResult) -> dict[str, Any]:

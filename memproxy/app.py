@@ -16,6 +16,7 @@ from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import read_deadlines
+from .endpoints import add_routes as add_endpoint_routes, not_found_message
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
 from .memory.retention import sweep
@@ -23,7 +24,7 @@ from .memory.summaries import Summarizer
 from .metrics import Metrics
 from .observe import log as request_log, notes, observe
 from .provider import Provider
-from .routes import healthz, metrics, models, readyz
+from .routes import healthz, metrics, model, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
 from .store.errors import StoreConflict
@@ -48,8 +49,10 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # a name may hold a slash
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
+    add_endpoint_routes(app)
     add_session_routes(app)
     add_inspector_routes(app)
     return app
@@ -123,6 +126,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         message = exc.reason
+        if exc.status == 404 and request.match_info.http_exception is not None:  # no such route
+            message = not_found_message(request)
         if exc.status == 413:
             message = f"The request body is larger than server.max_body_bytes ({request.app[CONFIG].server.max_body_bytes} bytes)."
         code = _HTTP_CODES.get(exc.status)

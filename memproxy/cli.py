@@ -188,11 +188,16 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
                   "interrupted, --resume copies the rest", file=sys.stderr)
             return 1
         rollups = await source.tenant_rollups()  # what deleted sessions spent
+        endpoint_usage = await source.endpoint_usage(None)  # what the session-less endpoint calls spent
         if not resume:
             for tenant, usage in rollups.items():
                 await target.add_to_rollup(tenant, usage)
+            for spent in endpoint_usage:
+                await target.add_endpoint_usage(spent)
         in_source: Counter[str] = Counter(tenant_usage=len(rollups))
         in_target: Counter[str] = Counter(tenant_usage=len(rollups.keys() & (await target.tenant_rollups()).keys()))
+        in_source["endpoint_usage"] = len(endpoint_usage)
+        in_target["endpoint_usage"] = len(set(endpoint_usage) & set(await target.endpoint_usage(None)))
         different = []
         for tenant, session_id in sessions:
             records = await _export(source, tenant, session_id)
@@ -212,7 +217,8 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
         await source.close()
         await target.close()
     for kind, table in [("session", "sessions"), ("turn", "turns"), ("message", "messages"),
-                        ("summary", "summaries"), ("tenant_usage", "tenant_usage")]:
+                        ("summary", "summaries"), ("tenant_usage", "tenant_usage"),
+                        ("endpoint_usage", "endpoint_usage")]:
         n, copied = in_source[kind], in_target[kind]
         print(f"{table:<12} source {n:>8}  copied {copied:>8}  {'ok' if copied == n else 'MISMATCH'}")
     for name in different:

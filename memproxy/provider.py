@@ -17,17 +17,22 @@ memproxy's own requests (summaries) always go through litellm, translated for th
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import json
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
+
+import aiohttp
 
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, detached
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
-from .upstream import PREFIX, OpenAIUpstream, status_error
+from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 # Client parameters that litellm would take as its own settings; they go upstream in extra_body.
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
@@ -41,6 +46,10 @@ def load_litellm() -> Any:
     litellm: Any = importlib.import_module("litellm")
     litellm.suppress_debug_info = True
     litellm.telemetry = False
+    # litellm reads a `max_retries` of 0 as unset and retries with its default (its OpenAI embedding
+    # call, `max_retries or DEFAULT_MAX_RETRIES`): the client retries, and a proxy that retries too
+    # multiplies the wait.
+    litellm.DEFAULT_MAX_RETRIES = 0
     # litellm's loggers write a line per call at INFO (twice: their own handler and the root's) and
     # request content at DEBUG; memproxy logs what matters itself, and never message content.
     for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
@@ -109,6 +118,7 @@ class Provider:
         self._native: dict[str, bool] = {}
         self._reasoning: dict[str, bool] = {}
         self._unpriced: set[str] = set()
+        self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
@@ -118,6 +128,8 @@ class Provider:
     async def close(self) -> None:
         """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
         await self._openai.close()
+        for client in self._sdk_clients.values():
+            await client.close()
         await self._litellm.close_litellm_async_clients()
         self._litellm.in_memory_llm_clients_cache.flush_cache()
 
@@ -214,6 +226,111 @@ class Provider:
             raise self.upstream_error(exc) from exc
         return _chunks(first, iterator, self)
 
+    # --- the other OpenAI endpoints, passed through: `params` is the client's body, whose `model`
+    # the model's provider name replaces. memproxy's own client relays them to an OpenAI-compatible
+    # provider as they are; litellm translates them for any other (and answers in its own types).
+
+    async def call(self, endpoint: JsonEndpoint, model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+        """The answer of an endpoint that answers one JSON object."""
+        if self._native[model.name]:
+            raw, _ = await self._openai.request(model, PATHS[endpoint], params)
+            return _json_object(raw)
+        response = await self._call_litellm(endpoint, model, params)
+        result: dict[str, Any] = response.model_dump(exclude_none=True)
+        return result
+
+    async def text_stream(self, model: ModelConfig, params: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """A streamed legacy completion's chunks, as `stream`'s; the first is awaited here."""
+        params = {**params, "stream": True}
+        if self._native[model.name]:
+            return await self._openai.stream_at(model, PATHS["completions"], params)
+        try:
+            response = await self._call_litellm("completions", model, params)
+            iterator = response.__aiter__()
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return _chunks(None, None, self)
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        return _chunks(first, iterator, self)
+
+    async def transcribe(self, model: ModelConfig, fields: Sequence[tuple[str, str]], audio: AudioFile
+                         ) -> dict[str, Any] | str:
+        """A transcription: a JSON object, or the text itself for the text formats (`text`, `srt`,
+        `vtt`). `fields` are the form's other fields, `model` among them, as the client sent them."""
+        text_format = dict(fields).get("response_format") in TEXT_FORMATS
+        if self._native[model.name]:
+            form = aiohttp.FormData()
+            for name, value in fields:
+                form.add_field(name, model_id(model) if name == "model" else value)
+            form.add_field("file", audio.content, filename=audio.filename, content_type=audio.content_type)
+            raw, content_type = await self._openai.request(model, PATHS["transcriptions"], form)
+            if text_format or content_type != "application/json":
+                return raw.decode("utf-8", "replace")
+            return _json_object(raw)
+        params = {**_form_params(fields), "file": (audio.filename, audio.content, audio.content_type)}
+        response = await self._call_litellm("transcriptions", model, params)
+        if text_format:
+            return str(response.text)
+        result: dict[str, Any] = response.model_dump(exclude_none=True)
+        return result
+
+    async def speak(self, model: ModelConfig, params: dict[str, Any]) -> tuple[str, AsyncGenerator[bytes, None]]:
+        """Speech: its content type and its bytes as they come (litellm's arrive whole)."""
+        if self._native[model.name]:
+            response = await self._openai.open(model, PATHS["speech"], params)
+            return response.content_type, _bytes(response, model)
+        answer = await self._call_litellm("speech", model, params)
+        content_type = answer.response.headers.get("content-type", "application/octet-stream")
+        return content_type.split(";")[0].strip(), _whole(answer.content)
+
+    async def _call_litellm(self, endpoint: Endpoint, model: ModelConfig, params: dict[str, Any]) -> Any:
+        native = {k: v for k, v in params.items() if k not in _RESERVED and k != "model"}
+        extra = {k: v for k, v in params.items() if k in _RESERVED}
+        kwargs: dict[str, Any] = {
+            **native,
+            "model": model.model,
+            "timeout": model.timeout_seconds,
+            "max_retries": 0,  # as for chat; litellm's OpenAI image and moderation calls retry regardless
+            "allowed_openai_params": list(native),
+        }
+        if extra:
+            kwargs["extra_body"] = extra
+        if model.api_base:
+            kwargs["api_base"] = model.api_base
+        if model.api_key:
+            kwargs["api_key"] = model.api_key
+        if endpoint != "images" and self._openai_like(model):
+            # For an OpenAI-compatible provider litellm calls the OpenAI SDK, with a client of its
+            # own that retries moderations whatever `max_retries` says, and for a plain legacy
+            # completion a new client (and aiohttp session) every call, never closed: one client
+            # per model instead, without retries, closed with the provider. Not for images: that
+            # call sets the client's retries to 2 (so it retries a 5xx twice on this route), and
+            # the client is shared.
+            kwargs["client"] = self._sdk_client(model)
+        try:
+            return await getattr(self._litellm, _LITELLM_CALLS[endpoint])(**kwargs)
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+
+    def _openai_like(self, model: ModelConfig) -> bool:
+        try:
+            provider = self._litellm.get_llm_provider(model.model)[1]
+        except Exception:
+            return False
+        return provider in ("openai", "text-completion-openai")
+
+    def _sdk_client(self, model: ModelConfig) -> Any:
+        client = self._sdk_clients.get(model.name)
+        if client is None:
+            # The OpenAI SDK's client, as litellm would make it, without its retries. A provider
+            # that wants no key still gets one: the SDK refuses to start without.
+            sdk: Any = importlib.import_module("openai")  # litellm's own dependency, loaded with it
+            client = sdk.AsyncOpenAI(api_key=model.api_key or os.environ.get("OPENAI_API_KEY") or "none",
+                                        base_url=model.api_base, max_retries=0, timeout=model.timeout_seconds)
+            self._sdk_clients[model.name] = client
+        return client
+
     async def _acompletion(self, kwargs: dict[str, Any]) -> Any:
         try:
             return await self._litellm.acompletion(**kwargs)
@@ -243,6 +360,70 @@ def _reasons(litellm: Any, name: str) -> bool:
         return bool(litellm.supports_reasoning(model=name))
     except Exception:  # a model litellm does not know: it is not told to think
         return False
+Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
+JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
+# Each endpoint's path under the provider's base URL, and litellm's function for it.
+PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "completions",
+                              "moderations": "moderations", "images": "images/generations",
+                              "transcriptions": "audio/transcriptions", "speech": "audio/speech"}
+_LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
+                                       "moderations": "amoderation", "images": "aimage_generation",
+                                       "transcriptions": "atranscription", "speech": "aspeech"}
+TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
+# Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
+_NUMBER_FIELDS = frozenset({"temperature"})
+
+
+@dataclass(frozen=True)
+class AudioFile:
+    filename: str
+    content: bytes
+    content_type: str
+
+
+def _form_params(fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """A form's fields as litellm's keyword arguments: numbers as numbers, `name[]` as a list."""
+    params: dict[str, Any] = {}
+    for name, value in fields:
+        if name.endswith("[]"):
+            params.setdefault(name[:-2], []).append(value)
+        elif name in _NUMBER_FIELDS:
+            try:
+                params[name] = float(value)
+            except ValueError:
+                params[name] = value  # the provider says what is wrong with it
+        else:
+            params[name] = value
+    return params
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        result = json.loads(raw)
+    except ValueError:
+        raise UpstreamError("upstream answered with invalid JSON") from None
+    if not isinstance(result, dict):
+        raise UpstreamError("upstream answered with JSON that is not an object")
+    if isinstance(result.get("error"), dict):
+        raise status_error(None, str(result["error"].get("message") or "upstream error"),
+                           result["error"].get("code"))
+    return result
+
+
+async def _bytes(response: aiohttp.ClientResponse, model: ModelConfig) -> AsyncGenerator[bytes, None]:
+    try:
+        async for data in response.content.iter_any():
+            yield data
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        raise timed_out(model.timeout_seconds) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
+    finally:
+        response.release()
+
+
+async def _whole(content: bytes) -> AsyncGenerator[bytes, None]:
+    yield content
 
 
 def _unencodable(exc: BaseException | None) -> bool:

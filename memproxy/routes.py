@@ -1,14 +1,16 @@
-"""The small endpoints: liveness, readiness, metrics and the model list. None of them touches litellm."""
+"""The small endpoints: liveness, readiness, metrics, the model list and each model. None of them
+touches litellm."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
 from .auth import authenticate
-from .errors import Forbidden, ProxyError
+from .errors import Forbidden, NotFound, ProxyError
 from .store import StoreUnavailable
 from .typedefs import CALLER, CONFIG, METRICS, STORE
 
@@ -30,8 +32,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     created = int(time.time())
-    data = [{"id": m.name, "object": "model", "created": created, "owned_by": "memproxy"}
-            for m in request.app[CONFIG].models]
+    data = [_model(m.name, created) for m in request.app[CONFIG].models]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -53,3 +54,14 @@ async def metrics(request: web.Request) -> web.Response:
         stored = None
     body, content_type = app_metrics.exposition(stored, request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type})
+async def model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}`: a configured model, as the list shows it."""
+    name = request.match_info["model"]
+    if request.app[CONFIG].model(name) is None:
+        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
+                       code="model_not_found", param="model")
+    return web.json_response(_model(name, int(time.time())))
+
+
+def _model(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "memproxy"}

@@ -331,6 +331,11 @@ async def _usage(args: argparse.Namespace, config: Config, store: Store) -> int:
     deleted = usage["deleted_sessions"]
     rows = [[name, str(usage[key]), str(deleted[key])] for name, key in _USAGE_ROWS]
     _table(rows, [f"TENANT {usage['tenant'] or '(all)'}", "TOTAL", "OF WHICH DELETED SESSIONS"])
+    if usage["endpoints"]:  # the calls to embeddings, images, ... that the totals include
+        print()
+        _table([[name, str(spent["calls"]), str(spent["prompt_tokens"]), str(spent["completion_tokens"]),
+                 str(spent["cost"])] for name, spent in usage["endpoints"].items()],
+               ["ENDPOINT", "CALLS", "PROMPT TOKENS", "COMPLETION TOKENS", "COST"])
     return 0
 
 

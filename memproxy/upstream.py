@@ -104,18 +104,17 @@ class OpenAIUpstream:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks as dicts; the response's status and first chunk are awaited before this returns,
         so early errors raise here. A stall between chunks longer than the timeout is a 504."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=model.timeout_seconds,
-                                        sock_read=model.timeout_seconds)
-        try:
-            response = await self._post(model, messages, {**params, "stream": True}, timeout)
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            raise timed_out(model.timeout_seconds) from None
-        except aiohttp.ClientError as exc:
-            raise unreachable(exc) from exc
+        return await self.stream_at(model, "chat/completions",
+                                    {**params, "stream": True, "model": model_id(model), "messages": messages})
+
+    async def stream_at(
+        self, model: ModelConfig, path: str, params: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """`stream` for any endpoint that streams JSON events (`completions`): `params` is the
+        body, `stream: true` included."""
+        response = await self.open(model, path, params)
         chunks = _chunks(response, model.timeout_seconds)
         try:
-            if response.status >= 400:
-                raise await _http_error(response)
             first = await chunks.__anext__()
         except StopAsyncIteration:
             response.release()
@@ -125,18 +124,63 @@ class OpenAIUpstream:
             raise
         return _rest(first, chunks, response)
 
+    async def request(self, model: ModelConfig, path: str,
+                      body: dict[str, Any] | aiohttp.FormData) -> tuple[bytes, str]:
+        """A whole answer from any endpoint at `path` (`embeddings`, `audio/transcriptions`, ...):
+        its bytes and content type. `body` is JSON (its `model` replaced by the provider's name for
+        it), or a form that names the model already."""
+        timeout = aiohttp.ClientTimeout(total=model.timeout_seconds)
+        try:
+            async with self._send(model, path, body, timeout) as response:
+                if response.status >= 400:
+                    raise await _http_error(response)
+                return await response.read(), response.content_type
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise timed_out(model.timeout_seconds) from None
+        except aiohttp.ClientError as exc:
+            raise unreachable(exc) from exc
+
+    async def open(self, model: ModelConfig, path: str, params: dict[str, Any]) -> aiohttp.ClientResponse:
+        """An answer to read as it comes (events, audio), its status checked: the caller releases
+        it. A stall longer than the timeout, before the headers or between reads, is a 504."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=model.timeout_seconds,
+                                        sock_read=model.timeout_seconds)
+        try:
+            response: aiohttp.ClientResponse = await self._send(model, path, params, timeout)
+            if response.status >= 400:
+                try:
+                    raise await _http_error(response)
+                finally:
+                    response.release()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise timed_out(model.timeout_seconds) from None
+        except aiohttp.ClientError as exc:
+            raise unreachable(exc) from exc
+        return response
+
     def _post(self, model: ModelConfig, messages: list[Message], params: dict[str, Any],
               timeout: aiohttp.ClientTimeout) -> Any:
         """The request, to be awaited or used as a context manager."""
+        return self._send(model, "chat/completions", {**params, "model": model_id(model), "messages": messages},
+                          timeout)
+
+    def _send(self, model: ModelConfig, path: str, body: dict[str, Any] | aiohttp.FormData,
+              timeout: aiohttp.ClientTimeout) -> Any:
         base = model.api_base or os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE") \
             or DEFAULT_BASE
         key = model.api_key if model.api_key is not None else os.environ.get("OPENAI_API_KEY")
-        headers = {"Content-Type": "application/json"}
+        headers = {}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        body = {**params, "model": model_id(model), "messages": messages}
-        return self._http().post(f"{base.rstrip('/')}/chat/completions", data=dumps(body),
-                                 headers=headers, timeout=timeout, proxy=self._proxy(base))
+        data: bytes | aiohttp.FormData
+        if isinstance(body, dict):
+            # The model the provider knows, where the client named it.
+            data = dumps({**body, "model": model_id(model)})
+            headers["Content-Type"] = "application/json"
+        else:
+            data = body
+        return self._http().post(f"{base.rstrip('/')}/{path}", data=data, headers=headers, timeout=timeout,
+                                 proxy=self._proxy(base))
 
     def _proxy(self, base: str) -> str | None:
         """The proxy HTTP(S)_PROXY names for this URL unless NO_PROXY exempts it, as litellm's

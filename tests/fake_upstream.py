@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 
 SUMMARIZER_OPENING = "You keep the running summary of a conversation"
@@ -101,6 +101,11 @@ class FakeUpstream:
     def last(self) -> Received:
         return self.chat_requests()[-1]
 
+    def requests_to(self, path: str) -> list[Received]:
+        """The requests to one of the other endpoints (`/v1/embeddings`, ...)."""
+        with self._lock:
+            return [r for r in self.received if r.path == path]
+
     def reset(self) -> None:
         with self._lock:
             self.received.clear()
@@ -119,6 +124,12 @@ class FakeUpstream:
             app = web.Application()
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/embeddings", self._embeddings)
+            app.router.add_post("/v1/completions", self._completions)
+            app.router.add_post("/v1/moderations", self._moderations)
+            app.router.add_post("/v1/images/generations", self._images)
+            app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
+            app.router.add_post("/v1/audio/speech", self._speech)
             self._runner = web.AppRunner(app)
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -238,6 +249,130 @@ class FakeUpstream:
         return response
 
 
+    # --- the other OpenAI endpoints: each records the request and answers as OpenAI does, or with
+    # the next scripted reply's error status; `content` is the text of a completion.
+
+    async def _take(self, received: Received) -> Reply:
+        with self._lock:
+            self.received.append(received)
+            reply = self._script.popleft() if self._script else Reply()
+        self.arrived.release()
+        if reply.gate is not None:
+            gate = reply.gate
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
+        return reply
+
+    async def _json_endpoint(self, request: web.Request) -> tuple[dict[str, Any], Reply, web.Response | None]:
+        body = await request.json()
+        reply = await self._take(Received(request.path, dict(request.headers), body))
+        return body, reply, _error(reply)
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body, reply, error = await self._json_endpoint(request)
+        if error is not None:
+            return error
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        if inputs and isinstance(inputs[0], int):
+            inputs = [inputs]  # one input given as tokens
+        tokens = sum(len(str(i).split()) for i in inputs)
+        dimensions = int(body.get("dimensions") or 3)
+        data = [{"object": "embedding", "index": i, "embedding": [0.5 + i] * dimensions}
+                for i in range(len(inputs))]
+        return web.json_response({"object": "list", "data": data, "model": body["model"],
+                                  "usage": reply.usage or {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body, reply, error = await self._json_endpoint(request)
+        if error is not None:
+            return error
+        text = reply.content if reply.content is not None else "a completion"
+        usage = reply.usage or {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+        base = {"id": "cmpl-1", "object": "text_completion", "created": int(time.time()), "model": body["model"]}
+        if not body.get("stream"):
+            return web.json_response({**base, "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece, finish in [(text[: len(text) // 2], None), (text[len(text) // 2 :], "stop")]:
+            chunk = {**base, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if reply.cut_stream:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _moderations(self, request: web.Request) -> web.Response:
+        body, reply, error = await self._json_endpoint(request)
+        if error is not None:
+            return error
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        categories = ("harassment", "hate", "self-harm", "sexual", "violence")
+        results = [{"flagged": "attack" in str(i), "categories": {c: c == "violence" and "attack" in str(i)
+                                                                   for c in categories},
+                    "category_scores": {c: 0.9 if c == "violence" and "attack" in str(i) else 0.01
+                                        for c in categories}}
+                   for i in inputs]
+        return web.json_response({"id": "modr-1", "model": body.get("model") or "omni-moderation-latest",
+                                  "results": results})
+
+    async def _images(self, request: web.Request) -> web.Response:
+        body, reply, error = await self._json_endpoint(request)
+        if error is not None:
+            return error
+        data = [{"b64_json": "iVBORw0KGgo=", "revised_prompt": body["prompt"]}
+                for _ in range(int(body.get("n") or 1))]
+        return web.json_response({"created": int(time.time()), "data": data})
+
+    async def _transcriptions(self, request: web.Request) -> web.Response:
+        fields: dict[str, Any] = {}
+        async for part in await request.multipart():
+            if not isinstance(part, BodyPartReader):
+                continue
+            data = await part.read()
+            if part.filename is not None:
+                fields[part.name or "file"] = {"filename": part.filename, "bytes": bytes(data),
+                                               "content_type": part.headers.get("Content-Type")}
+            else:
+                fields[part.name or ""] = data.decode()
+        reply = await self._take(Received(request.path, dict(request.headers), fields))
+        error = _error(reply)
+        if error is not None:
+            return error
+        text = reply.content if reply.content is not None else f"heard {len(fields['file']['bytes'])} bytes"
+        if fields.get("response_format") == "text":
+            return web.Response(text=text)
+        return web.json_response({"text": text, **({"usage": reply.usage} if reply.usage else {})})
+
+    async def _speech(self, request: web.Request) -> web.StreamResponse:
+        body, reply, error = await self._json_endpoint(request)
+        if error is not None:
+            return error
+        audio = speech_audio(body["input"])
+        if not reply.cut_stream:
+            return web.Response(body=audio, content_type="audio/mpeg")
+        response = web.StreamResponse(headers={"Content-Type": "audio/mpeg"})  # chunked: no length
+        await response.prepare(request)
+        await response.write(audio[: len(audio) // 2])
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+
+def speech_audio(text: str) -> bytes:
+    """The fake's spoken `text`: some bytes that are not UTF-8, as audio is not."""
+    return b"ID3\xff\xfb" + text.encode() * 100
+
+
+def _error(reply: Reply) -> web.Response | None:
+    if reply.status == 200:
+        return None
+    return web.json_response({"error": {"message": reply.error_message, "type": "upstream", "code": None,
+                                        "param": None}}, status=reply.status)
 def _reasoning_model_refusal(body: dict[str, Any]) -> str | None:
     """What OpenAI's reasoning models (o1, o3, o4-mini, GPT-5) refuse that other models take, in the
     API's words; None for anything else."""

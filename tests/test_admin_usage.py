@@ -78,6 +78,7 @@ async def test_usage_counts_upstream_tokens_cost_and_tokens_kept_out(
         "full_history_tokens": sum(full for _, _, full, _ in turns),
         "tokens_saved": saved["long"],
         "deleted_sessions": NOTHING_DELETED,
+        "endpoints": {},
     }
     assert (await api.as_(OTHER_KEY).get("/usage"))["turns"] == 0
 

@@ -212,11 +212,12 @@ async def test_body_over_the_limit_is_413(
 
 @pytest.mark.parametrize("method, path, status, error_type, code, allow", [
     ("GET", "/v1/nothing-here", 404, "not_found_error", "not_found", None),
-    ("POST", "/v1/completions", 404, "not_found_error", "not_found", None),
+    ("POST", "/v1/engines/small/completions", 404, "not_found_error", "not_found", None),
     ("GET", "/nothing-here", 404, "not_found_error", "not_found", None),
     ("GET", "/v1/chat/completions", 405, "invalid_request_error", "method_not_allowed", "POST"),
     ("DELETE", "/v1/chat/completions", 405, "invalid_request_error", "method_not_allowed", "POST"),
     ("POST", "/v1/models", 405, "invalid_request_error", "method_not_allowed", "GET,HEAD"),
+    ("GET", "/v1/embeddings", 405, "invalid_request_error", "method_not_allowed", "POST"),
     ("POST", "/healthz", 405, "invalid_request_error", "method_not_allowed", "GET,HEAD"),
 ])
 async def test_unknown_route_and_wrong_method_are_json(

@@ -22,7 +22,7 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
-from memproxy.store import SQLiteStore, Store, Summary, open_store
+from memproxy.store import EndpointUsage, SQLiteStore, Store, Summary, open_store
 from memproxy.store.postgres import numbered
 from memproxy.store.sql import QUERIES
 from memproxy.store.migrations import migrations
@@ -214,6 +214,7 @@ async def populate(path: Path) -> None:
         gone = await store.get_session("t", "deleted")
         assert gone is not None
         await store.delete_session(gone)  # what it spent stays in the tenant's rollup
+        await store.add_endpoint_usage(EndpointUsage("u", "embeddings", 3, prompt_tokens=40, cost=0.01))
     finally:
         await store.close()
 
@@ -227,6 +228,7 @@ async def exports(url: str, schema: str | None = None) -> dict[tuple[str, str], 
             assert session is not None
             result[(tenant, session_id)] = await store.export_session(session)
         result[("rollups", "")] = [dataclasses.asdict(u) for u in (await store.tenant_rollups()).values()]
+        result[("endpoints", "")] = [dataclasses.asdict(u) for u in await store.endpoint_usage(None)]
         return result
     finally:
         await store.close()
@@ -246,13 +248,14 @@ async def test_migrate_store_copies_sqlite_to_postgres_and_back(postgres: StoreU
     schema = postgres.storage.schema
     assert schema is not None
     original = await exports(f"sqlite:///{source}")
-    assert sorted(original) == [("rollups", ""), ("t", "edited"), ("u", "long"), ("u", "only-metadata"),
+    assert sorted(original) == [("endpoints", ""), ("rollups", ""), ("t", "edited"), ("u", "long"), ("u", "only-metadata"),
                                 ("u", "tools")]
     assert original[("rollups", "")] == [{"sessions": 1, "turns": 1, "prompt_tokens": 7, "completion_tokens": 3,
                                           "cost": 0.5, "context_tokens": 123, "full_tokens": 0,
                                           "summary_calls": 0}]
     # turns: 3 + 1 + 12; messages: 6 (2 superseded) + 4 + 12 turns of 2, 4 of them with a call and result
-    expected = {"sessions": 4, "turns": 16, "messages": 6 + 4 + 12 * 2 + 4 * 2, "summaries": 1, "tenant_usage": 1}
+    expected = {"sessions": 4, "turns": 16, "messages": 6 + 4 + 12 * 2 + 4 * 2, "summaries": 1, "tenant_usage": 1,
+                "endpoint_usage": 1}
 
     there = run_cli("migrate-store", "--from", f"sqlite:///{source}", "--to", POSTGRES_URL, "--to-schema", schema)
     assert there.returncode == 0, there.stderr
@@ -284,6 +287,8 @@ async def test_an_interrupted_migrate_store_writes_nothing_more_until_resumed(
     try:
         for tenant, usage in (await source_store.tenant_rollups()).items():
             await target.add_to_rollup(tenant, usage)
+        for spent in await source_store.endpoint_usage(None):
+            await target.add_endpoint_usage(spent)
         for key in [("t", "edited"), ("u", "tools")]:
             await target.import_session(*key, original[key])
     finally:

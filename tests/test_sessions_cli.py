@@ -460,6 +460,18 @@ def test_usage_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> Non
     assert rows["prompt tokens"] == [str(after["prompt_tokens"]), str(after["deleted_sessions"]["prompt_tokens"])]
     assert rows["sessions"] == [str(after["sessions"]), str(after["deleted_sessions"]["sessions"])]
 
+    # A call to another endpoint belongs to no session: it counts in the totals, and apart.
+    with openai.OpenAI(base_url=f"{cli.server.url}/v1", api_key=PROXY_KEY, max_retries=0) as client:
+        client.embeddings.create(model="small", input="three little words")
+    spent = cli.json("usage")
+    assert spent["endpoints"] == {"embeddings": {"calls": 1, "prompt_tokens": 3, "completion_tokens": 0,
+                                                 "cost": None}}
+    assert spent["prompt_tokens"] == after["prompt_tokens"] + 3
+    lines = cli.sessions("usage", "--tenant", "a").stdout.splitlines()
+    endpoints = lines[lines.index("") + 1:]
+    assert endpoints[0].split() == ["ENDPOINT", "CALLS", "PROMPT", "TOKENS", "COMPLETION", "TOKENS", "COST"]
+    assert endpoints[1].split() == ["embeddings", "1", "3", "0", "None"]
+
 
 # --- metadata stays out of the logs ---------------------------------------------------------------
 

@@ -22,8 +22,8 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import (NewMessage, SessionState, SQLiteStore, Store, StoredCounts, StoredMessage, Summary,
-                            SummaryCall, Totals, TurnRecord, Usage)
+from memproxy.store import (EndpointUsage, NewMessage, SessionState, SQLiteStore, Store, StoredCounts, StoredMessage,
+                            Summary, SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
 from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
@@ -348,6 +348,22 @@ async def test_summariser_calls_count_in_usage_but_not_as_turns(open_store: Open
     await store.delete_session(session)
     await store.record_summary_call(session, SummaryCall("small", 200, Usage(), 1.0))  # gone: nothing
     assert (await reader.usage("t")).summary_calls == 0
+
+
+async def test_endpoint_usage_adds_up_per_tenant_and_endpoint_and_outlives_sessions(open_store: Opener) -> None:
+    store, reader = await open_store(), await open_store()
+    await store.add_endpoint_usage(EndpointUsage("t", "embeddings", 1, prompt_tokens=5))
+    await store.add_endpoint_usage(EndpointUsage("t", "embeddings", 1, prompt_tokens=7, cost=0.25))
+    await store.add_endpoint_usage(EndpointUsage("t", "completions", 1, 3, 4))
+    await store.add_endpoint_usage(EndpointUsage("u", "embeddings", 2, 1))
+    await store.record_turn(turn(None, [user("q"), assistant("a")]))
+    assert await reader.endpoint_usage("t") == [EndpointUsage("t", "completions", 1, 3, 4, None),
+                                                EndpointUsage("t", "embeddings", 2, 12, 0, 0.25)]
+    assert [(u.tenant, u.endpoint) for u in await reader.endpoint_usage(None)] == [
+        ("t", "completions"), ("t", "embeddings"), ("u", "embeddings")]
+    assert await reader.endpoint_usage("nobody") == []
+    assert await store.delete_tenant("t") == 1
+    assert len(await reader.endpoint_usage("t")) == 2  # accounting outlives the conversations
 
 
 def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:

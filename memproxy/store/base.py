@@ -378,6 +378,20 @@ class UsageTotals:
             full_tokens=self.full_tokens + other.full_tokens, summary_calls=self.summary_calls + other.summary_calls)
 
 
+@dataclass(frozen=True)
+class EndpointUsage:
+    """What a tenant's calls to one pass-through endpoint (`embeddings`, `images`, ...) spent:
+    calls that belong to no session, accounted to the tenant alone. A count the provider did not
+    report adds nothing; a cost stays unknown (None) while no call's cost is known."""
+
+    tenant: str
+    endpoint: str
+    calls: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float | None = None
+
+
 class TurnStore(Protocol):
     """What a chat turn and the summariser need: a session read, its snapshot and summary, the turn
     written in one transaction, summaries saved under a lease, and the message cap."""
@@ -448,6 +462,11 @@ class TurnStore(Protocol):
         """Write the turn in one transaction. If the session moved since the turn was planned, a
         continuation (`base == expected_length`, its base still on the active chain) is appended
         after the new head; anything else raises `StoreConflict` and writes nothing."""
+        ...
+
+    async def add_endpoint_usage(self, usage: EndpointUsage) -> None:
+        """Add to what the tenant's calls to `usage.endpoint` spent: one answered call, or a copy
+        of another store's row (`endpoint_usage`)."""
         ...
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
@@ -566,6 +585,11 @@ class AdminStore(Protocol):
 
     async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
         """Add to what the tenant's deleted sessions had spent (a copy of another store's rollup)."""
+        ...
+
+    async def endpoint_usage(self, tenant: str | None) -> list[EndpointUsage]:
+        """What the tenant's (every tenant's, with None) calls to the pass-through endpoints spent,
+        a row per tenant and endpoint, ordered by both. Deleting sessions or tenants keeps it."""
         ...
 
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,

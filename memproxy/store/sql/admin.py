@@ -8,7 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..base import MessageRecord, SessionInfo, SessionState, StoredCounts, Summary, TurnInfo, UsageTotals
+from ..base import (EndpointUsage, MessageRecord, SessionInfo, SessionState, StoredCounts, Summary, TurnInfo,
+                    UsageTotals)
 from ..errors import StoreConflict
 from .codec import (
     ADD_TO_ROLLUP,
@@ -195,6 +196,13 @@ class SQLAdmin(SQLBase):
             f"INSERT INTO tenant_usage (tenant, {USAGE_COLUMNS}) VALUES (?, {column_marks(USAGE_COLUMNS)}) {ADD_TO_ROLLUP}",
             (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
              usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
+
+    async def endpoint_usage(self, tenant: str | None) -> list[EndpointUsage]:
+        rows = await self._fetch(
+            "SELECT tenant, endpoint, calls, prompt_tokens, completion_tokens, cost FROM endpoint_usage"
+            " WHERE (CAST(? AS TEXT) IS NULL OR tenant = ?) ORDER BY tenant, endpoint", (tenant, tenant))
+        return [EndpointUsage(row[0], row[1], int(row[2]), int(row[3]), int(row[4]),
+                              None if row[5] is None else float(row[5])) for row in rows]
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
         head = await self._one(f"SELECT {SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))

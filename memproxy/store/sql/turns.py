@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import (Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
+from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
                     mandatory_start)
 from ..errors import StoreConflict
 from ..history_cache import Cached, message_cost
@@ -360,6 +360,18 @@ class SQLTurns(SQLBase):
             messages.append(dataclasses.replace(message, chain_hash=chain))
         return dataclasses.replace(turn, base=length, base_hash=head_hash,
                                    base_totals=Totals(head_cum, head_compact_cum), messages=messages)
+
+    async def add_endpoint_usage(self, usage: EndpointUsage) -> None:
+        # A cost stays unknown (null) only while neither part knows one, as in `tenant_usage`.
+        await self._write_one(
+            "INSERT INTO endpoint_usage (tenant, endpoint, calls, prompt_tokens, completion_tokens, cost)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, endpoint) DO UPDATE SET"
+            " calls = endpoint_usage.calls + excluded.calls,"
+            " prompt_tokens = endpoint_usage.prompt_tokens + excluded.prompt_tokens,"
+            " completion_tokens = endpoint_usage.completion_tokens + excluded.completion_tokens,"
+            " cost = CASE WHEN endpoint_usage.cost IS NULL AND excluded.cost IS NULL THEN NULL"
+            " ELSE coalesce(endpoint_usage.cost, 0) + coalesce(excluded.cost, 0) END",
+            (usage.tenant, usage.endpoint, usage.calls, usage.prompt_tokens, usage.completion_tokens, usage.cost))
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
         await self._write_one(

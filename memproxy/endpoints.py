@@ -1,0 +1,287 @@
+"""The OpenAI endpoints besides chat: embeddings, legacy completions, moderations, image generation,
+transcriptions and speech, passed through to the configured model without memory.
+
+Each is what chat is without a session: the caller's tenant key, a body within
+`server.max_body_bytes`, `model` naming a configured model (whose provider name, base URL, key and
+timeout are used: the client's proxy key never goes upstream), every other parameter passed on, and
+errors in the OpenAI shape. A legacy completion streams when asked (`stream: true`), speech is relayed
+as it comes; the others answer whole.
+
+A call belongs to no session, so what it spent (the tokens the provider reported, and the cost
+where litellm knows the model's price) is added to its tenant's `endpoint_usage`, which `GET
+/v1/usage` and `memproxy sessions usage` report. It is written before the client is told the answer
+is complete, as an app-owned task, so a client that goes away then still has it accounted. A store
+that fails then costs the accounting (logged), never the answer the provider gave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import BodyPartReader, MultipartReader, StreamReader, web
+
+from .bodies import body_bytes, json_object
+from .config import Config, ModelConfig
+from .errors import BadRequest, Forbidden, NotFound, ProxyError, error_body
+from .jsonbytes import dumps
+from .provider import AudioFile, Endpoint, JsonEndpoint
+from .store import EndpointUsage
+from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS
+
+log = logging.getLogger("memproxy.endpoints")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/embeddings", embeddings)
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/moderations", moderations)
+    r.add_post("/v1/images/generations", images)
+    r.add_post("/v1/audio/transcriptions", transcriptions)
+    r.add_post("/v1/audio/speech", speech)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _json_call(request, "embeddings")
+
+
+async def moderations(request: web.Request) -> web.StreamResponse:
+    return await _json_call(request, "moderations")
+
+
+async def images(request: web.Request) -> web.StreamResponse:
+    return await _json_call(request, "images")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _json_call(request, "completions")
+
+
+async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.StreamResponse:
+    tenant = _tenant(request)
+    body = await json_object(request)
+    model = _model(request.app[CONFIG], body.get("model"))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    if stream and endpoint == "completions":
+        return await _completion_stream(request, tenant, model, body)
+    if stream:
+        raise BadRequest(f"memproxy does not stream {endpoint}: leave 'stream' unset", param="stream")
+    started = time.perf_counter()
+    result = await request.app[PROVIDER].call(endpoint, model, body)
+    await _account(request, tenant, endpoint, model, result.get("usage"))
+    _log(endpoint, model, 200, started)
+    return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
+
+
+async def transcriptions(request: web.Request) -> web.StreamResponse:
+    tenant = _tenant(request)
+    fields, audio = await _form(request)
+    values = dict(fields)
+    model = _model(request.app[CONFIG], values.get("model"))
+    if values.get("stream", "false").lower() != "false":
+        raise BadRequest("memproxy does not stream transcriptions: leave 'stream' unset", param="stream")
+    started = time.perf_counter()
+    result = await request.app[PROVIDER].transcribe(model, fields, audio)
+    await _account(request, tenant, "transcriptions", model, result.get("usage") if isinstance(result, dict) else None)
+    _log("transcriptions", model, 200, started)
+    if isinstance(result, str):
+        return web.Response(text=result, content_type="text/plain")
+    return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
+
+
+async def speech(request: web.Request) -> web.StreamResponse:
+    tenant = _tenant(request)
+    body = await json_object(request)
+    model = _model(request.app[CONFIG], body.get("model"))
+    started = time.perf_counter()
+    content_type, audio = await request.app[PROVIDER].speak(model, body)
+    response = web.StreamResponse(headers={"Content-Type": content_type})
+    try:
+        async with aclosing(audio):
+            first = await anext(audio, b"")  # an upstream that fails before its first bytes is a plain error
+            await response.prepare(request)
+            await response.write(first)
+            async for data in audio:
+                await response.write(data)
+    except ConnectionError:
+        _log("speech", model, 499, started)  # the client went away
+        return response
+    except ProxyError as exc:
+        if not response.prepared:
+            raise
+        # The audio is cut and nothing can say so in its bytes: the connection closes before the
+        # body's end, so the client sees a broken response, not a short one.
+        _log("speech", model, exc.status, started)
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    # Speech reports no tokens: the call is counted.
+    await _account(request, tenant, "speech", model, None)
+    await response.write_eof()
+    _log("speech", model, 200, started)
+    return response
+
+
+async def _completion_stream(request: web.Request, tenant: str, model: ModelConfig,
+                             body: dict[str, Any]) -> web.StreamResponse:
+    """As chat streams: the usage is asked for where the client did not ask, and then hidden from
+    it; the stream ends with `[DONE]` once its usage is accounted, or with one error event."""
+    options = body.get("stream_options")
+    hide_usage = not (isinstance(options, dict) and options.get("include_usage") is True)
+    if hide_usage:
+        body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+    started = time.perf_counter()
+    chunks = await request.app[PROVIDER].text_stream(model, body)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        usage = await _relay(chunks, response, hide_usage)
+        await _account(request, tenant, "completions", model, usage)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        _log("completions", model, 499, started)  # the client went away
+        return response
+    except ProxyError as exc:  # the headers are out: the error ends the stream, as chat's do
+        await _end_stream(response, exc.body())
+        _log("completions", model, exc.status, started)
+        return response
+    except Exception as exc:
+        log.error("a completion stream failed after its headers: %s", type(exc).__name__)
+        await _end_stream(response, error_body("internal error", "server_error", "internal_error"))
+        return response
+    _log("completions", model, 200, started)
+    return response
+
+
+async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
+                 hide_usage: bool) -> dict[str, Any] | None:
+    """Relay the chunks; returns the stream's usage once some choice has finished (anything less
+    is an error). `hide_usage`: the client did not ask for the usage, and sees none (no `usage`
+    field, no chunk that holds only usage)."""
+    usage, finished = None, False
+    async with aclosing(chunks):  # a client that went away releases the upstream connection now
+        async for chunk in chunks:
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or [])
+            if hide_usage and "usage" in chunk:
+                if chunk["usage"] and not any(c.get("text") or c.get("finish_reason")
+                                              for c in chunk.get("choices") or []):
+                    continue
+                chunk = {k: v for k, v in chunk.items() if k != "usage"}
+            await response.write(b"data: " + dumps(chunk) + b"\n\n")
+    if not finished:  # ended without a finish reason: cut, not done
+        raise ProxyError("the upstream stream ended before the completion was complete", status=502,
+                         code="upstream_incomplete")
+    return usage
+
+
+async def _end_stream(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    try:
+        await response.write(b"data: " + dumps(body) + b"\n\n")
+    except ConnectionError:
+        pass
+
+
+def _tenant(request: web.Request) -> str:
+    tenant = request[CALLER].tenant
+    if tenant is None:
+        raise Forbidden("An admin key manages sessions; call the model endpoints with a tenant's key.")
+    return tenant
+
+
+def _model(config: Config, name: Any) -> ModelConfig:
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' is required", param="model")
+    model = config.model(name)
+    if model is None:
+        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
+                       code="model_not_found", param="model")
+    return model
+
+
+async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]:
+    """A transcription's form: its fields in order (repeated `name[]` fields kept), and the audio.
+    The body is read whole first (`deadlines.read_deadlines`, within `server.max_body_bytes`), so
+    aiohttp's multipart parser reads it from those bytes."""
+    if request.content_type != "multipart/form-data":
+        raise BadRequest("a transcription is sent as multipart/form-data, its audio in the field 'file'")
+    raw = await body_bytes(request)
+    # Never paused: the stream holds no more than the body already read (`limit` above its size).
+    stream = StreamReader(request.protocol, len(raw) + 1, loop=asyncio.get_running_loop())
+    stream.feed_data(raw)
+    stream.feed_eof()
+    fields: list[tuple[str, str]] = []
+    audio = None
+    try:
+        async for part in MultipartReader(request.headers, stream):
+            if not isinstance(part, BodyPartReader) or part.name is None:
+                continue  # a nested multipart, or a part without a name: nothing a transcription takes
+            if part.name == "file":
+                content_type = part.headers.get("Content-Type", "application/octet-stream")
+                audio = AudioFile(part.filename or "audio", bytes(await part.read()), content_type)
+            elif part.filename is None:
+                fields.append((part.name, await part.text()))
+    except (ValueError, AssertionError, UnicodeDecodeError) as exc:  # what aiohttp's parser raises
+        raise BadRequest(f"the form could not be read: {type(exc).__name__}") from exc
+    if audio is None:
+        raise BadRequest("'file' is required: the audio to transcribe", param="file")
+    return fields, audio
+
+
+async def _account(request: web.Request, tenant: str, endpoint: Endpoint, model: ModelConfig,
+                   usage: Any) -> None:
+    """Add the call to the tenant's endpoint usage: the tokens the provider reported (OpenAI's
+    `prompt_tokens`/`completion_tokens`, or the `input_tokens`/`output_tokens` of images and audio)."""
+    counts = usage if isinstance(usage, dict) else {}
+    prompt = _count(counts, "prompt_tokens", "input_tokens")
+    completion = _count(counts, "completion_tokens", "output_tokens")
+    cost = None
+    if prompt is not None or completion is not None:
+        cost = request.app[PROVIDER].cost(model, {"prompt_tokens": prompt or 0, "completion_tokens": completion or 0})
+    spent = EndpointUsage(tenant, endpoint, 1, prompt or 0, completion or 0, cost)
+    app = request.app
+    try:
+        await app[TASKS].run(app[STORE].add_endpoint_usage(spent))
+    except Exception as exc:  # the answer is paid for: the client gets it; the lost count is logged
+        log.error("accounting a %s call failed: %s", endpoint, type(exc).__name__)
+
+
+def _count(counts: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = counts.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _log(endpoint: Endpoint, model: ModelConfig, status: int, started: float) -> None:
+    log.info("%s status=%d model=%s ms=%.2f", endpoint, status, model.name, (time.perf_counter() - started) * 1000)
+
+
+# --- what exists ---------------------------------------------------------------------------------
+
+_SESSION_API = ("/v1/sessions", "/v1/usage", "/v1/search")
+
+
+def served(app: web.Application) -> str:
+    """The OpenAI endpoints this app serves, from its router (so a route added later is listed)."""
+    found: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if path.startswith("/v1/") and not path.startswith(_SESSION_API) and route.method != "HEAD":
+            found.setdefault(path, set()).add(route.method)
+    return ", ".join(f"{'/'.join(sorted(found[path]))} {path}" for path in sorted(found))
+
+
+def not_found_message(request: web.Request) -> str:
+    return (f"Invalid URL ({request.method} {request.path}). memproxy serves {served(request.app)}, "
+            "and its session API under /v1/sessions.")

@@ -1,0 +1,371 @@
+"""The OpenAI endpoints besides chat (embeddings, legacy completions, moderations, images,
+transcriptions, speech, one model), driven by the official SDK through the proxy to the fake
+provider, on both transports: what the provider received, what the client got back, what the
+tenant was charged, and every error in the OpenAI shape."""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from fake_upstream import FakeUpstream, Received, Reply, speech_audio
+from memproxy.config import Config
+
+pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
+
+ENDPOINTS = ["/v1/audio/speech", "/v1/audio/transcriptions", "/v1/completions", "/v1/embeddings",
+             "/v1/images/generations", "/v1/moderations"]
+
+
+def wav(seconds: float = 0.1, rate: int = 8000) -> bytes:
+    """A small mono 16-bit WAV file: a rising ramp, so its bytes are not all alike."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"".join(struct.pack("<h", (i * 37) % 30000) for i in range(int(seconds * rate))))
+    return out.getvalue()
+
+
+def only(upstream: FakeUpstream, path: str) -> Received:
+    """The one request the provider received at `path`, with the upstream key and not the client's."""
+    received = upstream.requests_to(path)
+    assert len(received) == 1, f"{len(received)} requests to {path}"
+    assert_upstream_key(received[0])
+    return received[0]
+
+
+def assert_upstream_key(received: Received) -> None:
+    assert received.headers.get("Authorization") == "Bearer upstream-secret"
+    assert not any(PROXY_KEY in value for value in received.headers.values())
+
+
+async def usage_of(proxy: Proxy, key: str = PROXY_KEY) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{proxy.url}/usage", headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status == 200
+            result: dict[str, Any] = await response.json()
+            return result
+
+
+async def post(proxy: Proxy, path: str, key: str | None = PROXY_KEY, **kwargs: Any) -> tuple[int, Any, Any]:
+    """A raw request: its status, JSON body and headers."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as http:
+        async with http.request(kwargs.pop("method", "POST"), f"{proxy.server.make_url(path)}", headers=headers,
+                                **kwargs) as response:
+            return response.status, await response.json(content_type=None), response.headers
+
+
+def assert_error(body: Any, *, type: str, code: str | None, param: str | None = None) -> None:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code", "param"}
+    assert body["error"]["message"] and (body["error"]["type"], body["error"]["code"]) == (type, code)
+    assert body["error"]["param"] == param
+
+
+# --- each endpoint -------------------------------------------------------------------------------
+
+
+async def test_embeddings_go_to_the_configured_model_and_count_for_the_tenant(
+        proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session=None)
+    result = await client.embeddings.create(model="small", input=["hello there world", "x"], dimensions=4,
+                                            encoding_format="float", user="end-user-7")
+    assert [d.embedding for d in result.data] == [[0.5] * 4, [1.5] * 4]
+    assert result.usage.prompt_tokens == 4
+    body = only(upstream, "/v1/embeddings").body
+    # The provider's name for the model, and every parameter the client sent.
+    assert body["model"] == "small" and body["input"] == ["hello there world", "x"]
+    assert (body["dimensions"], body["encoding_format"], body["user"]) == (4, "float", "end-user-7")
+
+    usage = await usage_of(proxy)
+    assert usage["endpoints"] == {"embeddings": {"calls": 1, "prompt_tokens": 4, "completion_tokens": 0,
+                                                 "cost": None}}
+    assert (usage["prompt_tokens"], usage["turns"], usage["sessions"]) == (4, 0, 0)
+    assert (await usage_of(proxy, OTHER_KEY))["endpoints"] == {}  # tenant b spent nothing
+
+
+async def test_a_priced_model_costs_what_litellm_says(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(usage={"prompt_tokens": 1000, "total_tokens": 1000}))
+    await proxy.client(session=None).embeddings.create(model="big", input="x")  # openai/gpt-4o-mini: priced
+    assert only(upstream, "/v1/embeddings").body["model"] == "gpt-4o-mini"
+    spent = (await usage_of(proxy))["endpoints"]["embeddings"]
+    assert spent["prompt_tokens"] == 1000 and spent["cost"] is not None and spent["cost"] > 0
+
+
+async def test_a_legacy_completion(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(content="once upon a time"))
+    result = await proxy.client(session=None).completions.create(model="small", prompt="Tell me", max_tokens=5,
+                                                                  temperature=0.5)
+    assert result.choices[0].text == "once upon a time" and result.choices[0].finish_reason == "stop"
+    body = only(upstream, "/v1/completions").body
+    assert (body["model"], body["prompt"], body["max_tokens"], body["temperature"]) == ("small", "Tell me", 5, 0.5)
+    assert "stream" not in body
+    spent = (await usage_of(proxy))["endpoints"]["completions"]
+    assert (spent["calls"], spent["prompt_tokens"], spent["completion_tokens"]) == (1, 7, 3)
+
+
+async def test_a_streamed_legacy_completion_ends_with_done_and_is_accounted(
+        proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session=None)
+    upstream.enqueue(Reply(content="once upon a time"))
+    stream = await client.completions.create(model="small", prompt="Tell me", stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text or "" for c in chunks if c.choices) == "once upon a time"
+    assert all(c.usage is None for c in chunks)  # not asked for: the usage memproxy asked for is hidden
+    body = only(upstream, "/v1/completions").body
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    spent = (await usage_of(proxy))["endpoints"]["completions"]
+    assert spent["calls"] == 1 and spent["prompt_tokens"] > 0 and spent["completion_tokens"] > 0
+
+    # Asked for, the usage reaches the client.
+    stream = await client.completions.create(model="small", prompt="Again", stream=True,
+                                             stream_options={"include_usage": True})
+    usages = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert len(usages) == 1 and usages[0].prompt_tokens > 0
+    assert (await usage_of(proxy))["endpoints"]["completions"]["calls"] == 2
+
+
+async def test_raw_stream_is_server_sent_events_ending_with_done(proxy: Proxy, upstream: FakeUpstream) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url}/completions", json={"model": "small", "prompt": "p", "stream": True},
+                             headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+            assert response.status == 200 and response.content_type == "text/event-stream"
+            text = (await response.read()).decode()
+    events = [line for line in text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+async def test_moderations(proxy: Proxy, upstream: FakeUpstream) -> None:
+    result = await proxy.client(session=None).moderations.create(model="small", input="attack the castle")
+    assert result.results[0].flagged is True and result.results[0].categories.violence is True
+    assert only(upstream, "/v1/moderations").body == {"model": "small", "input": "attack the castle"}
+    assert (await usage_of(proxy))["endpoints"]["moderations"]["calls"] == 1
+
+
+async def test_image_generation(proxy: Proxy, upstream: FakeUpstream) -> None:
+    result = await proxy.client(session=None).images.generate(model="small", prompt="a cat", n=2, size="256x256")
+    assert [d.b64_json for d in result.data or []] == ["iVBORw0KGgo="] * 2
+    body = only(upstream, "/v1/images/generations").body
+    assert (body["model"], body["prompt"], body["n"], body["size"]) == ("small", "a cat", 2, "256x256")
+    assert (await usage_of(proxy))["endpoints"]["images"]["calls"] == 1
+
+
+async def test_transcription_of_an_uploaded_file(proxy: Proxy, upstream: FakeUpstream) -> None:
+    audio = wav()
+    client = proxy.client(session=None)
+    result = await client.audio.transcriptions.create(model="small", file=("clip.wav", audio, "audio/wav"),
+                                                      language="en", temperature=0.2)
+    assert result.text == f"heard {len(audio)} bytes"
+    body = only(upstream, "/v1/audio/transcriptions").body
+    assert body["file"]["bytes"] == audio and body["file"]["filename"] == "clip.wav"
+    assert (body["model"], body["language"], float(body["temperature"])) == ("small", "en", 0.2)
+    assert (await usage_of(proxy))["endpoints"]["transcriptions"]["calls"] == 1
+
+    # The text formats answer the text itself.
+    upstream.enqueue(Reply(content="just words"))
+    text = await client.audio.transcriptions.create(model="small", file=("clip.wav", audio, "audio/wav"),
+                                                    response_format="text")
+    assert str(text).strip() == "just words"
+
+
+async def test_transcription_usage_in_tokens_is_accounted(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(usage={"type": "tokens", "input_tokens": 30, "output_tokens": 4, "total_tokens": 34,  # type: ignore[dict-item]
+                                  "input_token_details": {"text_tokens": 0, "audio_tokens": 30}}))
+    await proxy.client(session=None).audio.transcriptions.create(model="small", file=("a.wav", wav(), "audio/wav"))
+    spent = (await usage_of(proxy))["endpoints"]["transcriptions"]
+    assert (spent["prompt_tokens"], spent["completion_tokens"]) == (30, 4)
+
+
+async def test_speech_comes_back_as_audio_bytes(proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session=None)
+    response = await client.audio.speech.create(model="small", input="hello there", voice="alloy",
+                                                response_format="mp3")
+    assert response.content == speech_audio("hello there")
+    assert response.response.headers["content-type"] == "audio/mpeg"
+    body = only(upstream, "/v1/audio/speech").body
+    assert body == {"model": "small", "input": "hello there", "voice": "alloy", "response_format": "mp3"}
+
+    async with client.audio.speech.with_streaming_response.create(model="small", input="again",
+                                                                  voice="alloy") as streamed:
+        assert b"".join([data async for data in streamed.iter_bytes()]) == speech_audio("again")
+    assert (await usage_of(proxy))["endpoints"]["speech"] == {"calls": 2, "prompt_tokens": 0,
+                                                              "completion_tokens": 0, "cost": None}
+
+
+async def test_a_model_is_retrieved_by_name(proxy: Proxy) -> None:
+    client = proxy.client(session=None)
+    model = await client.models.retrieve("big")
+    assert (model.id, model.object, model.owned_by) == ("big", "model", "memproxy")
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.models.retrieve("gpt-nope")
+    assert_error({"error": caught.value.body}, type="invalid_request_error",
+                 code="model_not_found", param="model")
+
+
+# --- what every endpoint refuses -----------------------------------------------------------------
+
+
+def call_each(client: openai.AsyncOpenAI, model: str = "small") -> list[Any]:
+    """One call to each endpoint, unawaited."""
+    return [
+        client.embeddings.create(model=model, input="x"),
+        client.completions.create(model=model, prompt="x"),
+        client.completions.create(model=model, prompt="x", stream=True),
+        client.moderations.create(model=model, input="x"),
+        client.images.generate(model=model, prompt="x"),
+        client.audio.transcriptions.create(model=model, file=("a.wav", wav(0.01), "audio/wav")),
+        client.audio.speech.create(model=model, input="x", voice="alloy"),
+    ]
+
+
+async def test_a_wrong_key_is_refused_before_anything_goes_upstream(proxy: Proxy, upstream: FakeUpstream) -> None:
+    for call in call_each(proxy.client(session=None, key="not-a-key")):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await call
+        assert_error({"error": caught.value.body}, type="authentication_error", code="invalid_api_key")
+    for path in ENDPOINTS:  # no key at all
+        status, body, _ = await post(proxy, path, key=None, json={"model": "small", "input": "x"})
+        assert status == 401
+        assert_error(body, type="authentication_error", code="invalid_api_key")
+    assert upstream.received == []
+
+
+async def test_an_unknown_model_is_a_404_model_not_found(proxy: Proxy, upstream: FakeUpstream) -> None:
+    for call in call_each(proxy.client(session=None), model="gpt-unknown"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            await call
+        assert_error({"error": caught.value.body}, type="invalid_request_error", code="model_not_found",
+                     param="model")
+    assert upstream.received == []
+    status, body, _ = await post(proxy, "/v1/embeddings", json={"input": "x"})
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None, param="model")
+
+
+async def test_an_admin_key_cannot_call_a_model(start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(replace(config, auth=replace(config.auth, admin_keys=("admin-key-z",))))
+    for path in ENDPOINTS:
+        status, body, _ = await post(proxy, path, key="admin-key-z", json={"model": "small", "input": "x"})
+        assert status == 403
+        assert_error(body, type="permission_error", code="forbidden")
+    assert upstream.received == []
+
+
+async def test_a_body_over_the_limit_is_a_413(start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(replace(config, server=replace(config.server, max_body_bytes=4096)))
+    client = proxy.client(session=None)
+    calls = [client.embeddings.create(model="small", input="word " * 2000),
+             client.completions.create(model="small", prompt="word " * 2000),
+             client.audio.transcriptions.create(model="small", file=("a.wav", wav(1.0), "audio/wav")),
+             client.audio.speech.create(model="small", input="word " * 2000, voice="alloy")]
+    for call in calls:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await call
+        assert caught.value.status_code == 413
+        assert_error({"error": caught.value.body}, type="invalid_request_error", code="request_too_large")
+        assert "4096" in caught.value.message
+    assert upstream.received == []
+
+
+async def test_an_upstream_failure_is_the_providers_status_in_the_openai_shape(
+        proxy: Proxy, upstream: FakeUpstream, transport: str) -> None:
+    for index, call in enumerate(call_each(proxy.client(session=None))):
+        upstream.reset()
+        upstream.enqueue(*[Reply(status=500, error_message=f"overloaded {index}")] * 3)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await call
+        assert caught.value.status_code == 500
+        assert_error({"error": caught.value.body}, type="upstream_error", code="upstream_error")
+        assert f"overloaded {index}" in caught.value.message
+        # Not retried: the client retries if it wants to. litellm's OpenAI image call retries twice.
+        retried = transport == "litellm" and upstream.received[0].path.endswith("/images/generations")
+        assert len(upstream.received) == (3 if retried else 1)
+        assert_upstream_key(upstream.received[0])
+    assert (await usage_of(proxy))["endpoints"] == {}  # nothing answered, nothing charged
+
+
+async def test_a_bad_request_upstream_keeps_its_status(proxy: Proxy, upstream: FakeUpstream) -> None:
+    upstream.enqueue(Reply(status=400, error_message="input is too long"))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client(session=None).embeddings.create(model="small", input="x")
+    assert caught.value.status_code == 400 and "input is too long" in caught.value.message
+    assert caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+async def test_a_stream_cut_upstream_ends_with_an_error_and_charges_nothing(
+        proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session=None)
+    upstream.enqueue(Reply(content="once upon a time", cut_stream=True))
+    stream = await client.completions.create(model="small", prompt="Tell me", stream=True)
+    with pytest.raises(openai.APIError) as caught:
+        async for _ in stream:
+            pass
+    assert caught.value.body["code"] in ("upstream_incomplete", "upstream_error")  # type: ignore[index]
+    upstream.enqueue(Reply(cut_stream=True))
+    with pytest.raises(openai.APIError):  # a broken body, or (litellm reads it whole) a 502
+        await client.audio.speech.create(model="small", input="hello there", voice="alloy")
+    assert (await usage_of(proxy))["endpoints"] == {}
+
+
+async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream: FakeUpstream) -> None:
+    status, body, _ = await post(proxy, "/v1/images/generations", json={"model": "small", "prompt": "x",
+                                                                        "stream": True})
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None, param="stream")
+    status, body, _ = await post(proxy, "/v1/completions", json={"model": "small", "prompt": "x", "stream": "yes"})
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None, param="stream")
+    status, body, _ = await post(proxy, "/v1/audio/transcriptions", data={"model": "small"})
+    assert status == 400  # not a multipart form
+    form = aiohttp.FormData(default_to_multipart=True)
+    form.add_field("model", "small")
+    status, body, _ = await post(proxy, "/v1/audio/transcriptions", data=form)
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None, param="file")
+    assert upstream.received == []
+
+
+async def test_a_client_cannot_redirect_the_upstream_call(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """`api_base`, `api_key` in the body are the client's parameters, never the proxy's settings:
+    the call goes to the configured provider with the configured key."""
+    status, _, _ = await post(proxy, "/v1/embeddings", json={"model": "small", "input": "x",
+                                                             "api_base": "http://127.0.0.1:9/v1",
+                                                             "api_key": "stolen"})
+    assert status == 200
+    received = only(upstream, "/v1/embeddings")
+    assert received.headers["Authorization"] == "Bearer upstream-secret"
+
+
+# --- paths that do not exist ---------------------------------------------------------------------
+
+
+async def test_an_unknown_path_is_a_404_that_lists_the_endpoints(proxy: Proxy, upstream: FakeUpstream) -> None:
+    for method, path in [("POST", "/v1/nothing/here"), ("GET", "/v1/files"), ("POST", "/v1/engines/x/completions"),
+                         ("GET", "/nowhere")]:
+        status, body, _ = await post(proxy, path, method=method)
+        assert status == 404, path
+        assert_error(body, type="not_found_error", code="not_found")
+        message = body["error"]["message"]
+        assert f"({method} {path})" in message
+        for served in ["POST /v1/chat/completions", "POST /v1/embeddings", "POST /v1/completions",
+                       "POST /v1/moderations", "POST /v1/images/generations", "POST /v1/audio/transcriptions",
+                       "POST /v1/audio/speech", "GET /v1/models", "GET /v1/models/{model}"]:
+            assert served in message, served
+    # A known path with another method stays a 405 that says what it allows.
+    status, body, headers = await post(proxy, "/v1/embeddings", method="GET")
+    assert status == 405 and headers["Allow"] == "POST"
+    assert_error(body, type="invalid_request_error", code="method_not_allowed")
+    # A wrong key on an unknown path under /v1 is a 401 first, as on a known one.
+    status, body, _ = await post(proxy, "/v1/nothing", key="not-a-key")
+    assert status == 401
+    assert upstream.received == []
