@@ -11,6 +11,8 @@ litellm keeps one HTTP client per provider configuration and reuses it; nothing 
 
 Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
 an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
+One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
+litellm would ask for the model's whole output, so memproxy asks for the output its budget reserved.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal
 
@@ -31,6 +34,7 @@ from .upstream import PREFIX, OpenAIUpstream, status_error
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
                        "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
                        "client", "allowed_openai_params", "drop_params"})
+_LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 
 
@@ -100,17 +104,25 @@ class Provider:
         self._windows: dict[str, int] = {}
         self._counters: dict[str, TokenCounter] = {}
         self._native: dict[str, bool] = {}
+        self._fills_max_tokens: dict[str, bool] = {}
         self._unpriced: set[str] = set()
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
             self._native[model.name] = transport(model) == "openai"
+            self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
+                self._litellm, model.model)
 
     async def close(self) -> None:
         """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
         await self._openai.close()
         await self._litellm.close_litellm_async_clients()
         self._litellm.in_memory_llm_clients_cache.flush_cache()
+        # Anthropic's streams go through a client litellm creates on first use and keeps module-wide,
+        # outside its cache: it belongs to this loop too (a later loop would open a session beside it).
+        streaming = vars(self._litellm).pop("module_level_aclient", None)
+        if streaming is not None:
+            await streaming.close()
 
     def window(self, model: ModelConfig) -> int:
         return self._windows[model.name]
@@ -153,6 +165,12 @@ class Provider:
         }
         if extra:
             kwargs["extra_body"] = extra
+        if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
+                and params.get("max_completion_tokens") is None:
+            # litellm would ask for the model's whole output (64,000 tokens for a Claude), and
+            # Anthropic refuses a request whose input and max_tokens together exceed the window:
+            # ask for what the budget reserved instead (`memory.plan.output_reserve`'s default).
+            kwargs["max_tokens"] = min(model.max_output_tokens, self._windows[model.name] - 1)
         if model.api_base:
             kwargs["api_base"] = model.api_base
         if model.api_key:
@@ -202,11 +220,29 @@ class Provider:
         litellm = self._litellm
         # litellm prefixes the provider's words with its own class names; keep the provider's.
         message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
+        message = _LITELLM_PREFIX.sub("", message)  # "litellm.ContextWindowExceededError: ... AnthropicError - "
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+def _fills_max_tokens(litellm: Any, model: str) -> bool:
+    """Whether litellm sends `model` a `max_tokens` of its own when the request sets none: providers
+    whose API requires one (Anthropic's, on its own API or Vertex) get the model's maximum output."""
+    try:
+        name, provider, _, _ = litellm.get_llm_provider(model)
+        utils = importlib.import_module("litellm.utils")
+        config = utils.ProviderConfigManager.get_provider_chat_config(
+            model=name, provider=importlib.import_module("litellm.types.utils").LlmProviders(provider))
+        try:
+            defaults = config.get_config(model=name)
+        except TypeError:  # most providers' defaults do not depend on the model
+            defaults = config.get_config()
+    except Exception:  # a provider litellm has no chat config for: it adds nothing either
+        return False
+    return defaults.get("max_tokens") is not None
 
 
 def _unencodable(exc: BaseException | None) -> bool:
