@@ -23,7 +23,7 @@ from .app import runner as app_runner
 from .config import Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
-from .provider import check_windows
+from .provider import check_provider
 from .store import Store, open_store
 from .store.errors import StoreConflict
 
@@ -85,7 +85,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return asyncio.run(_migrate_store(source, target, args.resume))
     if args.command == "check-config":
         try:
-            check_windows(config)  # what `serve` checks at start besides the file itself
+            check_provider(config)  # what `serve` checks at start besides the file itself
         except ConfigError as exc:
             print(f"memproxy: config error: {ConfigError(exc.key, exc.why, source=args.config)}", file=sys.stderr)
             return 2
@@ -106,7 +106,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        check_windows(config)  # before anything starts: a model whose window is unknown opens no store
+        check_provider(config)  # before anything starts: an unknown window or callback opens no store
         asyncio.run(_serve(config))
     except ConfigError as exc:  # found at start, e.g. a model whose context window is unknown
         print(f"memproxy: config error: {exc}", file=sys.stderr)

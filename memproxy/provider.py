@@ -9,6 +9,9 @@ when this module is imported: it costs seconds and hundreds of MB, and `/healthz
 commands never need it. `LITELLM_LOCAL_MODEL_COST_MAP` is set first so the import stays offline.
 litellm keeps one HTTP client per provider configuration and reuses it; nothing is set up per request.
 
+litellm's callbacks (observability), off unless configured, are installed here and removed on close
+(`memproxy.observability`).
+
 Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
 an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
 One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
@@ -24,6 +27,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal
 
+from . import observability
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, detached
@@ -87,14 +91,16 @@ def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     return int(window)
 
 
-def check_windows(config: Config) -> None:
-    """What `Provider` checks of the models at start, without starting anything: every window known.
-    litellm is imported only where a model sets none (`memproxy check-config` stays light otherwise)."""
+def check_provider(config: Config) -> None:
+    """What `Provider` checks at start, without starting anything: every window known, every litellm
+    callback found. litellm is imported only where a model sets no window or callbacks are listed
+    (`memproxy check-config` stays light otherwise)."""
     unset = [(index, model) for index, model in enumerate(config.models) if model.context_window is None]
-    if unset:
+    if unset or config.litellm.callbacks:
         litellm = load_litellm()
         for index, model in unset:
             resolve_window(litellm, index, model)
+        observability.resolve(litellm, config.litellm)
 
 
 class Provider:
@@ -112,9 +118,13 @@ class Provider:
             self._native[model.name] = transport(model) == "openai"
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
+        native = [name for name, own in self._native.items() if own]
+        self._callbacks = observability.Callbacks.install(self._litellm, config.litellm, unseen=native)
 
     async def close(self) -> None:
-        """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
+        """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop.
+        The callbacks this provider installed leave litellm with it."""
+        self._callbacks.remove()
         await self._openai.close()
         await self._litellm.close_litellm_async_clients()
         self._litellm.in_memory_llm_clients_cache.flush_cache()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memproxy.config import Config, ConfigError, ModelConfig, parse_config
-from memproxy.provider import LitellmCounter, Provider, check_windows, transport
+from memproxy.provider import LitellmCounter, Provider, check_provider, transport
 from memproxy.tokens import TiktokenCounter
 
 MESSAGE = {"role": "user", "content": "How many tokens is this sentence, roughly?"}
@@ -100,7 +100,7 @@ models:
 def test_the_readme_provider_configs_start_offline() -> None:
     config = parse_config(PROVIDER_EXAMPLES, {"ANTHROPIC_API_KEY": "sk-ant-x", "GEMINI_API_KEY": "g-x",
                                               "AZURE_API_KEY": "az-x"})
-    check_windows(config)
+    check_provider(config)
     provider = Provider(config)
     by_name = {m.name: m for m in config.models}
     assert {name: provider.window(m) for name, m in by_name.items()} == {
