@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -212,6 +212,26 @@ class RetentionConfig:
     max_messages_per_session: Annotated[Int, Field(ge=2)] | None = None
 
 
+def _callback_name(value: str) -> str:
+    if not _CALLBACK.fullmatch(value):
+        raise ValueError(f"must be a litellm callback name (langfuse, otel, ...) or a Python path "
+                         f"module.attribute, got {value!r}")
+    return value
+
+
+_CALLBACK = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:[.:][A-Za-z_][A-Za-z0-9_]*)*")
+CallbackName = Annotated[str, BeforeValidator(_text), Field(strict=True), AfterValidator(_callback_name)]
+
+
+@dataclass(frozen=True, config=_SECTION)
+class LitellmConfig:
+    """litellm's process-wide settings. Its callbacks (observability) receive the content of every
+    message sent through litellm: none unless listed (memproxy.observability)."""
+
+    callbacks: tuple[CallbackName, ...] = ()
+    turn_off_message_logging: Flag = False
+
+
 @dataclass(frozen=True, config=_SECTION)
 class LoggingConfig:
     level: Annotated[LogLevel, BeforeValidator(_upper)] = "INFO"  # `serve --log-level` overrides it
@@ -236,6 +256,7 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    litellm: LitellmConfig = field(default_factory=LitellmConfig)
 
     def model(self, name: str) -> ModelConfig | None:
         for model in self.models:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from .config import AuthConfig, Config, ConfigError, ServerConfig, StorageConfig
-from .provider import unknown_windows
+from .provider import provider_problems
 from .store.sqlite import sqlite_path
 
 CONNECT_TIMEOUT_SECONDS = 10.0  # a server that has not answered by then is down for `serve` too
@@ -34,7 +34,7 @@ def problems(config: Config) -> list[ConfigError]:
         found.append(ConfigError("server.host", why))
     if (why := storage_problem(config.storage)) is not None:
         found.append(ConfigError("storage.url", why))
-    return found + unknown_windows(config)
+    return found + provider_problems(config)
 
 
 def unguarded_address(server: ServerConfig, auth: AuthConfig) -> str | None:

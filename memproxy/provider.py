@@ -9,8 +9,13 @@ when this module is imported: it costs seconds and hundreds of MB, and `/healthz
 commands never need it. `LITELLM_LOCAL_MODEL_COST_MAP` is set first so the import stays offline.
 litellm keeps one HTTP client per provider configuration and reuses it; nothing is set up per request.
 
+litellm's callbacks (observability), off unless configured, are installed here and removed on close
+(`memproxy.observability`).
+
 Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
 an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
+One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
+litellm would ask for the model's whole output, so memproxy asks for the output its budget reserved.
 memproxy's own requests (summaries) always go through litellm, translated for the model
 (`complete_own`).
 """
@@ -22,12 +27,14 @@ import importlib
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 
+from . import observability
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, detached
@@ -38,6 +45,7 @@ from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
                        "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
                        "client", "allowed_openai_params", "drop_params"})
+_LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 
 
@@ -94,19 +102,32 @@ def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     return int(window)
 
 
-def unknown_windows(config: Config) -> list[ConfigError]:
-    """What `Provider` checks of the models at start, without starting anything: every window known,
-    one error per model whose window is not. litellm is imported only where a model sets none
-    (`memproxy check-config` stays light otherwise)."""
+def provider_problems(config: Config) -> list[ConfigError]:
+    """What `Provider` checks at start, without starting anything: every window known (one error per
+    model whose window is not), every litellm callback found. litellm is imported only where a model
+    sets no window or callbacks are listed (`memproxy check-config` stays light otherwise)."""
     unset = [(index, model) for index, model in enumerate(config.models) if model.context_window is None]
+    if not unset and not config.litellm.callbacks:
+        return []
+    litellm = load_litellm()
     problems = []
-    litellm = load_litellm() if unset else None
     for index, model in unset:
         try:
             resolve_window(litellm, index, model)
         except ConfigError as exc:
             problems.append(exc)
+    try:
+        observability.resolve(litellm, config.litellm)
+    except ConfigError as exc:
+        problems.append(exc)
     return problems
+
+
+def check_provider(config: Config) -> None:
+    """`provider_problems`, the first of them raised."""
+    problems = provider_problems(config)
+    if problems:
+        raise problems[0]
 
 
 class Provider:
@@ -117,6 +138,7 @@ class Provider:
         self._counters: dict[str, TokenCounter] = {}
         self._native: dict[str, bool] = {}
         self._reasoning: dict[str, bool] = {}
+        self._fills_max_tokens: dict[str, bool] = {}
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         for index, model in enumerate(config.models):
@@ -124,14 +146,25 @@ class Provider:
             self._counters[model.name] = self._make_counter(model)
             self._native[model.name] = transport(model) == "openai"
             self._reasoning[model.name] = _reasons(self._litellm, model.model)
+            self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
+                self._litellm, model.model)
+        native = [name for name, own in self._native.items() if own]
+        self._callbacks = observability.Callbacks.install(self._litellm, config.litellm, unseen=native)
 
     async def close(self) -> None:
-        """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop."""
+        """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop.
+        The callbacks this provider installed leave litellm with it."""
+        self._callbacks.remove()
         await self._openai.close()
         for client in self._sdk_clients.values():
             await client.close()
         await self._litellm.close_litellm_async_clients()
         self._litellm.in_memory_llm_clients_cache.flush_cache()
+        # Anthropic's streams go through a client litellm creates on first use and keeps module-wide,
+        # outside its cache: it belongs to this loop too (a later loop would open a session beside it).
+        streaming = vars(self._litellm).pop("module_level_aclient", None)
+        if streaming is not None:
+            await streaming.close()
 
     def window(self, model: ModelConfig) -> int:
         return self._windows[model.name]
@@ -179,6 +212,12 @@ class Provider:
         }
         if extra:
             kwargs["extra_body"] = extra
+        if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
+                and params.get("max_completion_tokens") is None:
+            # litellm would ask for the model's whole output (64,000 tokens for a Claude), and
+            # Anthropic refuses a request whose input and max_tokens together exceed the window:
+            # ask for what the budget reserved instead (`memory.plan.output_reserve`'s default).
+            kwargs["max_tokens"] = min(model.max_output_tokens, self._windows[model.name] - 1)
         if model.api_base:
             kwargs["api_base"] = model.api_base
         if model.api_key:
@@ -348,6 +387,7 @@ class Provider:
         litellm = self._litellm
         # litellm prefixes the provider's words with its own class names; keep the provider's.
         message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
+        message = _LITELLM_PREFIX.sub("", message)  # "litellm.ContextWindowExceededError: ... AnthropicError - "
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
@@ -424,6 +464,21 @@ async def _bytes(response: aiohttp.ClientResponse, model: ModelConfig) -> AsyncG
 
 async def _whole(content: bytes) -> AsyncGenerator[bytes, None]:
     yield content
+def _fills_max_tokens(litellm: Any, model: str) -> bool:
+    """Whether litellm sends `model` a `max_tokens` of its own when the request sets none: providers
+    whose API requires one (Anthropic's, on its own API or Vertex) get the model's maximum output."""
+    try:
+        name, provider, _, _ = litellm.get_llm_provider(model)
+        utils = importlib.import_module("litellm.utils")
+        config = utils.ProviderConfigManager.get_provider_chat_config(
+            model=name, provider=importlib.import_module("litellm.types.utils").LlmProviders(provider))
+        try:
+            defaults = config.get_config(model=name)
+        except TypeError:  # most providers' defaults do not depend on the model
+            defaults = config.get_config()
+    except Exception:  # a provider litellm has no chat config for: it adds nothing either
+        return False
+    return defaults.get("max_tokens") is not None
 
 
 def _unencodable(exc: BaseException | None) -> bool:

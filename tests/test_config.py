@@ -69,6 +69,9 @@ def test_default_after_colon_dash() -> None:
         ("server: [1, 2]", {}, "server", "must be a mapping"),
         ("server: {allow_unauthenticated: maybe}", {}, "server.allow_unauthenticated", "true or false"),
         ("models: {name: a}", {}, "models", "must be a list"),
+        ("litellm: {callbacks: [langfuse, 'my logger']}", {}, "litellm.callbacks[1]", "must be a litellm callback name"),
+        ("litellm: {callbacks: langfuse}", {}, "litellm.callbacks", "must be a list"),
+        ("litellm: {turn_off_message_logging: sometimes}", {}, "litellm.turn_off_message_logging", "true or false"),
     ],
 )
 def test_errors_name_the_key_and_why(text: str, env: dict[str, str], key: str, why: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memproxy.config import Config, ConfigError, ModelConfig
-from memproxy.provider import LitellmCounter, Provider
+from memproxy.config import Config, ConfigError, ModelConfig, parse_config
+from memproxy.provider import LitellmCounter, Provider, check_provider, transport
 from memproxy.tokens import TiktokenCounter
 
 MESSAGE = {"role": "user", "content": "How many tokens is this sentence, roughly?"}
@@ -53,3 +53,63 @@ def test_litellm_counter_counts_messages_and_tools() -> None:
                                              "parameters": {"type": "object", "properties": {}}}}
     assert counter.tools([tool]) > 0
     assert counter.tools([]) == 0
+
+
+# The README's ready configs ("Providers"), kept here word for word so a change to litellm's model
+# data (a window it no longer knows, a provider it routes elsewhere) fails here rather than for a user.
+PROVIDER_EXAMPLES = """
+models:
+  # Anthropic: litellm translates to the Messages API; the window (200,000) is litellm's.
+  - name: claude
+    model: anthropic/claude-sonnet-4-5
+    api_key: ${ANTHROPIC_API_KEY}
+    max_output_tokens: 4096  # also the max_tokens Claude is asked for when a request sets none
+
+  # Google Gemini (an AI Studio key). litellm knows the window (1,048,576); a smaller one caps
+  # what one request may send, and cost.
+  - name: gemini
+    model: gemini/gemini-2.5-flash
+    api_key: ${GEMINI_API_KEY}
+    context_window: 200000
+
+  # Azure OpenAI: the model is your deployment's name, which litellm cannot know: set the window.
+  # The API version is AZURE_API_VERSION's (else litellm's default).
+  - name: azure-gpt-4o
+    model: azure/my-gpt-4o-deployment
+    api_base: https://my-resource.openai.azure.com
+    api_key: ${AZURE_API_KEY}
+    context_window: 128000
+
+  # Ollama's own API. The window must be the one Ollama runs the model with (its default is small:
+  # start it with OLLAMA_CONTEXT_LENGTH=8192, or set num_ctx in a Modelfile).
+  - name: llama
+    model: ollama_chat/llama3.1:8b
+    api_base: http://127.0.0.1:11434
+    context_window: 8192
+
+  # vLLM speaks the OpenAI API: memproxy's own client, no translation. The window is vLLM's
+  # --max-model-len.
+  - name: qwen
+    model: openai/Qwen/Qwen2.5-7B-Instruct
+    api_base: http://127.0.0.1:8000/v1
+    api_key: ${VLLM_API_KEY:-none}
+    context_window: 32768
+"""
+
+
+def test_the_readme_provider_configs_start_offline() -> None:
+    config = parse_config(PROVIDER_EXAMPLES, {"ANTHROPIC_API_KEY": "sk-ant-x", "GEMINI_API_KEY": "g-x",
+                                              "AZURE_API_KEY": "az-x"})
+    check_provider(config)
+    provider = Provider(config)
+    by_name = {m.name: m for m in config.models}
+    assert {name: provider.window(m) for name, m in by_name.items()} == {
+        "claude": 200_000, "gemini": 200_000, "azure-gpt-4o": 128_000, "llama": 8192, "qwen": 32768}
+    assert {name: transport(m) for name, m in by_name.items()} == {
+        "claude": "litellm", "gemini": "litellm", "azure-gpt-4o": "litellm", "llama": "litellm", "qwen": "openai"}
+    for model in config.models:
+        assert provider.counter(model).message(MESSAGE) > 0
+    # Only Claude's API requires max_tokens; it is asked for the reserve when a request sets none.
+    asked = {name: provider._kwargs(m, [MESSAGE], {}).get("max_tokens") for name, m in by_name.items()
+             if transport(m) == "litellm"}
+    assert asked == {"claude": 4096, "gemini": None, "azure-gpt-4o": None, "llama": None}
