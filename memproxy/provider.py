@@ -145,7 +145,7 @@ class Provider:
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
             self._native[model.name] = transport(model) == "openai"
-            self._reasoning[model.name] = _reasons(self._litellm, model.model)
+            self._reasoning[model.name] = _provider_of(model) in _OPENAI_LIKE and _reasons(self._litellm, model.model)
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
         native = [name for name, own in self._native.items() if own]
@@ -173,8 +173,9 @@ class Provider:
         return self._counters[model.name]
 
     def reasons(self, model: ModelConfig) -> bool:
-        """Whether litellm knows the model to think before it answers (OpenAI's o-series and
-        GPT-5, DeepSeek's reasoner, Claude's extended thinking): its output limit covers both."""
+        """Whether the model always thinks before it answers, within its output limit: OpenAI's
+        reasoning models (o-series, GPT-5), as litellm knows them. Claude and Gemini think only
+        when asked, and memproxy's own requests do not ask."""
         return self._reasoning[model.name]
 
     def cost(self, model: ModelConfig, usage: dict[str, Any] | None) -> float | None:
@@ -193,8 +194,7 @@ class Provider:
     def _make_counter(self, model: ModelConfig) -> TokenCounter:
         tokenizer: str = model.tokenizer  # an encoding's name once `auto` is resolved
         if tokenizer == "auto":
-            provider = model.model.split("/", 1)[0] if "/" in model.model else "openai"
-            tokenizer = encoding_name_for(model.model) if provider in _OPENAI_LIKE else "litellm"
+            tokenizer = encoding_name_for(model.model) if _provider_of(model) in _OPENAI_LIKE else "litellm"
         if tokenizer == "litellm":
             return LitellmCounter(self._litellm, model.model)
         return TiktokenCounter(tokenizer)
@@ -393,6 +393,11 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+def _provider_of(model: ModelConfig) -> str:
+    """litellm's provider prefix of a model string (`openai` where there is none)."""
+    return model.model.split("/", 1)[0] if "/" in model.model else "openai"
 
 
 def _reasons(litellm: Any, name: str) -> bool:

@@ -56,7 +56,8 @@ Reply with the updated summary only."""
 _TRANSCRIPT_TOOL_CHARS = 2000
 _MIN_TRANSCRIPT_ROOM = 256
 # A thinking summariser's room to think, beyond the summary's cap (at `reasoning_effort: low`,
-# OpenAI's reasoning models spend some hundreds of tokens on a summary; its limit counts them).
+# OpenAI's reasoning models spend some hundreds of tokens on a summary; its limit counts them), at
+# most an eighth of its window.
 _REASONING_ROOM = 2048
 _MAX_BACKOFF_SECONDS = 3600.0
 
@@ -346,7 +347,9 @@ class Summarizer:
         """What a summary call may produce: the summary's cap, and for a model that thinks first
         (`Provider.reasons`), room to think as well: its limit counts the thinking, and a model
         that spent the cap on it would answer nothing, every time."""
-        return cap + _REASONING_ROOM if self._provider.reasons(model) else cap
+        if not self._provider.reasons(model):
+            return cap
+        return cap + min(_REASONING_ROOM, self._provider.window(model) // 8)
 
     def _output_params(self, model: ModelConfig, cap: int) -> dict[str, Any]:
         """The summary call's parameters, as for any model (litellm translates them, `complete_own`):
