@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -255,8 +255,13 @@ class Provider:
         """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
+        return await self._first_chunk(self._acompletion(self._kwargs(model, messages, {**params, "stream": True})))
+
+    async def _first_chunk(self, call: Awaitable[Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """litellm's stream of `call`, as dicts; its first chunk is awaited here, so that an early
+        error raises before anything is sent to the client."""
         try:
-            response = await self._acompletion(self._kwargs(model, messages, {**params, "stream": True}))
+            response = await call
             iterator = response.__aiter__()
             first = await iterator.__anext__()
         except StopAsyncIteration:
@@ -283,15 +288,7 @@ class Provider:
         params = {**params, "stream": True}
         if self._native[model.name]:
             return await self._openai.stream_at(model, PATHS["completions"], params)
-        try:
-            response = await self._call_litellm("completions", model, params)
-            iterator = response.__aiter__()
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
-            return _chunks(None, None, self)
-        except Exception as exc:
-            raise self.upstream_error(exc) from exc
-        return _chunks(first, iterator, self)
+        return await self._first_chunk(self._call_litellm("completions", model, params))
 
     async def transcribe(self, model: ModelConfig, fields: Sequence[tuple[str, str]], audio: AudioFile
                          ) -> dict[str, Any] | str:

@@ -24,7 +24,6 @@ memproxy's instructions, here in `system`) go to `summarizer` when set.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import threading
@@ -35,7 +34,9 @@ from typing import Any
 
 from aiohttp import web
 
+import fake_upstream
 from fake_upstream import SUMMARIZER_OPENING
+from threaded_server import ThreadedServer
 
 Block = dict[str, Any]
 
@@ -60,14 +61,8 @@ class Reply:
 
 
 @dataclass
-class Received:
-    path: str
-    headers: dict[str, str]
-    body: dict[str, Any]
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        return list(self.body.get("messages", []))
+class Received(fake_upstream.Received):
+    """A Messages API request: the system prompt is a field of its own, not a message."""
 
     @property
     def system(self) -> str:
@@ -89,9 +84,7 @@ class FakeAnthropic:
     _script: deque[Reply] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    _loop: asyncio.AbstractEventLoop | None = None
-    _runner: web.AppRunner | None = None
-    _thread: threading.Thread | None = None
+    _server: ThreadedServer = field(default_factory=lambda: ThreadedServer("fake-anthropic"))
     port: int = 0
     window: int = 200_000  # the context window of every Claude model memproxy's tests name
 
@@ -125,33 +118,13 @@ class FakeAnthropic:
             self.window = 200_000
 
     def start(self) -> FakeAnthropic:
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            app = web.Application()
-            app.router.add_post("/v1/messages", self._messages)
-            self._runner = web.AppRunner(app)
-            loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-anthropic", daemon=True)
-        self._thread.start()
-        ready.wait(10)
+        app = web.Application()
+        app.router.add_post("/v1/messages", self._messages)
+        self.port = self._server.start(app)
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._server.stop()
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

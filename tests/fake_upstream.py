@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from threaded_server import ThreadedServer
 
 SUMMARIZER_OPENING = "You keep the running summary of a conversation"
 
@@ -70,9 +71,7 @@ class FakeUpstream:
     # Answers summariser requests when set (else they take the next scripted reply like any other).
     summarizer: Callable[[Received], Reply] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _loop: asyncio.AbstractEventLoop | None = None
-    _runner: web.AppRunner | None = None
-    _thread: threading.Thread | None = None
+    _server: ThreadedServer = field(default_factory=lambda: ThreadedServer("fake-upstream"))
     port: int = 0
     # Refuse a request that sends an assistant message's `reasoning_content` back, as DeepSeek does.
     refuse_reasoning: bool = False
@@ -116,40 +115,20 @@ class FakeUpstream:
             pass
 
     def start(self) -> FakeUpstream:
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            app = web.Application()
-            app.router.add_post("/v1/chat/completions", self._chat)
-            app.router.add_get("/v1/models", self._models)
-            app.router.add_post("/v1/embeddings", self._embeddings)
-            app.router.add_post("/v1/completions", self._completions)
-            app.router.add_post("/v1/moderations", self._moderations)
-            app.router.add_post("/v1/images/generations", self._images)
-            app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
-            app.router.add_post("/v1/audio/speech", self._speech)
-            self._runner = web.AppRunner(app)
-            loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-upstream", daemon=True)
-        self._thread.start()
-        ready.wait(10)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/moderations", self._moderations)
+        app.router.add_post("/v1/images/generations", self._images)
+        app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
+        app.router.add_post("/v1/audio/speech", self._speech)
+        self.port = self._server.start(app)
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._server.stop()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": []})

@@ -111,16 +111,21 @@ class Served:
 
     def stop(self) -> int:
         """SIGTERM (nothing to one already gone); the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        return code
+        return stop(self.process)
+
+
+def stop(process: subprocess.Popen[str]) -> int:
+    """SIGTERM to a `memproxy serve` (nothing to one already gone), SIGKILL past 30 s; its exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    assert process.stdout is not None
+    process.stdout.close()
+    return code
 
 
 def serve(config: Path, logs: list[Path], *args: str, env: dict[str, str] | None = None,

@@ -27,7 +27,6 @@ import queue
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ import pytest
 
 from fake_upstream import FakeUpstream
 from memproxy.config import parse_config
+import processes
 from processes import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,16 +168,7 @@ class Daemon:
             assert response.status == 200
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        return code
+        return processes.stop(self.process)
 
 
 def run(argv: str | list[str], cwd: Path, env: dict[str, str], what: str) -> str:
