@@ -46,6 +46,7 @@ _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout",
                        "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
                        "client", "allowed_openai_params", "drop_params"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
+_LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 
 
@@ -153,7 +154,9 @@ class Provider:
 
     async def close(self) -> None:
         """Close the HTTP clients (memproxy's and litellm's cached ones); they belong to this loop.
-        The callbacks this provider installed leave litellm with it."""
+        The callbacks this provider installed leave litellm with it, once litellm's logging worker
+        has run what they were handed (a few seconds at most) and stopped."""
+        await _stop_logging_worker()
         self._callbacks.remove()
         await self._openai.close()
         for client in self._sdk_clients.values():
@@ -390,6 +393,25 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+
+
+async def _stop_logging_worker() -> None:
+    """litellm runs its success and failure callbacks from a worker task it starts on the loop of
+    its first call and keeps module-wide; left running, it outlives the loop, and Python reports
+    "Event loop is closed" when it is collected. Its public `flush` and `stop`, where it runs on this
+    loop (a worker of an earlier loop is that loop's to stop)."""
+    worker = getattr(importlib.import_module("litellm.litellm_core_utils.logging_worker"),
+                     "GLOBAL_LOGGING_WORKER", None)
+    if worker is None:
+        return
+    try:
+        await asyncio.wait_for(worker.flush(), _LOGGING_FLUSH_SECONDS)
+    except (asyncio.TimeoutError, RuntimeError):  # callbacks that hang; a queue of another loop
+        pass
+    try:
+        await worker.stop()
+    except RuntimeError:  # tasks of another, closed loop
+        pass
 
 
 def _provider_of(model: ModelConfig) -> str:
