@@ -25,7 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import BadRequest
+from .config import Config, ModelConfig
+from .errors import BadRequest, NotFound
 
 MAX_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -41,6 +42,18 @@ async def json_object(request: web.Request, optional: bool = False) -> dict[str,
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def requested_model(config: Config, name: Any) -> ModelConfig:
+    """The configured model a request names (`model` in its body or its URL): a 400 without one, a
+    404 `model_not_found` for a name no `models[].name` has, as OpenAI answers both."""
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' is required", param="model")
+    model = config.model(name)
+    if model is None:
+        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
+                       code="model_not_found", param="model")
+    return model
 
 
 async def body_bytes(request: web.Request) -> bytes:

@@ -30,12 +30,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .bodies import json_object
+from .bodies import json_object, requested_model
 from .config import Config, ModelConfig
 from .errors import (
     BadRequest,
     Forbidden,
-    NotFound,
     Conflict,
     ProxyError,
     UpstreamError,
@@ -54,7 +53,7 @@ from .redact import session_digest
 from .session_ids import SESSION_HEADER, end_user, is_session_id
 from .store import StoreUnavailable, TurnRecord
 from .store.errors import StoreConflict
-from .streaming import StreamAssembler
+from .streaming import StreamAssembler, hiding_usage
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
@@ -123,14 +122,8 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
 
 
 def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("'model' is required", param="model")
+    model = requested_model(config, body.get("model"))
     messages = validate_messages(body.get("messages"))
-    model = config.model(name)
-    if model is None:
-        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
-                       code="model_not_found", param="model")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     for key in ("tools", "functions"):
@@ -312,12 +305,9 @@ async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.Str
         async with aclosing(chunks):  # a client that went away releases the upstream connection now
             async for chunk in chunks:
                 assembler.add(chunk)
-                if hide_usage and "usage" in chunk:
-                    if chunk["usage"] is not None and not any(
-                            c.get("delta") or c.get("finish_reason") for c in chunk.get("choices") or []):
-                        continue  # the usage chunk (litellm's holds an empty choice)
-                    chunk = {k: v for k, v in chunk.items() if k != "usage"}
-                await response.write(b"data: " + dumps(chunk) + b"\n\n")
+                shown = hiding_usage(chunk) if hide_usage else chunk
+                if shown is not None:
+                    await response.write(b"data: " + dumps(shown) + b"\n\n")
     finally:
         upstream_ms = timings.upstream_ended(upstream_started)
     return upstream_ms

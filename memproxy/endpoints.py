@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import BodyPartReader, MultipartReader, StreamReader, web
 
-from .bodies import body_bytes, json_object
-from .config import Config, ModelConfig
-from .errors import BadRequest, Forbidden, NotFound, ProxyError, error_body
+from .bodies import body_bytes, json_object, requested_model
+from .config import ModelConfig
+from .errors import BadRequest, Forbidden, ProxyError, UpstreamError, error_body
 from .jsonbytes import dumps
+from .observe import CLIENT_GONE, notes
 from .provider import AudioFile, Endpoint, JsonEndpoint
+from .streaming import hiding_usage
 from .store import EndpointUsage
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS
 
@@ -65,7 +66,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.StreamResponse:
     tenant = _tenant(request)
     body = await json_object(request)
-    model = _model(request.app[CONFIG], body.get("model"))
+    model = _model(request, body.get("model"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
@@ -73,10 +74,8 @@ async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.Stream
         return await _completion_stream(request, tenant, model, body)
     if stream:
         raise BadRequest(f"memproxy does not stream {endpoint}: leave 'stream' unset", param="stream")
-    started = time.perf_counter()
     result = await request.app[PROVIDER].call(endpoint, model, body)
     await _account(request, tenant, endpoint, model, result.get("usage"))
-    _log(endpoint, model, 200, started)
     return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
 
 
@@ -84,13 +83,11 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     tenant = _tenant(request)
     fields, audio = await _form(request)
     values = dict(fields)
-    model = _model(request.app[CONFIG], values.get("model"))
+    model = _model(request, values.get("model"))
     if values.get("stream", "false").lower() != "false":
         raise BadRequest("memproxy does not stream transcriptions: leave 'stream' unset", param="stream")
-    started = time.perf_counter()
     result = await request.app[PROVIDER].transcribe(model, fields, audio)
     await _account(request, tenant, "transcriptions", model, result.get("usage") if isinstance(result, dict) else None)
-    _log("transcriptions", model, 200, started)
     if isinstance(result, str):
         return web.Response(text=result, content_type="text/plain")
     return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
@@ -99,8 +96,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
 async def speech(request: web.Request) -> web.StreamResponse:
     tenant = _tenant(request)
     body = await json_object(request)
-    model = _model(request.app[CONFIG], body.get("model"))
-    started = time.perf_counter()
+    model = _model(request, body.get("model"))
     content_type, audio = await request.app[PROVIDER].speak(model, body)
     response = web.StreamResponse(headers={"Content-Type": content_type})
     try:
@@ -111,21 +107,20 @@ async def speech(request: web.Request) -> web.StreamResponse:
             async for data in audio:
                 await response.write(data)
     except ConnectionError:
-        _log("speech", model, 499, started)  # the client went away
+        notes(request).status = CLIENT_GONE
         return response
     except ProxyError as exc:
         if not response.prepared:
             raise
         # The audio is cut and nothing can say so in its bytes: the connection closes before the
         # body's end, so the client sees a broken response, not a short one.
-        _log("speech", model, exc.status, started)
+        _note_error(request, exc)
         if request.transport is not None:
             request.transport.close()
         return response
     # Speech reports no tokens: the call is counted.
     await _account(request, tenant, "speech", model, None)
     await response.write_eof()
-    _log("speech", model, 200, started)
     return response
 
 
@@ -137,7 +132,7 @@ async def _completion_stream(request: web.Request, tenant: str, model: ModelConf
     hide_usage = not (isinstance(options, dict) and options.get("include_usage") is True)
     if hide_usage:
         body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
-    started = time.perf_counter()
+    notes(request).stream = True
     chunks = await request.app[PROVIDER].text_stream(model, body)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -147,17 +142,18 @@ async def _completion_stream(request: web.Request, tenant: str, model: ModelConf
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionError:
-        _log("completions", model, 499, started)  # the client went away
+        notes(request).status = CLIENT_GONE
         return response
     except ProxyError as exc:  # the headers are out: the error ends the stream, as chat's do
+        _note_error(request, exc)
         await _end_stream(response, exc.body())
-        _log("completions", model, exc.status, started)
         return response
     except Exception as exc:
         log.error("a completion stream failed after its headers: %s", type(exc).__name__)
+        noted = notes(request)
+        noted.status, noted.error = 500, "internal_error"
         await _end_stream(response, error_body("internal error", "server_error", "internal_error"))
         return response
-    _log("completions", model, 200, started)
     return response
 
 
@@ -172,12 +168,9 @@ async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.Str
             if chunk.get("usage"):
                 usage = chunk["usage"]
             finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or [])
-            if hide_usage and "usage" in chunk:
-                if chunk["usage"] and not any(c.get("text") or c.get("finish_reason")
-                                              for c in chunk.get("choices") or []):
-                    continue
-                chunk = {k: v for k, v in chunk.items() if k != "usage"}
-            await response.write(b"data: " + dumps(chunk) + b"\n\n")
+            shown = hiding_usage(chunk) if hide_usage else chunk
+            if shown is not None:
+                await response.write(b"data: " + dumps(shown) + b"\n\n")
     if not finished:  # ended without a finish reason: cut, not done
         raise ProxyError("the upstream stream ended before the completion was complete", status=502,
                          code="upstream_incomplete")
@@ -198,14 +191,20 @@ def _tenant(request: web.Request) -> str:
     return tenant
 
 
-def _model(config: Config, name: Any) -> ModelConfig:
-    if not isinstance(name, str) or not name:
-        raise BadRequest("'model' is required", param="model")
-    model = config.model(name)
-    if model is None:
-        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
-                       code="model_not_found", param="model")
+def _model(request: web.Request, name: Any) -> ModelConfig:
+    """The model named, noted for the request's log line and metrics (`memproxy.observe`)."""
+    model = requested_model(request.app[CONFIG], name)
+    noted = notes(request)
+    noted.model, noted.stream = model.name, False  # a legacy completion that streams says so after
     return model
+
+
+def _note_error(request: web.Request, exc: ProxyError) -> None:
+    """An error that ended an answer already under way: the request's status and code are its."""
+    noted = notes(request)
+    noted.status, noted.error = exc.status, exc.code or exc.type
+    if isinstance(exc, UpstreamError):
+        noted.upstream_status = exc.upstream_status
 
 
 async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]:
@@ -261,10 +260,6 @@ def _count(counts: dict[str, Any], *names: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
-
-
-def _log(endpoint: Endpoint, model: ModelConfig, status: int, started: float) -> None:
-    log.info("%s status=%d model=%s ms=%.2f", endpoint, status, model.name, (time.perf_counter() - started) * 1000)
 
 
 # --- what exists ---------------------------------------------------------------------------------

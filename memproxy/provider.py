@@ -48,6 +48,25 @@ _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout",
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
+Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
+JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
+# Each endpoint's path under the provider's base URL, and litellm's function for it.
+PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "completions",
+                              "moderations": "moderations", "images": "images/generations",
+                              "transcriptions": "audio/transcriptions", "speech": "audio/speech"}
+_LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
+                                       "moderations": "amoderation", "images": "aimage_generation",
+                                       "transcriptions": "atranscription", "speech": "aspeech"}
+TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
+# Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
+_NUMBER_FIELDS = frozenset({"temperature"})
+
+
+@dataclass(frozen=True)
+class AudioFile:
+    filename: str
+    content: bytes
+    content_type: str
 
 
 def load_litellm() -> Any:
@@ -142,6 +161,7 @@ class Provider:
         self._fills_max_tokens: dict[str, bool] = {}
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
+        self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = self._make_counter(model)
@@ -149,6 +169,7 @@ class Provider:
             self._reasoning[model.name] = _provider_of(model) in _OPENAI_LIKE and _reasons(self._litellm, model.model)
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
+            self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
         native = [name for name, own in self._native.items() if own]
         self._callbacks = observability.Callbacks.install(self._litellm, config.litellm, unseen=native)
 
@@ -203,28 +224,15 @@ class Provider:
         return TiktokenCounter(tokenizer)
 
     def _kwargs(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
-        native = {k: v for k, v in params.items() if k not in _RESERVED}
-        extra = {k: v for k, v in params.items() if k in _RESERVED}
-        kwargs: dict[str, Any] = {
-            **native,
-            "model": model.model,
-            "messages": [detached(m) for m in messages],  # litellm may rewrite them; they are shared
-            "timeout": model.timeout_seconds,
-            "max_retries": 0,  # the client retries; a proxy that retries too multiplies the wait
-            "allowed_openai_params": list(native),
-        }
-        if extra:
-            kwargs["extra_body"] = extra
+        """A chat call's arguments for litellm (`_litellm_kwargs`), its messages included."""
+        kwargs = _litellm_kwargs(model, params)
+        kwargs["messages"] = [detached(m) for m in messages]  # litellm may rewrite them; they are shared
         if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
                 and params.get("max_completion_tokens") is None:
             # litellm would ask for the model's whole output (64,000 tokens for a Claude), and
             # Anthropic refuses a request whose input and max_tokens together exceed the window:
             # ask for what the budget reserved instead (`memory.plan.output_reserve`'s default).
             kwargs["max_tokens"] = min(model.max_output_tokens, self._windows[model.name] - 1)
-        if model.api_base:
-            kwargs["api_base"] = model.api_base
-        if model.api_key:
-            kwargs["api_key"] = model.api_key
         return kwargs
 
     async def complete(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
@@ -324,22 +332,9 @@ class Provider:
         return content_type.split(";")[0].strip(), _whole(answer.content)
 
     async def _call_litellm(self, endpoint: Endpoint, model: ModelConfig, params: dict[str, Any]) -> Any:
-        native = {k: v for k, v in params.items() if k not in _RESERVED and k != "model"}
-        extra = {k: v for k, v in params.items() if k in _RESERVED}
-        kwargs: dict[str, Any] = {
-            **native,
-            "model": model.model,
-            "timeout": model.timeout_seconds,
-            "max_retries": 0,  # as for chat; litellm's OpenAI image and moderation calls retry regardless
-            "allowed_openai_params": list(native),
-        }
-        if extra:
-            kwargs["extra_body"] = extra
-        if model.api_base:
-            kwargs["api_base"] = model.api_base
-        if model.api_key:
-            kwargs["api_key"] = model.api_key
-        if endpoint != "images" and self._openai_like(model):
+        # `max_retries: 0` as for chat; litellm's OpenAI image and moderation calls retry regardless.
+        kwargs = _litellm_kwargs(model, params)
+        if endpoint != "images" and self._sdk_route[model.name]:
             # For an OpenAI-compatible provider litellm calls the OpenAI SDK, with a client of its
             # own that retries moderations whatever `max_retries` says, and for a plain legacy
             # completion a new client (and aiohttp session) every call, never closed: one client
@@ -351,13 +346,6 @@ class Provider:
             return await getattr(self._litellm, _LITELLM_CALLS[endpoint])(**kwargs)
         except Exception as exc:
             raise self.upstream_error(exc) from exc
-
-    def _openai_like(self, model: ModelConfig) -> bool:
-        try:
-            provider = self._litellm.get_llm_provider(model.model)[1]
-        except Exception:
-            return False
-        return provider in ("openai", "text-completion-openai")
 
     def _sdk_client(self, model: ModelConfig) -> Any:
         client = self._sdk_clients.get(model.name)
@@ -414,6 +402,38 @@ async def _stop_logging_worker() -> None:
         pass
 
 
+def _litellm_kwargs(model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments for litellm: the client's parameters (each allowed, as litellm would
+    refuse some for a model it does not know; its own names in `extra_body`), the model's provider
+    name, endpoint, key and timeout, and no retries (the client retries; a proxy that retries too
+    multiplies the wait). The body's own `model` is the client's name for it, replaced here."""
+    native = {k: v for k, v in params.items() if k not in _RESERVED and k != "model"}
+    extra = {k: v for k, v in params.items() if k in _RESERVED}
+    kwargs: dict[str, Any] = {
+        **native,
+        "model": model.model,
+        "timeout": model.timeout_seconds,
+        "max_retries": 0,
+        "allowed_openai_params": list(native),
+    }
+    if extra:
+        kwargs["extra_body"] = extra
+    if model.api_base:
+        kwargs["api_base"] = model.api_base
+    if model.api_key:
+        kwargs["api_key"] = model.api_key
+    return kwargs
+
+
+def _sdk_route(litellm: Any, name: str) -> bool:
+    """Whether litellm reaches `name` through the OpenAI SDK (its `openai` providers)."""
+    try:
+        provider = litellm.get_llm_provider(name)[1]
+    except Exception:
+        return False
+    return provider in ("openai", "text-completion-openai")
+
+
 def _provider_of(model: ModelConfig) -> str:
     """litellm's provider prefix of a model string (`openai` where there is none)."""
     return model.model.split("/", 1)[0] if "/" in model.model else "openai"
@@ -424,25 +444,6 @@ def _reasons(litellm: Any, name: str) -> bool:
         return bool(litellm.supports_reasoning(model=name))
     except Exception:  # a model litellm does not know: it is not told to think
         return False
-Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
-JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
-# Each endpoint's path under the provider's base URL, and litellm's function for it.
-PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "completions",
-                              "moderations": "moderations", "images": "images/generations",
-                              "transcriptions": "audio/transcriptions", "speech": "audio/speech"}
-_LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
-                                       "moderations": "amoderation", "images": "aimage_generation",
-                                       "transcriptions": "atranscription", "speech": "aspeech"}
-TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
-# Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
-_NUMBER_FIELDS = frozenset({"temperature"})
-
-
-@dataclass(frozen=True)
-class AudioFile:
-    filename: str
-    content: bytes
-    content_type: str
 
 
 def _form_params(fields: Sequence[tuple[str, str]]) -> dict[str, Any]:

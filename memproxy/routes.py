@@ -10,7 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from .auth import authenticate
-from .errors import Forbidden, NotFound, ProxyError
+from .bodies import requested_model
+from .errors import Forbidden, ProxyError
 from .store import StoreUnavailable
 from .typedefs import CALLER, CONFIG, METRICS, STORE
 
@@ -54,13 +55,12 @@ async def metrics(request: web.Request) -> web.Response:
         stored = None
     body, content_type = app_metrics.exposition(stored, request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
 async def model(request: web.Request) -> web.Response:
     """`GET /v1/models/{model}`: a configured model, as the list shows it."""
-    name = request.match_info["model"]
-    if request.app[CONFIG].model(name) is None:
-        raise NotFound(f"The model '{name}' does not exist on this proxy; GET /v1/models lists them.",
-                       code="model_not_found", param="model")
-    return web.json_response(_model(name, int(time.time())))
+    found = requested_model(request.app[CONFIG], request.match_info["model"])
+    return web.json_response(_model(found.name, int(time.time())))
 
 
 def _model(name: str, created: int) -> dict[str, Any]:

@@ -11,6 +11,18 @@ from typing import Any
 from .messages import Message, assistant_message
 
 
+def hiding_usage(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """A chunk as the client sees it when the usage was asked for memproxy's own accounting, not
+    by the client: without its `usage` field, and None for the chunk that holds only the usage
+    (litellm's holds an empty choice), which the client never sees."""
+    if "usage" not in chunk:
+        return chunk
+    if chunk["usage"] is not None and not any(c.get("delta") or c.get("text") or c.get("finish_reason")
+                                              for c in chunk.get("choices") or []):
+        return None
+    return {k: v for k, v in chunk.items() if k != "usage"}
+
+
 class StreamAssembler:
     def __init__(self) -> None:
         self._content: list[str] = []

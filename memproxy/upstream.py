@@ -104,8 +104,7 @@ class OpenAIUpstream:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks as dicts; the response's status and first chunk are awaited before this returns,
         so early errors raise here. A stall between chunks longer than the timeout is a 504."""
-        return await self.stream_at(model, "chat/completions",
-                                    {**params, "stream": True, "model": model_id(model), "messages": messages})
+        return await self.stream_at(model, "chat/completions", {**params, "stream": True, "messages": messages})
 
     async def stream_at(
         self, model: ModelConfig, path: str, params: dict[str, Any]
@@ -161,8 +160,7 @@ class OpenAIUpstream:
     def _post(self, model: ModelConfig, messages: list[Message], params: dict[str, Any],
               timeout: aiohttp.ClientTimeout) -> Any:
         """The request, to be awaited or used as a context manager."""
-        return self._send(model, "chat/completions", {**params, "model": model_id(model), "messages": messages},
-                          timeout)
+        return self._send(model, "chat/completions", {**params, "messages": messages}, timeout)
 
     def _send(self, model: ModelConfig, path: str, body: dict[str, Any] | aiohttp.FormData,
               timeout: aiohttp.ClientTimeout) -> Any:

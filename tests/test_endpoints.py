@@ -6,6 +6,7 @@ tenant was charged, and every error in the OpenAI shape."""
 from __future__ import annotations
 
 import io
+import logging
 import struct
 import wave
 from dataclasses import replace
@@ -315,6 +316,29 @@ async def test_a_stream_cut_upstream_ends_with_an_error_and_charges_nothing(
     with pytest.raises(openai.APIError):  # a broken body, or (litellm reads it whole) a 502
         await client.audio.speech.create(model="small", input="hello there", voice="alloy")
     assert (await usage_of(proxy))["endpoints"] == {}
+
+
+async def test_each_call_logs_one_request_line_with_its_model(
+        proxy: Proxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """The request line (`memproxy.observe`) is the one line a call writes, whatever its endpoint;
+    a stream that an error ends is logged with that error's status, not its headers' 200."""
+    caplog.set_level(logging.INFO)
+    client = proxy.client(session=None)
+    await client.embeddings.create(model="small", input="x")
+    upstream.enqueue(Reply(content="once upon a time", cut_stream=True))
+    with pytest.raises(openai.APIError):
+        async for _ in await client.completions.create(model="small", prompt="Tell me", stream=True):
+            pass
+    lines = [r for r in caplog.records if r.name.startswith("memproxy") and r.name != "memproxy.http"
+             and r.levelno < logging.WARNING]
+    assert lines == []  # no second line of an endpoint's own
+    requests = [r.__dict__ for r in caplog.records if r.name == "memproxy.http"]
+    assert [(r["route"], r["model"], r["stream"]) for r in requests] == [
+        ("/v1/embeddings", "small", False), ("/v1/completions", "small", True)]
+    assert requests[0]["status"] == 200
+    # The error event's: memproxy's own client finds the stream cut short; litellm maps the cut to
+    # the provider's 500.
+    assert requests[1]["status"] >= 500 and requests[1]["error"] in ("upstream_incomplete", "upstream_error")
 
 
 async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream: FakeUpstream) -> None:
