@@ -247,24 +247,32 @@ def _lines(indexed: _Indexed, spans: Sequence[tuple[int, int]]) -> list[Recalled
     """`TurnStore.recall_messages` for one session, from its index: each span's messages, grown to
     whole units where it starts inside one or its last unit goes on past it, before `before`."""
     index, low, before = indexed.entry, indexed.low, indexed.before
+    lines, offset = index.lines, index.first
 
     def starts(seq: int) -> bool | None:
         if seq == before:
             return indexed.next_starts_unit
-        line = index.line(seq) if low <= seq < before else None
-        return None if line is None else line.unit_start
+        return lines[seq - offset].unit_start if low <= seq < before and seq - offset < len(lines) else None
 
-    keep: set[int] = set()
+    runs: list[tuple[int, int]] = []
     for first, last in spans:
-        after = starts(last + 1)
         lo, hi = first, last + 1
-        if not (starts(first) and after is not False):
+        if not (starts(first) and starts(hi) is not False):
             while lo > low and not starts(lo):
                 lo -= 1
             while hi < before and not starts(hi):
                 hi += 1
-        keep.update(range(max(lo, low), min(hi, before)))
-    return [line for seq in sorted(keep) if (line := index.line(seq)) is not None]
+        lo, hi = max(lo, low), min(hi, before, offset + len(lines))
+        if lo < hi:
+            runs.append((lo, hi))
+    runs.sort()
+    out: list[RecalledMessage] = []
+    end = -1  # the position after the last one taken
+    for lo, hi in runs:
+        if hi > end:
+            out += lines[max(lo, end) - offset : hi - offset]
+            end = hi
+    return out
 
 
 def _starts_unit(row: Row | None) -> bool:
