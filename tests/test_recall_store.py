@@ -187,6 +187,14 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
                 assert await cached.recall_messages(session, [span], before) == want_lines
                 # From the index that call checked, as a turn reads them, without asking again.
                 assert await cached.recall_messages(session, [span], before, None, found) == want_lines
+            # And from the index as a turn's load checked it, with the messages that load read.
+            loaded = await cached.load(tenant, sid, 1_000_000)
+            assert loaded is not None and loaded.session == session
+            from_load = await cached.recall_postings(loaded.session, words, before, None, loaded.recall)
+            assert from_load == want
+            for span in spans:
+                assert await cached.recall_messages(session, [span], before, None, from_load) == \
+                    await uncached.recall_messages(session, [span], before)
 
     def unit(with_tool: bool) -> list[Message]:
         if not with_tool:
@@ -247,6 +255,29 @@ async def test_postings_say_where_each_word_is_and_whole_units_are_read(store: S
     session = await say_record(store, dataclasses.replace(record, messages=[counted]))
     [line] = await store.recall_messages(session, [("s", 10, 10)], 11)
     assert line.tokens == counted.recall_tokens == COUNTER.text(recall_line(user("a counted line")))
+
+
+async def test_a_turns_load_checks_the_index_its_recall_reads(store: Store) -> None:
+    """Once a session's index is in memory, the next turn's load checks it and reads the messages
+    it lacks in its own statement: recall then reads no more (the postings come from that index,
+    brought up to the head), and finds what was said since. After an edit the check fails and the
+    index is read afresh: the superseded message is never found."""
+    session = await say(store, "s", [user("the harbour map"), assistant("ok")])
+    first = await store.recall_postings(session, ["harbour"], 2)
+    assert first.words == [{"s": [0]}]
+    session = await say(store, "s", [user("a lighthouse keeper"), assistant("noted")])
+    loaded = await store.load("t", "s", 1_000_000)
+    assert loaded is not None and loaded.recall is not None
+    found = await store.recall_postings(loaded.session, ["harbour", "lighthouse"], 4, None, loaded.recall)
+    assert found == Postings({"s": 4}, [{"s": [0]}, {"s": [2]}])
+    assert found.source is not None and getattr(found.source, "entry") is getattr(loaded.recall, "entry")
+    assert seqs(await store.recall_messages(loaded.session, [("s", 2, 2)], 4, None, found)) == [2]
+    # An edit of the lighthouse turn: the index's newest message is superseded, the check fails.
+    session = await say(store, "s", [user("a bell tower"), assistant("noted")], base=2)
+    loaded = await store.load("t", "s", 1_000_000)
+    assert loaded is not None and loaded.recall is None
+    found = await store.recall_postings(loaded.session, ["lighthouse", "bell"], 4, None, loaded.recall)
+    assert found.words == [{}, {"s": [2]}]
 
 
 async def say_record(store: Store, record: TurnRecord) -> SessionState:

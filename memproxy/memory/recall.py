@@ -349,7 +349,9 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     line that starts with "[" or "…": so the block's tokens are the sum of its parts', and each
     line's, counted once when the message was stored, is not counted again. A counter that cannot
     say so (`TokenCounter.sums_lines`) counts the block whole."""
-    messages = sorted(messages, key=lambda m: (m.session_id != session_id, m.session_id, m.seq))
+    mine = all(m.session_id == session_id for m in messages)
+    messages = sorted(messages, key=itemgetter(1) if mine else  # by position: this session's alone
+                      lambda m: (m.session_id != session_id, m.session_id, m.seq))
     sums = counter.sums_lines
     text = counter.text
     parts = [RECALL_PREFIX]
@@ -360,30 +362,29 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     said: dict[tuple[int, ...], tuple[str, ...]] = {}  # the matched words, by word indices
     previous_sid, previous_seq = None, -2
     shown = ""  # the time last shown: a run shows its time unless it is that one
-    for m in messages:
-        sid, seq, role = m.session_id, m.seq, m.role
+    for sid, seq, role, _, line_text, line_tokens, _, created_at in messages:
         when = ""
-        if sid != previous_sid or seq != previous_seq + 1:  # a run starts: after a gap, with its time
+        if seq != previous_seq + 1 or sid != previous_sid:  # a run starts: after a gap, with its time
             if previous_sid is not None:
                 parts.append(_GAP)
                 tokens += gap
-            when = _minute(int(m.created_at // 60))
+            when = _minute(int(created_at // 60))
             when, shown = ("" if when == shown else f" {when}"), when
-        label = f"[#{seq}{when} {role}]" if sid == session_id else f"[session {sid} #{seq}{when} {role}]"
-        line = f" {m.text}\n"
+        label = f"[#{seq}{when} {role}]" if mine or sid == session_id else f"[session {sid} #{seq}{when} {role}]"
+        line = f" {line_text}\n"
         parts += (label, line)
         if sums:
-            tokens += text(label) + (m.tokens if m.tokens is not None else text(line))
+            tokens += text(label) + (line_tokens if line_tokens is not None else text(line))
             ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
         r = info.get((sid, seq))
         if r is None:
-            recalled.append(Recalled(sid, seq, role, m.created_at, None, ()))
+            recalled.append(Recalled._make((sid, seq, role, created_at, None, ())))
             continue
         matched = said.get(r.matched)
         if matched is None:
             matched = said[r.matched] = tuple(words[i] for i in r.matched)
-        recalled.append(Recalled(sid, seq, role, m.created_at, r.hit if r.hit > 0 else None, matched))
+        recalled.append(Recalled._make((sid, seq, role, created_at, r.hit if r.hit > 0 else None, matched)))
     message: Message = {"role": "user", "content": "".join(parts)}
     tokens = counter.message({"role": "user", "content": ""}) + tokens if sums else counter.message(message)
     return Block(message, tokens, tuple(recalled), tuple(messages), tuple(parts), tuple(ends))

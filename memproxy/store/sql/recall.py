@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
-from ..recall_index import SessionIndex
+from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
@@ -69,8 +69,13 @@ class SQLRecall(SQLBase):
     _stem_cache: dict[str, tuple[str, ...]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
-                              end_user: str | None = None) -> Postings:
-        indexed = await self._indexed(session, before) if end_user is None and words else None
+                              end_user: str | None = None, checked: object = None) -> Postings:
+        indexed = None
+        if end_user is None and words:
+            if isinstance(checked, Checked):
+                indexed = await self._from_checked(session, checked, before)
+            if indexed is None:
+                indexed = await self._indexed(session, before)
         if indexed is not None:
             stems = await self._stems(words)
             held: list[dict[str, list[int]]] = []
@@ -165,28 +170,58 @@ class SQLRecall(SQLBase):
         index = self._recall_index.get(key)
         held = (index.created, index.end - 1, index.ids[-1]) if index else (-1.0, -1, -1)
         end = index.end if index else 0
-        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end, before))
+        # Up to the head, not just `before`: the turns after this one find the index current
+        # with what their load read (`Checked`).
+        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end,
+                                               max(before, session.length)))
         if not rows or rows[0][0] != 0:
             self._recall_index.discard(key)
             return None
         _, low, holds, _, next_start, _, _, _, created, _ = rows[0]
-        new = rows[1:]
+        new = [row[1:] for row in rows[1:]]
         if not holds or index is None:
-            index = SessionIndex(float(created), int(new[0][1]) if new else 0)
-        if new:
-            if int(new[0][1]) != index.end or int(new[-1][1]) != index.end + len(new) - 1:
-                self._recall_index.discard(key)  # not the contiguous positions the index needs
-                return None
-            terms = [_words(row[9]) for row in new]
-            stems = await self._stems(sorted({w for ws in terms for w in ws}))
-            for row, words in zip(new, terms):
-                line = RecalledMessage(session.session_id, int(row[1]), str(row[3]), bool(row[4]),
-                                       text_out(row[5]) or "", None if row[6] is None else int(row[6]),
-                                       int(row[7]), float(row[8]))
-                index.add(int(row[2]), line, [stem for w in words for stem in stems[w]])
-            self._recall_index.put(key, index, index.cost)
+            index = SessionIndex(float(created), int(new[0][0]) if new else 0)
+        if not await self._extend(session, index, new):
+            return None
         return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
                         None if next_start is None else bool(next_start))
+
+    async def _from_checked(self, session: SessionState, checked: Checked, before: int) -> _Indexed | None:
+        """The session's index as this turn's `load` checked it, brought up to the head with the
+        messages that read (None: it cannot serve `before`, and `_indexed` must)."""
+        index = checked.entry
+        if index.created != session.created_at:
+            return None
+        new = [row for row in checked.rows if row[0] >= index.end]  # a turn beside this one may have added some
+        if new and new[0][0] != index.end:  # the load read from later on: the index's own read fills the gap
+            return None
+        if not await self._extend(session, index, new) or index.end < before:
+            return None
+        line = index.line(before)
+        return _Indexed(index, max(checked.low, index.first), max(before, 0),
+                        None if line is None else line.unit_start)
+
+    async def _extend(self, session: SessionState, index: SessionIndex, new: Sequence[Row]) -> bool:
+        """`new` added to the session's index and the index cached; rows as `_INDEX_READ` reads them,
+        less their part (False: not the contiguous positions after the index's newest, and the
+        index is dropped)."""
+        key = (session.tenant, session.session_id)
+        if not new:
+            return True
+        if int(new[0][0]) != index.end or int(new[-1][0]) != index.end + len(new) - 1:
+            self._recall_index.discard(key)
+            return False
+        terms = [_words(row[8]) for row in new]
+        stems = await self._stems(sorted({w for ws in terms for w in ws}))
+        for row, words in zip(new, terms):
+            if int(row[0]) != index.end:  # a turn beside this one added it while the stems were read
+                continue
+            line = RecalledMessage(session.session_id, int(row[0]), str(row[2]), bool(row[3]),
+                                   text_out(row[4]) or "", None if row[5] is None else int(row[5]),
+                                   int(row[6]), float(row[7]))
+            index.add(int(row[1]), line, [stem for w in words for stem in stems[w]])
+        self._recall_index.put(key, index, index.cost)
+        return True
 
     async def _stems(self, words: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """`words` as the store's index stems them (`Backend.stems`), those asked before from memory."""
