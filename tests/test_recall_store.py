@@ -214,6 +214,16 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
         await uncached.close()
 
 
+async def test_a_number_is_its_own_stem(store: Store) -> None:
+    """The store stems numbers without asking its stemmer (`SQLRecall._stems`): both stemmers
+    leave them as they are, and so finding them in the index does not depend on who stemmed."""
+    numbers = ["0", "7", "123", "0042", "2026", "31415926535"]
+    assert await store._db.stems(numbers) == [(n,) for n in numbers]  # type: ignore[attr-defined]
+    session = await say(store, "s", [user("room 0042 on floor 7"), assistant("ok")])
+    found = await store.recall_postings(session, ["0042", "7", "floor"], 2)
+    assert found.words == [{"s": [0]}, {"s": [0]}, {"s": [0]}]
+
+
 def test_the_stemmer_probe_uses_the_indexs_tokenizer() -> None:
     migration = (Path(sqlite_migrations.__file__).parent / "migrations" / "sqlite" / "0009_recall.sql").read_text()
     assert f'tokenize = "{FTS_TOKENIZER}"' in migration

@@ -370,11 +370,15 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
                 tokens += gap
             when = _minute(int(created_at // 60))
             when, shown = ("" if when == shown else f" {when}"), when
-        label = f"[#{seq}{when} {role}]" if mine or sid == session_id else f"[session {sid} #{seq}{when} {role}]"
+        plain = f"[#{seq} {role}]" if mine or sid == session_id else f"[session {sid} #{seq} {role}]"
+        label = f"{plain[:-len(role) - 2]}{when} {role}]" if when else plain
         line = f" {line_text}\n"
         parts += (label, line)
         if sums:
-            tokens += text(label) + (line_tokens if line_tokens is not None else text(line))
+            # No piece spans a number and the space after it either: a label with its time counts
+            # as the label without it and the time apart, so each position's label is counted once
+            # whatever runs it starts in.
+            tokens += text(plain) + (text(when) if when else 0) + (line_tokens if line_tokens is not None else text(line))
             ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
         r = info.get((sid, seq))

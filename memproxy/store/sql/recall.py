@@ -73,6 +73,8 @@ class SQLRecall(SQLBase):
         indexed = None
         if end_user is None and words:
             if isinstance(checked, Checked):
+                # The question's words and those of the messages the index lacks, stemmed at once.
+                await self._stems([*words, *(w for row in checked.rows for w in _words(row[8]))])
                 indexed = await self._from_checked(session, checked, before)
             if indexed is None:
                 indexed = await self._indexed(session, before)
@@ -224,9 +226,18 @@ class SQLRecall(SQLBase):
         return True
 
     async def _stems(self, words: Sequence[str]) -> dict[str, tuple[str, ...]]:
-        """`words` as the store's index stems them (`Backend.stems`), those asked before from memory."""
+        """`words` as the store's index stems them (`Backend.stems`), those asked before from memory.
+        A number is its own stem in both stores' stemmers (tests/test_recall_store.py checks it):
+        a turn's new messages and question bring new numbers every turn, and asking costs a
+        statement (SQLite's probe: 0.1 ms however few the words)."""
         cache = self._stem_cache
         missing = [w for w in dict.fromkeys(words) if w not in cache]
+        numbers = [w for w in missing if w.isascii() and w.isdigit()]
+        if numbers:
+            if len(cache) + len(numbers) > _STEMS_KEPT:
+                cache.clear()
+            cache.update((w, (w,)) for w in numbers)
+            missing = [w for w in missing if w not in cache]
         if missing:
             if len(cache) + len(missing) > _STEMS_KEPT:
                 cache.clear()
