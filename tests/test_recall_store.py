@@ -290,6 +290,27 @@ async def test_a_turns_load_checks_the_index_its_recall_reads(store: Store) -> N
     assert found.words == [{}, {"s": [2]}]
 
 
+async def test_a_session_too_big_for_the_index_in_memory_is_read_from_the_stores(backend: StoreUnderTest) -> None:
+    """A session whose index could not be kept within `storage.recall_cache_mb` is never built in
+    memory (building it every turn cost 5 s a turn on 10,000 messages of 400 words): recall asks
+    the store's own index for it, and finds what it would have found. A small one is kept."""
+    store = await open_store(dataclasses.replace(backend.storage, recall_cache_mb=1))
+    try:
+        # 2 x 100,000 tokens: at least 3 MiB in memory, over the 1 MiB allowed.
+        big = await say_record(store, turn(None, [user("the harbour map"), assistant("a lighthouse")],
+                                           tokens=100_000, session_id="big"))
+        found = await store.recall_postings(big, ["harbour", "lighthouse"], 2)
+        assert found.words == [{"big": [0]}, {"big": [1]}] and found.source is None
+        assert seqs(await store.recall_messages(big, [("big", 1, 1)], 2, None, found)) == [1]
+        assert len(store._recall_index) == 0  # type: ignore[attr-defined]
+        small = await say(store, "small", [user("the harbour map"), assistant("a lighthouse")])
+        found = await store.recall_postings(small, ["harbour"], 2)
+        assert found.words == [{"small": [0]}] and found.source is not None
+        assert len(store._recall_index) == 1  # type: ignore[attr-defined]
+    finally:
+        await store.close()
+
+
 async def say_record(store: Store, record: TurnRecord) -> SessionState:
     await store.record_turn(record)
     return await session_of(store, record.session_id, record.tenant)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
-from ..recall_index import Checked, SessionIndex
+from ..recall_index import MESSAGE_OVERHEAD, Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
@@ -31,6 +31,8 @@ _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
 _STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`), a few MiB
+_LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, a token of its messages
+_TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
 # one statement. Row 0: the session's first active position, whether the index still holds (the
 # same session, by its creation time, with the newest indexed message, by position and row id,
@@ -67,6 +69,10 @@ class SQLRecall(SQLBase):
 
     _recall_index: SessionCache[SessionIndex]  # `SQLStore` sets them
     _stem_cache: dict[str, tuple[str, ...]]
+    # Sessions whose index was found larger than the whole cache (by creation time, and the length
+    # it had then): recall asks the store's own index for them instead of building theirs again
+    # every turn (a 10,000-message session of 400-word messages: 5 s a turn), until they shrink.
+    _too_big: dict[tuple[str, str], tuple[float, int]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
                               end_user: str | None = None, checked: object = None) -> Postings:
@@ -170,6 +176,17 @@ class SQLRecall(SQLBase):
             return None
         key = (session.tenant, session.session_id)
         index = self._recall_index.get(key)
+        if index is None:
+            # Not built where it would not be kept: what it costs at least, by the session's tokens
+            # (measured: 24 bytes a token on 400-word messages, 50 on LoCoMo's short turns).
+            if session.length * MESSAGE_OVERHEAD + session.head_compact_cum * _LEAST_BYTES_PER_TOKEN \
+                    > self._recall_index.budget:
+                return None
+            too_big = self._too_big.get(key)
+            if too_big is not None:
+                if too_big[0] == session.created_at and session.length >= too_big[1]:
+                    return None
+                del self._too_big[key]  # another session under the id, or cleared: it may fit now
         held = (index.created, index.end - 1, index.ids[-1]) if index else (-1.0, -1, -1)
         end = index.end if index else 0
         # Up to the head, not just `before`: the turns after this one find the index current
@@ -185,6 +202,10 @@ class SQLRecall(SQLBase):
             index = SessionIndex(float(created), int(new[0][0]) if new else 0)
         if not await self._extend(session, index, new):
             return None
+        if index.cost > self._recall_index.budget:
+            if len(self._too_big) >= _TOO_BIG_KEPT:
+                self._too_big.clear()
+            self._too_big[key] = (index.created, session.length)
         return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
                         None if next_start is None else bool(next_start))
 
