@@ -25,8 +25,9 @@ from memproxy.timing import PARTS as TIMING_PARTS  # noqa: E402
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
 OWN = "memproxy-own"
 LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass-through",
-          OWN: "memproxy, memory on, own client", LITELLM: "LiteLLM proxy"}
-COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", OWN: "#9ecae1", LITELLM: "#d62728"}
+          OWN: "memproxy, memory on, own client", LITELLM: "LiteLLM proxy",
+          "memproxy-litellm": "memproxy, memory on, via litellm"}  # results saved before litellm was the default
+COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", OWN: "#9ecae1", "memproxy-litellm": "#9ecae1", LITELLM: "#d62728"}
 SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
             "## 2. Throughput", "## 3. Streams", "## 4. History sweep",
             "## 4b. Long sessions sent whole", "## 5. Resident memory",

@@ -68,7 +68,7 @@ def test_quick_bench_writes_report_and_plots(tmp_path: Path) -> None:
         assert f"({plot})" in report
 
     results = json.loads((tmp_path / "bench-results.json").read_text(encoding="utf-8"))
-    assert results["paths"] == ["direct", "memproxy-memory", "memproxy-pass", "memproxy-litellm"]
+    assert results["paths"] == ["direct", "memproxy-memory", "memproxy-pass", "memproxy-own"]
     for phase in ("cpu", "concurrency", "streams", "throughput", "history", "long", "soak", "rss", "replay",
                   "recall", "recall_speed"):
         assert phase in results, phase
