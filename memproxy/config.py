@@ -35,6 +35,10 @@ TOKENIZERS: tuple[Tokenizer, ...] = ("auto", "cl100k_base", "o200k_base", "litel
 StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
 Transport = Literal["auto", "openai", "litellm"]  # `auto`: memproxy's own client for `openai/` models
+# How `POST /v1/responses` reaches the model: `bridge` sends a chat completion (any provider, on the
+# model's transport) and answers in the Responses shape; `native` calls the provider's own Responses
+# API through litellm (`litellm.aresponses`).
+ResponsesApi = Literal["bridge", "native"]
 TRANSPORTS: tuple[Transport, ...] = ("auto", "openai", "litellm")
 RecallScope = Literal["session", "user"]  # where recall looks: the session, or all of its end user's
 Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
@@ -139,6 +143,7 @@ class ModelConfig:
     tokenizer: Tokenizer = "auto"
     timeout_seconds: Positive = 600.0
     transport: Transport = "auto"
+    responses_api: ResponsesApi = "bridge"
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -91,13 +91,15 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": (("t", "s1", 50), "messages_active_seq"),
+        "get_response": (("t", "resp_1"), "responses_pkey"),
     }
 
 
 def unbounded_scans(plan: list[str]) -> list[str]:
     """Plan nodes that read more than one session's rows: a Seq Scan, or an index scan whose index
     condition does not pin the session (`session_pk = ...`, or `tenant = ...` on `sessions`) or one
-    row by its primary key (`id = ...`: the history cache's check of its newest message)."""
+    row by its primary key (`id = ...`: the history cache's check of its newest message; `pk = ...`: a
+    kept response's session)."""
     found = []
     for i, line in enumerate(plan):
         if "Seq Scan" in line:
@@ -108,7 +110,8 @@ def unbounded_scans(plan: list[str]) -> list[str]:
                 if "->" in following:
                     break
                 details.append(following)
-            if not any("Index Cond" in d and ("(session_pk = " in d or "(tenant = " in d or "(id = " in d)
+            if not any("Index Cond" in d and ("(session_pk = " in d or "(tenant = " in d or "(id = " in d
+                                              or "(pk = " in d)
                        for d in details):
                 found.append(line.strip())
     return found
