@@ -22,7 +22,7 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
-from memproxy.store import EndpointUsage, SQLiteStore, Store, Summary, open_store
+from memproxy.store import EndpointUsage, NewResponse, SQLiteStore, Store, Summary, open_store
 from memproxy.store.postgres import numbered
 from memproxy.store.sql import QUERIES
 from memproxy.store.migrations import migrations
@@ -48,7 +48,10 @@ async def conversation(store: Store, tenant: str, session_id: str, turns: int) -
         if i % 3 == 1:
             messages += [assistant(None, [f"c{i}"]), tool(f"c{i}", f"result {i}")]
         messages.append(assistant(f"{session_id} a{i}"))
-        await store.record_turn(turn(session, messages, tenant=tenant, session_id=session_id))
+        # Each turn as a kept Responses API answer too, so that table is populated like the rest.
+        kept = NewResponse(f"resp_{session_id}_{i}", {"id": f"resp_{session_id}_{i}"}, [])
+        await store.record_turn(dataclasses.replace(turn(session, messages, tenant=tenant, session_id=session_id),
+                                                    response=kept))
 
 
 async def test_a_schema_named_with_capitals_is_the_one_used(tmp_path: Path) -> None:
@@ -91,7 +94,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": (("t", "s1", 50), "messages_active_seq"),
-        "get_response": (("t", "resp_1"), "responses_pkey"),
+        "get_response": (("t", "resp_s1_3"), "responses_pkey"),
     }
 
 
