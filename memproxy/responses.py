@@ -76,7 +76,11 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     model = requested_model(app[CONFIG], parsed.model)
     check_params({k: v for k, v in body.items() if k in ("temperature", "top_p", "parallel_tool_calls", "user")})
     messages = _messages(provider, parsed)
-    params = provider.responses_chat_params(model, parsed.params)
+    try:
+        params = provider.responses_chat_params(model, parsed.params)
+    except Exception as exc:  # litellm's bridge could not read the tools or formats: the client's
+        raise BadRequest(f"the request's parameters could not be read: {type(exc).__name__}",
+                         param="tools" if parsed.params.get("tools") else None) from exc
     timings.lap("parse")
     noted = notes(request)
     noted.model, noted.stream, noted.timings = model.name, parsed.stream, timings

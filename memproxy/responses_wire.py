@@ -119,6 +119,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
 
 _ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 def _check_item(item: Any, where: str) -> None:
@@ -140,6 +141,9 @@ def _check_item(item: Any, where: str) -> None:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise BadRequest(f"{where}.content[{j}] must be an object with a 'type'",
                                      param=f"{where}.content[{j}]")
+                if part["type"] in _TEXT_PARTS and not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{where}.content[{j}].text must be a string",
+                                     param=f"{where}.content[{j}].text")
         elif not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
     elif kind == "function_call":

@@ -313,6 +313,8 @@ async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
     ({"model": "small", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "small", "input": "x", "conversation": 7}, "conversation"),
     ({"model": "small", "input": "x", "conversation": "c", "previous_response_id": "resp_x"}, "conversation"),
+    ({"model": "small", "input": "x", "tools": [7]}, "tools"),
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
 ])
 async def test_bad_input_is_an_openai_error_and_stores_nothing(
         proxy: Proxy, upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
@@ -328,6 +330,25 @@ async def test_an_unknown_model_and_an_admin_key_are_refused(proxy: Proxy) -> No
     status, body = await call(proxy, "POST", "/responses", json={"model": "nope", "input": "x"})
     assert status == 404
     assert_error(body, type="invalid_request_error", code="model_not_found", param="model")
+
+
+async def test_reasoning_is_kept_and_shown_but_not_resent(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client("reasoning-s")
+    wire.enqueue(Reply(content="42.", reasoning_content="Six times seven."), Reply(content="Yes."))
+    first = await client.responses.create(model=wire.model, input="Six times seven?")
+    [reasoning] = [item for item in first.output if item.type == "reasoning"]
+    assert [s.text for s in reasoning.summary] == ["Six times seven."]
+    # A client that sends its history back, reasoning item included, is recognised (`continue`).
+    history: Any = [{"role": "user", "content": "Six times seven?"},
+                    *[item.model_dump(exclude_none=True) for item in first.output],
+                    {"role": "user", "content": "Sure?"}]
+    raw = await client.responses.with_raw_response.create(model=wire.model, input=history)
+    assert raw.headers["X-Memproxy-Reconcile"] == "continue"
+    assert wire.conversation() == [("user", "Six times seven?"), ("assistant", "42."), ("user", "Sure?")]
+    body = wire.requests()[-1]
+    assert "Six times seven." not in json.dumps(body)  # the finished exchange's reasoning stays home
+    stored = await session_messages(proxy, "reasoning-s")
+    assert stored["messages"][1]["message"]["reasoning_content"] == "Six times seven."
 
 
 # --- one session, both APIs ---------------------------------------------------------------------------
@@ -378,6 +399,13 @@ async def test_openai_agents_sdk_on_its_responses_model(proxy: Proxy, wire: Upst
     assert wire.conversation() == [("system", "You help with weather."), ("user", "Weather in Lima?"),
                                    ("call", 'get_weather {"city":"Lima"}'), ("tool", "rainy in Lima"),
                                    ("assistant", "It is rainy in Lima."), ("user", "Which city did I ask about?")]
+    # Streamed, the SDK assembles the answer from the events.
+    wire.enqueue(Reply(content="Still Lima."))
+    streamed = agents.Runner.run_streamed(agent, "And now?")
+    async for _ in streamed.stream_events():
+        pass
+    assert streamed.final_output == "Still Lima."
+    assert wire.conversation()[-2:] == [("assistant", "You asked about Lima."), ("user", "And now?")]
     stored = await session_messages(proxy, "agent-s")
     assert [m["message"]["role"] for m in stored["messages"]] == [
-        "user", "assistant", "tool", "assistant", "user", "assistant"]
+        "user", "assistant", "tool", "assistant", "user", "assistant", "user", "assistant"]
