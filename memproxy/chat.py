@@ -16,6 +16,9 @@ stored (`X-Memproxy-Stored`); a stream, whose headers left before, ends with an 
 `[DONE]`. Once a stream's headers are out, whatever goes wrong ends it with exactly one OpenAI-shaped
 error event: an exception never reaches the error middleware, which would write a second response
 into the body.
+
+The turn itself (`serve_turn`) is shared with the Responses API (`memproxy.responses`): only the
+wire differs, the upstream call and what the client sees of it (`Wire`; chat's is `ChatWire`).
 """
 
 from __future__ import annotations

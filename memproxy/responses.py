@@ -25,7 +25,7 @@ message cap has cut, cannot be continued (409 `session_conflict`).
 from __future__ import annotations
 
 import dataclasses
-import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -47,8 +47,6 @@ from .store import NewResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
 from .typedefs import CONFIG, PROVIDER, STORE
-
-log = logging.getLogger("memproxy.responses")
 
 _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _TERMINAL = frozenset({"response.completed", "response.incomplete"})
@@ -173,7 +171,9 @@ class ResponsesWire:
         self._model = model  # the client's name for it
         self._native = native
         self._final: dict[str, Any] | None = None
-        created = response_object(response_id, request, model, [], None, status="in_progress")
+        self._created_at = time.time()  # one creation time, in every event and the kept object
+        created = response_object(response_id, request, model, [], None, status="in_progress",
+                                  created_at=self._created_at)
         self._events = ChatEvents(created)
         self._assembler = StreamAssembler()
         self._started = False
@@ -197,7 +197,8 @@ class ResponsesWire:
             reply = choice.get("message") or {}
             usage = completion.get("usage")
             body = response_object(self.id, self._request, self._model, output_items(reply),
-                                   responses_usage(usage), status_of(choice.get("finish_reason")))
+                                   responses_usage(usage), status_of(choice.get("finish_reason")),
+                                   created_at=self._created_at)
         self._final = body
         return Answer(reply, usage, body)
 
@@ -252,7 +253,7 @@ class ResponsesWire:
         self._closing = self._events.finish()
         self._final = response_object(self.id, self._request, self._model, self._events.items,
                                       responses_usage(self._assembler.usage),
-                                      status_of(self._assembler.finish_reason))
+                                      status_of(self._assembler.finish_reason), created_at=self._created_at)
         return self._assembler.message(), self._assembler.usage
 
     def attach(self, record: TurnRecord) -> TurnRecord:

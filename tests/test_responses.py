@@ -20,6 +20,9 @@ from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from fake_responses import FakeResponsesUpstream
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config, ModelConfig
+from memproxy.typedefs import SUMMARIZER
+from summaries import fact_summariser
+from test_budget import words
 from test_endpoints import assert_error
 
 pytestmark = [pytest.mark.both_stores]
@@ -57,6 +60,7 @@ class Upstream:
         self.wire = wire
         self.model = "small" if wire == "bridge" else "native"
         self.fake: FakeUpstream = chat if wire == "bridge" else native
+        self.chat = chat  # the summariser's provider, whichever wire
         self._native = native
 
     def enqueue(self, *replies: Reply) -> None:
@@ -349,6 +353,32 @@ async def test_reasoning_is_kept_and_shown_but_not_resent(proxy: Proxy, wire: Up
     assert "Six times seven." not in json.dumps(body)  # the finished exchange's reasoning stays home
     stored = await session_messages(proxy, "reasoning-s")
     assert stored["messages"][1]["message"]["reasoning_content"] == "Six times seven."
+
+
+async def test_responses_turns_are_summarised_and_recalled_like_chat(
+        start_proxy: Any, config: Config, wire: Upstream) -> None:
+    """A long Responses session on a 2,000-token window: older turns are folded into a rolling
+    summary (written by the summariser on the chat provider), and a question about a turn left out
+    brings it back through recall."""
+    memory = replace(config.memory, summaries=True, overflow="summarize", recall_tokens=None)
+    proxy = await start_proxy(replace(config, memory=memory))
+    summariser = wire.chat
+    summariser.summarizer = fact_summariser
+    client = proxy.client("long-responses")
+    headers: Any = None
+    await client.responses.create(model=wire.model, input="My locker code is ZEBRA-7731, remember it.")
+    for turn in range(12):
+        raw = await client.responses.with_raw_response.create(
+            model=wire.model, input=f"Note FACT-{turn}: {words(60, turn)}")
+        headers = raw.headers
+        await proxy.app[SUMMARIZER].wait_idle()
+    assert headers is not None and int(headers["X-Memproxy-Stored-Omitted"]) > 0
+    assert summariser.summary_requests(), "no summary was written"
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="What is my locker code ZEBRA?")
+    assert int(raw.headers["X-Memproxy-Summary-Version"]) >= 1
+    sent = json.dumps(wire.requests()[-1])
+    assert "Known facts" in sent  # the summary went in front of the kept turns
+    assert int(raw.headers["X-Memproxy-Recalled"]) >= 1 and "ZEBRA-7731" in sent
 
 
 # --- one session, both APIs ---------------------------------------------------------------------------
