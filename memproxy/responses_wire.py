@@ -129,11 +129,12 @@ def _check_item(item: Any, where: str) -> None:
     if not isinstance(item, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     kind = item.get("type", "message")
-    if kind not in _ITEM_TYPES:
+    if not isinstance(kind, str) or kind not in _ITEM_TYPES:
         raise BadRequest(f"{where}.type must be one of {', '.join(sorted(_ITEM_TYPES))}, got {kind!r}",
                          param=f"{where}.type")
     if kind == "message":
-        if item.get("role") not in _ROLES:
+        role = item.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role")
         content = item.get("content")
         if isinstance(content, list):
