@@ -3,7 +3,7 @@
     python bench/profile.py                       # memory on, 1 client, 0 ms upstream, 15 s
     python bench/profile.py --pass-through --clients 10 --seconds 20 --out /tmp/profile.txt
     python bench/profile.py --history 10000       # one session seeded with 10,000 long messages
-    python bench/profile.py --litellm             # memory on, through litellm
+    python bench/profile.py --own-client          # memory on, through memproxy's own client
     python bench/profile.py --recall 10000        # recall on one session of 10,000 LoCoMo turns
 
 Starts the fake upstream and `memproxy serve` under `python -m pyinstrument`, sends requests for the
@@ -33,7 +33,7 @@ import seed  # noqa: E402
 import servers  # noqa: E402
 from memproxy.config import MemoryConfig  # noqa: E402
 import replay  # noqa: E402
-from run import (BENCH_MEMORY, ENCODING, MEMORY, PASS, RECALL_SESSION, TENANT, VIA_LITELLM, WINDOW,  # noqa: E402
+from run import (BENCH_MEMORY, ENCODING, MEMORY, PASS, RECALL_SESSION, TENANT, OWN, WINDOW,  # noqa: E402
                  make_targets,
                  memproxy_config, recall_texts, summarize)
 
@@ -59,7 +59,7 @@ async def profile(args: argparse.Namespace) -> Path:
                          "-m", "memproxy.cli", "serve", "-c", str(config), "--port", "0"],
             env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, ready_line="memproxy listening on")
         target = make_targets(upstream.url, memproxy.url, None)[
-            PASS if args.pass_through else VIA_LITELLM if args.litellm else MEMORY]
+            PASS if args.pass_through else OWN if args.own_client else MEMORY]
         async with load.client_session(limit=1000) as session:
             async with session.post(f"{upstream.url}/_control", json={"delay_ms": args.delay_ms}) as response:
                 response.raise_for_status()
@@ -107,7 +107,8 @@ async def _recall_loop(session: aiohttp.ClientSession, target: load.Target, ques
 def main() -> int:
     parser = argparse.ArgumentParser(description="profile memproxy under load with pyinstrument")
     parser.add_argument("--pass-through", action="store_true", help="no session header (memory off)")
-    parser.add_argument("--litellm", action="store_true", help="memory on, through litellm (`transport: litellm`)")
+    parser.add_argument("--own-client", action="store_true",
+                        help="memory on, through memproxy's own client (`transport: openai`); default: litellm")
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="the fake upstream's delay")

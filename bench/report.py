@@ -23,10 +23,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from memproxy.timing import PARTS as TIMING_PARTS  # noqa: E402
 
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
-VIA_LITELLM = "memproxy-litellm"
+OWN = "memproxy-own"
 LABELS = {DIRECT: "direct", MEMORY: "memproxy, memory on", PASS: "memproxy, pass-through",
-          VIA_LITELLM: "memproxy, memory on, via litellm", LITELLM: "LiteLLM proxy"}
-COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", VIA_LITELLM: "#9ecae1", LITELLM: "#d62728"}
+          OWN: "memproxy, memory on, own client", LITELLM: "LiteLLM proxy"}
+COLORS = {DIRECT: "#888888", MEMORY: "#1f77b4", PASS: "#6baed6", OWN: "#9ecae1", LITELLM: "#d62728"}
 SECTIONS = ("## Targets", "## Machine, versions and settings", "## 1. Added latency",
             "## 2. Throughput", "## 3. Streams", "## 4. History sweep",
             "## 4b. Long sessions sent whole", "## 5. Resident memory",
@@ -137,7 +137,37 @@ class Report:
 
     def targets(self) -> list[Target]:
         """Each target as (name, measured, ratio of the medians, ratio per round min–max, verdict)."""
-        return (self.path_targets() if "concurrency" in self.r else []) + self.recall_targets()
+        return (self.path_targets() + self.litellm_targets() if "concurrency" in self.r else []) \
+            + self.recall_targets()
+
+    def litellm_targets(self) -> list[Target]:
+        """Issue 15's: memproxy on its default path (memory on, through litellm) against LiteLLM's
+        proxy, and its `upstream` part against litellm in a bare loop (`bare.py`)."""
+        rows: list[Target] = []
+        if LITELLM in self.paths:
+            for c, by_path in self.r["concurrency"].items():
+                direct = by_path[DIRECT]
+                mine, theirs = (added_per_round(by_path[p], direct, "p50") for p in (MEMORY, LITELLM))
+                m, t = median(mine), median(theirs)
+                rows.append((f"added p50 at {c} client{'s' if c != '1' else ''} at most 0.5x LiteLLM proxy's",
+                             f"{ms(m)} ms vs {ms(t)} ms", ratio(m / t if t > 0 else math.inf),
+                             spread(quotients(mine, theirs)), m <= 0.5 * t))
+            busiest = self.r["concurrency"][self.busiest()]
+            mine_cpu, theirs_cpu = ([r.get("requests_per_cpu_s") or math.nan for r in busiest[p]]
+                                    for p in (MEMORY, LITELLM))
+            m, t = median(mine_cpu), median(theirs_cpu)
+            rows.append((f"requests per server CPU-second at least 2x LiteLLM proxy's ({self.busiest()} clients)",
+                         f"{ms(m, 0)} vs {ms(t, 0)}", ratio(m / t if t else math.nan),
+                         spread(quotients(mine_cpu, theirs_cpu)), m >= 2 * t))
+        bare = self.r.get("bare")
+        if bare:
+            upstream = [r.get("upstream_p50", math.nan) for r in self.r["cpu"][MEMORY]]
+            loop = [r["p50"] for r in bare]
+            u, b = median(upstream), median(loop)
+            rows.append(("`upstream` (Server-Timing, 1 client, 0 ms upstream) within 1 ms of a bare "
+                         "litellm.acompletion loop (p50)", f"{ms(u, 2)} ms vs {ms(b, 2)} ms",
+                         ratio(u / b if b else math.nan), spread(quotients(upstream, loop)), u - b <= 1.0))
+        return rows
 
     def recall_scores(self) -> dict[str, dict[str, Any]]:
         """mode -> window -> scores, from the recall replay (empty if it did not run)."""
@@ -337,10 +367,11 @@ class Report:
 
     def section_targets(self) -> None:
         self.add("## Targets", "",
-                 "From issues 6 and 14, all measured in this one run. Ratio = memproxy / reference (below 1 is "
+                 "From issues 6, 14, 15 and 17, all measured in this one run. Ratio = memproxy / reference (below 1 is "
                  "better, except throughput per core, where at least 1 passes; for evidence recall it is "
                  "measured / target, at least 1 passes). \"Memory on\" is memproxy "
-                 "with a session header: the product; its pass-through figures are in section 1. Throughput "
+                 "with a session header on the default transport (litellm): the product; its pass-through "
+                 "and own-client figures are in section 1. Throughput "
                  "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
                  "is one process, LiteLLM's proxy one worker per core (section 2). The verdict is on the "
                  "medians over rounds; beside it, the range the ratio took round by round.", "",
@@ -392,6 +423,13 @@ class Report:
             add99 = "-" if path == DIRECT else ms(added(rows, direct, "p99"), 2)
             self.add(f"| {LABELS[path]} | {ms(stat(rows, 'p50'), 2)} | {ms(stat(rows, 'p99'), 2)} | {add50} | "
                      f"{add99} | {ms(stat(rows, 'server_cpu_ms_per_request'), 2)} ms |")
+        if self.r.get("bare"):
+            bare = self.r["bare"]
+            self.add("", "The default path's reference: `litellm.acompletion` in a plain asyncio loop "
+                     "(`bench/bare.py`, its own process, the same arguments and a conversation of the same "
+                     f"shape) takes {ms(median([r['p50'] for r in bare]), 2)} ms a call at p50 "
+                     f"({ms(median([r['cpu_ms'] for r in bare]), 2)} ms of its CPU), fake upstream included; "
+                     "memproxy's `upstream` part on that path is in section 6.")
         table = self.added_table()
         conc = list(table)
         delay = self.plan()["upstream_delay_ms"]
@@ -642,7 +680,7 @@ class Report:
             settings.append((f"{delay:g} ms upstream, {c} client{'s' if c != '1' else ''}", conc[c]))
         for label, by_path in settings:
             direct = stat(by_path[DIRECT], "p50")
-            for path in (p for p in (MEMORY, PASS, VIA_LITELLM) if p in by_path):
+            for path in (p for p in (MEMORY, PASS, OWN) if p in by_path):
                 rows = by_path[path]
                 total, memory, upstream = stat(rows, "p50"), stat(rows, "memory_p50"), stat(rows, "upstream_p50")
                 parts = [stat(rows, f"{part}_p50") for part in TIMING_PARTS]

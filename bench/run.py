@@ -61,7 +61,7 @@ PROXY_KEY = "bench-proxy-key"
 LITELLM_KEY = "sk-bench-master-key"
 ENCODING = "o200k_base"  # what memproxy's tokenizer picks for `openai/bench-model`
 DIRECT, MEMORY, PASS, LITELLM = "direct", "memproxy-memory", "memproxy-pass", "litellm-proxy"
-VIA_LITELLM = "memproxy-litellm"  # memory on, through `transport: litellm`
+OWN = "memproxy-own"  # memory on, through memproxy's own client (`transport: openai`)
 
 # The latency paths' memproxy: defaults, except that no summary is folded (the history sweep's
 # 100,000-message sessions would otherwise be summarised in the background during the run); turns
@@ -80,7 +80,7 @@ RECALL_SESSION = "recall-speed"
 # The long-session sweep (issue 17): sessions that all fit a 128k window and are sent whole, of
 # ~95 tokens a turn, through memproxy's own client and through litellm, on SQLite and PostgreSQL.
 LONG_WINDOW = 131_072
-LONG_MODELS = {"openai": "bench-long", "litellm": "bench-long-litellm"}
+LONG_MODELS = {"litellm": "bench-long", "openai": "bench-long-own"}
 LONG_WORDS = 40  # words a seeded message: ~47 tokens
 POSTGRES_URL = os.environ.get("MEMPROXY_BENCH_POSTGRES_URL", "postgresql://root@127.0.0.1:5432/test")  # the speed phase's measured session (its client's `X-Session-Id`)
 
@@ -136,10 +136,11 @@ QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, st
 
 
 def memproxy_config(upstream: str, db: Path | str, memory: dict[str, Any], window: int,
-                    extra_models: dict[str, tuple[int, int]] | None = None, via_litellm: tuple[str, ...] = (),
+                    extra_models: dict[str, tuple[int, int]] | None = None, own_client: tuple[str, ...] = (),
                     schema: str | None = None) -> str:
     """The config of a memproxy run by the bench; `db` a SQLite file or a database URL,
-    `extra_models` name -> (window, output reserve), those in `via_litellm` with `transport: litellm`."""
+    `extra_models` name -> (window, output reserve), those in `own_client` with `transport: openai`
+    (the others on the default, litellm)."""
     memory_lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in memory.items())
     extra = "".join(f"""\
   - name: {name}
@@ -148,7 +149,7 @@ def memproxy_config(upstream: str, db: Path | str, memory: dict[str, Any], windo
     api_key: upstream-key
     context_window: {context}
     max_output_tokens: {output}
-""" + ("    transport: litellm\n" if name in via_litellm else "")
+""" + ("    transport: openai\n" if name in own_client else "")
         for name, (context, output) in (extra_models or {}).items())
     url = db if isinstance(db, str) else f"sqlite:///{db}"
     schema_line = f"  schema: {schema}\n" if schema else ""
@@ -171,9 +172,9 @@ storage:
     api_key: upstream-key
     context_window: {SWEEP_WINDOW}
     max_output_tokens: 256
-  - name: bench-litellm
+  - name: bench-own
     model: openai/bench-model
-    transport: litellm
+    transport: openai
     api_base: {upstream}/v1
     api_key: upstream-key
     context_window: {window}
@@ -299,8 +300,8 @@ def make_targets(upstream: str, memproxy: str, litellm: str | None) -> dict[str,
         MEMORY: load.Target(MEMORY, f"{memproxy}/v1/chat/completions",
                             {"Authorization": f"Bearer {PROXY_KEY}"}, sessions="lat"),
         PASS: load.Target(PASS, f"{memproxy}/v1/chat/completions", {"Authorization": f"Bearer {PROXY_KEY}"}),
-        VIA_LITELLM: load.Target(VIA_LITELLM, f"{memproxy}/v1/chat/completions",
-                                 {"Authorization": f"Bearer {PROXY_KEY}"}, model="bench-litellm", sessions="via"),
+        OWN: load.Target(OWN, f"{memproxy}/v1/chat/completions",
+                         {"Authorization": f"Bearer {PROXY_KEY}"}, model="bench-own", sessions="own"),
     }
     if litellm:
         targets[LITELLM] = load.Target(LITELLM, f"{litellm}/v1/chat/completions",
@@ -337,6 +338,21 @@ async def phase_cpu(bench: Bench) -> dict[str, list[dict[str, Any]]]:
             row = {**summarize(sample), **cpu}
             row["server_cpu_ms_per_request"] = round(1000 * cpu["server_cpu_s"] / max(1, sample.completed), 3)
             rounds[name].append(row)
+    return rounds
+
+
+async def phase_bare(bench: Bench) -> list[dict[str, float]]:
+    """The litellm path's reference (`bare.py`): `litellm.acompletion` in a plain loop, in a process
+    of its own, against the same upstream at 0 ms, as many calls as a round of `phase_cpu`."""
+    await bench.control(delay_ms=0)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "bench" / "bare.py"), "--api-base", f"{bench.upstream.url}/v1",
+        "--requests", str(bench.plan.cpu_requests), "--rounds", str(bench.plan.rounds),
+        "--warmup", str(bench.plan.warmup), stdout=subprocess.PIPE)
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"bench/bare.py exited with {process.returncode}")
+    rounds: list[dict[str, float]] = json.loads(out.decode().strip().splitlines()[-1])
     return rounds
 
 
@@ -464,7 +480,7 @@ async def phase_long(processes: servers.Processes, upstream: servers.Server, wor
             out["seed_s"][store] = round(time.perf_counter() - started, 1)
             config = workdir / f"memproxy-long-{store}.yaml"
             config.write_text(memproxy_config(upstream.url, url, BENCH_MEMORY, WINDOW, models,
-                                              via_litellm=(LONG_MODELS["litellm"],), schema=schema))
+                                              own_client=(LONG_MODELS["openai"],), schema=schema))
             server = servers.start_memproxy(processes, f"memproxy-long-{store}", config)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
                 await _control(session, upstream.url, delay_ms=0, replies={})
@@ -827,6 +843,8 @@ async def measure_paths(args: argparse.Namespace, plan: Plan, processes: servers
             await warm_up(bench)
             sampler.mark("cpu cost (0 ms upstream)")
             results["cpu"] = await phase_cpu(bench)
+            sampler.mark("bare litellm loop")
+            results["bare"] = await phase_bare(bench)
             sampler.mark(f"concurrency ({plan.upstream_delay_ms:g} ms upstream)")
             results["concurrency"] = await phase_concurrency(bench)
             sampler.mark("streams")

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 
-from . import __version__, sessions_cli
+from . import __version__, sessions_cli, workers
 from .app import runner as app_runner
 from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
@@ -62,6 +62,8 @@ def _main(argv: Sequence[str] | None) -> int:
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow a non-loopback address with no auth.keys configured")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="overrides logging.level (default INFO)")
+    serve.add_argument("--workers", type=int, help="server processes sharing the port (overrides server.workers)")
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # a worker's, from `memproxy.workers`
 
     check = commands.add_parser("check-config", help="check a config file as serve would, and exit")
     check.add_argument("-c", "--config", required=True)
@@ -112,21 +114,48 @@ def _main(argv: Sequence[str] | None) -> int:
         host=args.host or server.host,
         port=server.port if args.port is None else args.port,
         allow_unauthenticated=server.allow_unauthenticated or args.allow_unauthenticated,
+        workers=server.workers if args.workers is None else args.workers,
     )
     config = replace(config, server=server)
+    if server.workers < 1:
+        return _refuse([ConfigError("server.workers", "must be at least 1")], args.config)
     stop_signals.install()  # as `memproxy.entry` does, for a caller that did not come through it
     configure_logging(args.log_level or config.logging.level, config.logging.format)
     try:
         if found := problems(config):  # before anything starts: a config `serve` would stop on opens nothing
             return _refuse(found, args.config)
+        if server.workers > 1 and args.ready_fd is None:
+            return _supervise(args, config)
         log.debug("starting: importing litellm")
         load_litellm()  # here, where a stop signal interrupts it at once; the provider finds it loaded
-        asyncio.run(_serve(config))
+        asyncio.run(_serve(config, args.ready_fd))
     except ConfigError as exc:  # found while starting: the store would not open, the port is taken
         return _refuse([exc], args.config)
     except Stopped:  # a stop signal before the server's event loop ran: nothing was left open
         log.info("stopped while starting")
     return 0
+
+
+def _supervise(args: argparse.Namespace, config: Config) -> int:
+    """`serve --workers N` (`memproxy.workers`): the store migrated once, then N workers, each this
+    command with one worker, on the port this process reserved."""
+    try:
+        asyncio.run(_apply_migrations(config.storage))  # before any worker opens the store
+    except DRIVER_ERRORS as exc:
+        raise ConfigError("storage.url", f"the store did not open: {type(exc).__name__}: {exc}") from exc
+
+    def worker_args(port: int, ready_fd: int) -> list[str]:
+        return ["serve", *(["-c", args.config] if args.config else []), "--host", config.server.host,
+                "--port", str(port), "--workers", "1", "--ready-fd", str(ready_fd),
+                *(["--allow-unauthenticated"] if config.server.allow_unauthenticated else []),
+                *(["--log-level", args.log_level] if args.log_level else [])]
+
+    try:
+        return asyncio.run(workers.supervise(config.server.workers, config.server.host, config.server.port,
+                                             worker_args))
+    except OSError as exc:
+        raise ConfigError("server.port", f"cannot listen on {config.server.host}:{config.server.port}: "
+                                         f"{exc.strerror or exc}") from exc
 
 
 def _refuse(found: list[ConfigError], source: str | None) -> int:
@@ -162,10 +191,14 @@ def _init(provider: ProviderKind, output: str, force: bool) -> int:
 
 
 async def _migrate(config: Config) -> int:
-    store = await open_store(config.storage)  # opening a store applies what is pending
-    await store.close()
+    await _apply_migrations(config.storage)
     print(f"{config.storage.url}: migrated")
     return 0
+
+
+async def _apply_migrations(storage: StorageConfig) -> None:
+    store = await open_store(storage)  # opening a store applies what is pending
+    await store.close()
 
 
 async def _migrate_store(source_config: StorageConfig, target_config: StorageConfig, resume: bool) -> int:
@@ -232,9 +265,11 @@ async def _export(store: Store, tenant: str, session_id: str) -> list[dict[str, 
     return await store.export_session(session)
 
 
-async def _serve(config: Config) -> None:
+async def _serve(config: Config, ready_fd: int | None = None) -> None:
     """Start, then serve until a stop signal. A signal cancels this task wherever it is, starting
-    (the store opening or migrating) or serving; what had started then stops, in reverse order."""
+    (the store opening or migrating) or serving; what had started then stops, in reverse order.
+    A worker of `serve --workers N` (`ready_fd` set) shares its port with the others (SO_REUSEPORT)
+    and says it listens with a byte on `ready_fd` instead of the "listening" line."""
     task = asyncio.current_task()
     assert task is not None
     closing = False
@@ -263,14 +298,18 @@ async def _serve(config: Config) -> None:
             try:
                 listener = await loop.create_server(
                     protocols(runner.server, server.header_timeout_seconds), server.host, server.port,
-                    reuse_address=True)
+                    reuse_address=True, reuse_port=ready_fd is not None)
             except OSError as exc:
                 raise ConfigError("server.port", f"cannot listen on {server.host}:{server.port}: "
                                                  f"{exc.strerror or exc}") from exc
             port = listener.sockets[0].getsockname()[1]
             provider = runner.app[PROVIDER]
             log_start(config, {model.name: provider.window(model) for model in config.models})
-            print(f"memproxy listening on http://{server.host}:{port}", flush=True)
+            if ready_fd is None:
+                print(f"memproxy listening on http://{server.host}:{port}", flush=True)
+            else:
+                os.write(ready_fd, b"1")
+                os.close(ready_fd)
             await loop.create_future()  # until a stop signal cancels this task
         except asyncio.CancelledError:
             if not stop_signals.requested:

@@ -34,12 +34,12 @@ Tokenizer = Literal["auto", "cl100k_base", "o200k_base", "litellm"]
 TOKENIZERS: tuple[Tokenizer, ...] = ("auto", "cl100k_base", "o200k_base", "litellm")
 StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
-Transport = Literal["auto", "openai", "litellm"]  # `auto`: memproxy's own client for `openai/` models
+Transport = Literal["litellm", "openai", "auto"]  # `auto`: memproxy's own client for `openai/` models
+TRANSPORTS: tuple[Transport, ...] = ("litellm", "openai", "auto")
 # How `POST /v1/responses` reaches the model: `bridge` sends a chat completion (any provider, on the
 # model's transport) and answers in the Responses shape; `native` calls the provider's own Responses
 # API through litellm (`litellm.aresponses`).
 ResponsesApi = Literal["bridge", "native"]
-TRANSPORTS: tuple[Transport, ...] = ("auto", "openai", "litellm")
 RecallScope = Literal["session", "user"]  # where recall looks: the session, or all of its end user's
 Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
 OVERFLOW_POLICIES: tuple[Overflow, ...] = ("summarize", "marker", "drop")
@@ -106,6 +106,7 @@ class ServerConfig:
     header_timeout_seconds: Positive = 10.0  # first byte of a request to the end of its headers
     body_timeout_seconds: Positive = 60.0  # end of the headers to the end of the body
     keepalive_timeout_seconds: Positive = 75.0  # an idle connection (also: before its first request)
+    workers: Annotated[Int, Field(ge=1, le=256)] = 1  # server processes sharing the port (`memproxy.workers`)
 
     @property
     def is_loopback(self) -> bool:
@@ -142,7 +143,7 @@ class ModelConfig:
     max_output_tokens: Annotated[Int, Field(ge=1)] = 1024
     tokenizer: Tokenizer = "auto"
     timeout_seconds: Positive = 600.0
-    transport: Transport = "auto"
+    transport: Transport = "litellm"
     responses_api: ResponsesApi = "bridge"
 
 

@@ -89,7 +89,7 @@ class Callbacks:
                         "provider's API key", names)
         if unseen:
             log.warning("litellm callbacks do not see models %s: they use memproxy's own OpenAI client "
-                        "(transport: litellm on a model sends its calls through litellm)", ", ".join(unseen))
+                        "(transport: openai on them; the default, litellm, sends their calls through litellm)", ", ".join(unseen))
         return cls(litellm, saved)
 
     def remove(self) -> None:

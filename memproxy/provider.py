@@ -1,8 +1,9 @@
 """The one boundary to providers: completions, streams, model windows, token counters, error mapping.
 
-Each model has a transport. `openai/...` models go through memproxy's own OpenAI-compatible client
-(`memproxy.upstream`) unless configured `transport: litellm`; every other provider goes through
-litellm, which translates the OpenAI request into the provider's own API.
+Each model has a transport: litellm by default, which translates the OpenAI request into the
+provider's own API (its OpenAI-compatible providers through litellm's own HTTP handler, not the OpenAI
+SDK: `load_litellm`), or memproxy's own OpenAI-compatible client (`memproxy.upstream`) for a model
+configured `transport: openai` (or `auto` and written `openai/...`).
 
 litellm is imported when a `Provider` is created (at server start, inside its cleanup context), never
 when this module is imported: it costs seconds and hundreds of MB, and `/healthz` and the light CLI
@@ -72,6 +73,11 @@ class AudioFile:
 
 def load_litellm() -> Any:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    # litellm's OpenAI-compatible chat providers through litellm's own HTTP handler (its provider
+    # config and its pooled client) instead of the OpenAI SDK, whose request "transform" walks every
+    # message against the SDK's type hints: ~0.3 ms a message on every call, the whole history
+    # again on every turn. litellm reads the setting at each call; an operator may set it false.
+    os.environ.setdefault("EXPERIMENTAL_OPENAI_BASE_LLM_HTTP_HANDLER", "true")
     litellm: Any = importlib.import_module("litellm")
     litellm.suppress_debug_info = True
     litellm.telemetry = False
@@ -363,11 +369,12 @@ class Provider:
         try:
             return await self._litellm.acompletion(**kwargs)
         except Exception as exc:
-            if not _unencodable(exc):
+            if not _caused_by(exc, UnicodeEncodeError):
                 raise
-        # litellm's client encodes the body as UTF-8, which refuses a lone surrogate (a provider's
-        # earlier answer, stored as it came and sent again); the request never left, so it goes
-        # now with each one as U+FFFD. memproxy's own client sends the escape instead.
+        # The OpenAI SDK's client (which litellm still uses for Azure, and for OpenAI where
+        # EXPERIMENTAL_OPENAI_BASE_LLM_HTTP_HANDLER is set false) encodes the body as UTF-8, which
+        # refuses a lone surrogate (a provider's earlier answer, stored as it came and sent again);
+        # the request never left, so it goes now with each one as U+FFFD.
         return await self._litellm.acompletion(**{**kwargs, "messages": _without_surrogates(kwargs["messages"])})
 
     # --- the Responses API (`memproxy.responses`): input items become chat messages by litellm's own
@@ -437,11 +444,17 @@ class Provider:
         # litellm prefixes the provider's words with its own class names; keep the provider's.
         message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
         message = _LITELLM_PREFIX.sub("", message)  # "litellm.ContextWindowExceededError: ... AnthropicError - "
+        code = getattr(exc, "code", None)
+        # litellm's own HTTP handler hands on the provider's error body as it came: its message.
+        body_message, body_code = _error_body(message)
+        if body_message is not None:
+            message, code = body_message, body_code or code
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
-        if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message:
+        if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \
+                or _caused_by(exc, (ConnectionError, aiohttp.ClientConnectionError)):
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
-        return status_error(getattr(exc, "status_code", None), message, getattr(exc, "code", None))
+        return status_error(getattr(exc, "status_code", None), message, code)
 
 
 async def _stop_logging_worker() -> None:
@@ -461,6 +474,22 @@ async def _stop_logging_worker() -> None:
         await worker.stop()
     except RuntimeError:  # tasks of another, closed loop
         pass
+
+
+def _error_body(text: str) -> tuple[str | None, str | None]:
+    """The message and code of an OpenAI-shaped error body, where `text` is one."""
+    if not text.startswith("{"):
+        return None, None
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None, None
+    if isinstance(error, str):
+        return error, None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None, None
+    code = error.get("code")
+    return error["message"], code if isinstance(code, str) else None
 
 
 def _litellm_kwargs(model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
@@ -567,11 +596,11 @@ def _fills_max_tokens(litellm: Any, model: str) -> bool:
     return defaults.get("max_tokens") is not None
 
 
-def _unencodable(exc: BaseException | None) -> bool:
-    """Whether a UTF-8 encoding failure is what `exc` comes from (litellm wraps it twice)."""
+def _caused_by(exc: BaseException | None, kinds: type[BaseException] | tuple[type[BaseException], ...]) -> bool:
+    """Whether an exception of `kinds` is what `exc` comes from (litellm wraps its causes twice or more)."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, UnicodeEncodeError):
+        if isinstance(exc, kinds):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
@@ -591,8 +620,8 @@ Route = Literal["openai", "litellm"]
 
 
 def transport(model: ModelConfig) -> Route:
-    """`openai` (memproxy's own client) or `litellm`, as configured; `auto` picks the own client for
-    litellm's `openai/` provider, which means the OpenAI API at `api_base`."""
+    """`litellm` (the default) or `openai` (memproxy's own client), as configured; `auto` picks the
+    own client for litellm's `openai/` provider, which means the OpenAI API at `api_base`."""
     if model.transport != "auto":
         return model.transport
     return "openai" if model.model.startswith(PREFIX) else "litellm"
@@ -608,6 +637,8 @@ async def _chunks(
         async for chunk in rest:
             yield chunk.model_dump(exclude_none=True)
     except Exception as exc:
+        if _caused_by(exc, (aiohttp.ClientPayloadError, ConnectionError)):  # litellm calls it a 500
+            raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
         raise provider.upstream_error(exc) from exc
 
 

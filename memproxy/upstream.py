@@ -2,11 +2,10 @@
 pooled aiohttp session.
 
 For a provider that already speaks the OpenAI API (OpenAI itself, vLLM, llama.cpp, Ollama, LM Studio,
-most gateways) there is nothing to translate, and litellm's `openai/` route costs 6-8 ms of CPU a
-call, most of it the OpenAI SDK re-validating every message against its types; this client costs
-about 0.3 ms (docs/benchmarks.md). Parameters go upstream byte for byte as the client sent them, the
-answer comes back as the provider wrote it. `Provider` uses this for `openai/...` models unless the
-model's `transport` says `litellm`.
+most gateways) there is nothing to translate: parameters go upstream byte for byte as the client sent
+them, and the answer comes back as the provider wrote it, for about 0.3 ms of CPU a call
+(docs/benchmarks.md). `Provider` uses this for models configured `transport: openai` (and, with
+`transport: auto`, for `openai/...` models); litellm is the default.
 
 Errors become `UpstreamError`s with the provider's own status and message, typed by the one status
 table of `memproxy.errors`; a timeout is 504 and an unreachable provider 502, as on the litellm route.

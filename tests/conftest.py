@@ -5,9 +5,9 @@ that uses `store_kind` (through `config`, `storage`, `make_storage`) once on SQL
 PostgreSQL (a fresh schema per test, dropped afterwards; skipped outside CI when PostgreSQL cannot be
 reached). Every other module stays on SQLite. Read what a proxy stored through `tests/db.py`.
 
-Which transport: the test models are `openai/...` on the fake upstream, so they go through memproxy's
-own OpenAI client (`transport: auto`). A module marked `both_transports` also runs each test that
-uses `transport` (through `config`) with `transport: litellm`.
+Which transport: the test models are `openai/...` on the fake upstream, through litellm (the default
+`transport: litellm`). A module marked `both_transports` also runs each test that uses `transport`
+(through `config`) on memproxy's own OpenAI client (`transport: openai`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ OTHER_KEY = "test-proxy-key-b"
 
 
 STORE_KINDS = ("sqlite", "postgres")
-TRANSPORTS = ("auto", "litellm")
+TRANSPORTS = ("litellm", "openai")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -55,6 +55,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # modules keep their order.
 SLOW_FIRST = (
     "test_sessions_cli.py",  # 170 s of the 820 s the suite's tests take, measured on two workers
+    "test_workers.py",
     "test_clients.py",
     "test_cli.py",
     "test_crash.py",
@@ -83,7 +84,7 @@ def store_kind() -> str:
 
 @pytest.fixture
 def transport() -> str:
-    return "auto"
+    return "litellm"
 
 
 @pytest.fixture
@@ -128,7 +129,7 @@ CORE_MEMORY: dict[str, Any] = {"summaries": False, "overflow": "drop", "tool_out
                                "dedupe_min_tokens": 0, "recall_tokens": 0}
 
 
-def make_config(db: Path | StorageConfig, upstream_url: str, transport: str = "auto", **memory: Any) -> Config:
+def make_config(db: Path | StorageConfig, upstream_url: str, transport: str = "litellm", **memory: Any) -> Config:
     """`db`: a SQLite file, or any store (the `storage` fixture, to run on the test's store kind)."""
     return Config(
         server=ServerConfig(host="127.0.0.1", port=0),

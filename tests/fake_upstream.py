@@ -70,6 +70,8 @@ class FakeUpstream:
     _script: deque[Reply] = field(default_factory=deque)
     # Answers summariser requests when set (else they take the next scripted reply like any other).
     summarizer: Callable[[Received], Reply] | None = None
+    # Answers the other chat requests when set and nothing is scripted (else "reply N").
+    responder: Callable[[Received], Reply] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadedServer = field(default_factory=lambda: ThreadedServer("fake-upstream"))
     port: int = 0
@@ -110,6 +112,7 @@ class FakeUpstream:
             self.received.clear()
             self._script.clear()
             self.summarizer = None
+            self.responder = None
             self.refuse_reasoning = False
         while self.arrived.acquire(blocking=False):
             pass
@@ -143,7 +146,8 @@ class FakeUpstream:
             if received.is_summary and self.summarizer is not None:
                 reply = self.summarizer(received)
             else:
-                reply = self._script.popleft() if self._script else Reply(content=f"reply {number}")
+                reply = self._script.popleft() if self._script else (
+                    self.responder(received) if self.responder is not None else Reply(content=f"reply {number}"))
         self.arrived.release()
         refusal = _reasoning_model_refusal(body)
         if refusal is not None:

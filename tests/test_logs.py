@@ -173,8 +173,8 @@ def test_json_start_up_line_and_the_empty_key_warning(json_logs: tuple[list[dict
     [start] = [line for line in lines if line["message"] == "memproxy starting"]
     assert start["logger"] == "memproxy" and start["version"] == "0.1.0"
     assert start["models"] == [
-        {"name": "small", "provider": "openai", "window": 2000, "transport": "openai"},
-        {"name": "big", "provider": "openai", "window": 100000, "transport": "openai"},
+        {"name": "small", "provider": "openai", "window": 2000, "transport": "litellm"},
+        {"name": "big", "provider": "openai", "window": 100000, "transport": "litellm"},
     ]
     assert (start["store"], start["auth"], start["tenant_keys"], start["admin_keys"]) == ("sqlite", "keys", 1, 1)
     [warning] = [line for line in lines if line["level"] == "WARNING"]

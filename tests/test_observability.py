@@ -110,7 +110,7 @@ async def test_models_on_memproxys_own_client_are_named_as_unseen(
     """`openai/` models use memproxy's own client unless `transport: litellm`: the start-up warning
     names them, and their calls never reach the callback."""
     caplog.set_level(logging.WARNING, logger="memproxy")
-    config = observed(storage, upstream, "callback_recorder.RecordingLogger", transport="auto")
+    config = observed(storage, upstream, "callback_recorder.RecordingLogger", transport="openai")
     config = replace(config, models=(replace(config.models[0], transport="litellm"), config.models[1]))
     proxy: Proxy = await start_proxy(config)
     assert any("do not see models big" in r.getMessage() for r in caplog.records)

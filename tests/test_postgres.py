@@ -88,7 +88,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "active_range": ((1, 30, 50), "messages_active_seq"),
         "current_summary": ((1, 60), "summaries_session_pk_version_key"),
         "snapshot_summary": ((1, 60), "summaries_session_pk_version_key"),
-        "head": ((300, 300, 300, 300, 300, 1.0, 40, 1, "t", "s1", 300, 300, 300, 1.0, 40, 1, 40, "t", "s1",
+        "head": ((300, 300, 300, 300, 300, 1.0, 40, 1, 1.0, 30, 1, "t", "s1", 300, 300, 300, 1.0, 40, 1, 40, "t", "s1",
                   300, 300, 300, 1.0, 40, 1, 30, "t", "s1"), "messages_fit_compact"),
         "newest_chat_turn": (("t", "s1"), "turns_session"),
         "message_id": (("t", "s1", 40), "messages_active_seq"),

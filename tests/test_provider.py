@@ -106,10 +106,10 @@ def test_the_readme_provider_configs_start_offline() -> None:
     assert {name: provider.window(m) for name, m in by_name.items()} == {
         "claude": 200_000, "gemini": 200_000, "azure-gpt-4o": 128_000, "llama": 8192, "qwen": 32768}
     assert {name: transport(m) for name, m in by_name.items()} == {
-        "claude": "litellm", "gemini": "litellm", "azure-gpt-4o": "litellm", "llama": "litellm", "qwen": "openai"}
+        "claude": "litellm", "gemini": "litellm", "azure-gpt-4o": "litellm", "llama": "litellm", "qwen": "litellm"}
     for model in config.models:
         assert provider.counter(model).message(MESSAGE) > 0
     # Only Claude's API requires max_tokens; it is asked for the reserve when a request sets none.
     asked = {name: provider._kwargs(m, [MESSAGE], {}).get("max_tokens") for name, m in by_name.items()
              if transport(m) == "litellm"}
-    assert asked == {"claude": 4096, "gemini": None, "azure-gpt-4o": None, "llama": None}
+    assert asked == {"claude": 4096, "gemini": None, "azure-gpt-4o": None, "llama": None, "qwen": None}

@@ -199,14 +199,16 @@ TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"])
 @settings(max_examples=400, deadline=None)
 @given(texts=st.lists(st.tuples(TEXTS, st.sampled_from(["user", "assistant", "tool"]), st.integers(0, 3)),
                       min_size=1, max_size=8),
-       encoding=st.sampled_from(["o200k_base", "cl100k_base"]), other=st.booleans())
+       encoding=st.sampled_from(["o200k_base", "cl100k_base"]), other=st.booleans(),
+       first=st.integers(0, 10**7), start=st.floats(0, 4e9), step=st.floats(0, 1e7))
 def test_the_block_counts_exactly_as_the_sum_of_its_stored_lines(
-    texts: list[tuple[str, str, int]], encoding: str, other: bool,
+    texts: list[tuple[str, str, int]], encoding: str, other: bool, first: int, start: float, step: float,
 ) -> None:
     """Any text, as stored lines: the sum of the parts' counts is the block's count, in both of
-    tiktoken's chat encodings, runs, gaps and another session's lines included."""
+    tiktoken's chat encodings, runs, gaps and another session's lines included, at any position
+    and time (a label is counted without its time, and the time apart)."""
     counter = TiktokenCounter(encoding)
-    seq = 0
+    seq = first
     messages = []
     for i, (text, role, gap) in enumerate(texts):
         seq += gap
@@ -214,7 +216,7 @@ def test_the_block_counts_exactly_as_the_sum_of_its_stored_lines(
         body = {"role": role, "content": text}
         messages.append(RecalledMessage(sid, seq, role, True, line_text(body),
                                         counter.text(f" {line_text(body)}\n") if i % 2 else None,
-                                        counter.message(body), 1_700_000_000.0 + 3600 * i))
+                                        counter.message(body), start + step * i))
         seq += 1
     block = recall.render(messages, {}, [], SESSION, counter)
     assert block.tokens == counter.message(block.message)

@@ -187,6 +187,14 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
                 assert await cached.recall_messages(session, [span], before) == want_lines
                 # From the index that call checked, as a turn reads them, without asking again.
                 assert await cached.recall_messages(session, [span], before, None, found) == want_lines
+            # And from the index as a turn's load checked it, with the messages that load read.
+            loaded = await cached.load(tenant, sid, 1_000_000)
+            assert loaded is not None and loaded.session == session
+            from_load = await cached.recall_postings(loaded.session, words, before, None, loaded.recall)
+            assert from_load == want
+            for span in spans:
+                assert await cached.recall_messages(session, [span], before, None, from_load) == \
+                    await uncached.recall_messages(session, [span], before)
 
     def unit(with_tool: bool) -> list[Message]:
         if not with_tool:
@@ -204,6 +212,16 @@ async def test_the_index_in_memory_answers_as_the_stores_index_does(
     finally:
         await cached.close()
         await uncached.close()
+
+
+async def test_a_number_is_its_own_stem(store: Store) -> None:
+    """The store stems numbers without asking its stemmer (`SQLRecall._stems`): both stemmers
+    leave them as they are, and so finding them in the index does not depend on who stemmed."""
+    numbers = ["0", "7", "123", "0042", "2026", "31415926535"]
+    assert await store._db.stems(numbers) == [(n,) for n in numbers]  # type: ignore[attr-defined]
+    session = await say(store, "s", [user("room 0042 on floor 7"), assistant("ok")])
+    found = await store.recall_postings(session, ["0042", "7", "floor"], 2)
+    assert found.words == [{"s": [0]}, {"s": [0]}, {"s": [0]}]
 
 
 def test_the_stemmer_probe_uses_the_indexs_tokenizer() -> None:
@@ -247,6 +265,50 @@ async def test_postings_say_where_each_word_is_and_whole_units_are_read(store: S
     session = await say_record(store, dataclasses.replace(record, messages=[counted]))
     [line] = await store.recall_messages(session, [("s", 10, 10)], 11)
     assert line.tokens == counted.recall_tokens == COUNTER.text(recall_line(user("a counted line")))
+
+
+async def test_a_turns_load_checks_the_index_its_recall_reads(store: Store) -> None:
+    """Once a session's index is in memory, the next turn's load checks it and reads the messages
+    it lacks in its own statement: recall then reads no more (the postings come from that index,
+    brought up to the head), and finds what was said since. After an edit the check fails and the
+    index is read afresh: the superseded message is never found."""
+    session = await say(store, "s", [user("the harbour map"), assistant("ok")])
+    first = await store.recall_postings(session, ["harbour"], 2)
+    assert first.words == [{"s": [0]}]
+    session = await say(store, "s", [user("a lighthouse keeper"), assistant("noted")])
+    loaded = await store.load("t", "s", 1_000_000)
+    assert loaded is not None and loaded.recall is not None
+    found = await store.recall_postings(loaded.session, ["harbour", "lighthouse"], 4, None, loaded.recall)
+    assert found == Postings({"s": 4}, [{"s": [0]}, {"s": [2]}])
+    assert found.source is not None and getattr(found.source, "entry") is getattr(loaded.recall, "entry")
+    assert seqs(await store.recall_messages(loaded.session, [("s", 2, 2)], 4, None, found)) == [2]
+    # An edit of the lighthouse turn: the index's newest message is superseded, the check fails.
+    session = await say(store, "s", [user("a bell tower"), assistant("noted")], base=2)
+    loaded = await store.load("t", "s", 1_000_000)
+    assert loaded is not None and loaded.recall is None
+    found = await store.recall_postings(loaded.session, ["lighthouse", "bell"], 4, None, loaded.recall)
+    assert found.words == [{}, {"s": [2]}]
+
+
+async def test_a_session_too_big_for_the_index_in_memory_is_read_from_the_stores(backend: StoreUnderTest) -> None:
+    """A session whose index could not be kept within `storage.recall_cache_mb` is never built in
+    memory (building it every turn cost 5 s a turn on 10,000 messages of 400 words): recall asks
+    the store's own index for it, and finds what it would have found. A small one is kept."""
+    store = await open_store(dataclasses.replace(backend.storage, recall_cache_mb=1))
+    try:
+        # 2 x 100,000 tokens: at least 3 MiB in memory, over the 1 MiB allowed.
+        big = await say_record(store, turn(None, [user("the harbour map"), assistant("a lighthouse")],
+                                           tokens=100_000, session_id="big"))
+        found = await store.recall_postings(big, ["harbour", "lighthouse"], 2)
+        assert found.words == [{"big": [0]}, {"big": [1]}] and found.source is None
+        assert seqs(await store.recall_messages(big, [("big", 1, 1)], 2, None, found)) == [1]
+        assert len(store._recall_index) == 0  # type: ignore[attr-defined]
+        small = await say(store, "small", [user("the harbour map"), assistant("a lighthouse")])
+        found = await store.recall_postings(small, ["harbour"], 2)
+        assert found.words == [{"small": [0]}] and found.source is not None
+        assert len(store._recall_index) == 1  # type: ignore[attr-defined]
+    finally:
+        await store.close()
 
 
 async def say_record(store: Store, record: TurnRecord) -> SessionState:

@@ -153,7 +153,7 @@ async def test_the_summariser_model_is_configurable(
         assert request_tokens(COUNTER, request.messages, []) + request.body["max_tokens"] <= window
 
 
-@pytest.mark.parametrize("transport", ["auto", "litellm"])
+@pytest.mark.parametrize("transport", ["openai", "litellm"])
 async def test_a_reasoning_summariser_gets_parameters_it_accepts(
     start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, transport: str
 ) -> None:

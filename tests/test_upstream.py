@@ -21,7 +21,7 @@ from conftest import PROXY_KEY, Proxy, replace_model
 from test_errors import closed_port
 from db import rows
 from memproxy.config import Config, ModelConfig
-from memproxy.provider import transport
+from memproxy.provider import transport as route_of
 
 USER: Any = {"role": "user", "content": "hi"}
 
@@ -49,6 +49,12 @@ class RawProvider:
             await response.write(piece)
         await response.write_eof()
         return response
+
+
+@pytest.fixture
+def transport() -> str:
+    """Every test here is of memproxy's own client."""
+    return "openai"
 
 
 @pytest.fixture
@@ -209,4 +215,9 @@ async def test_proxy_environment_is_honoured(
 def test_transport_auto_is_the_own_client_for_openai_models_only(
     model: str, configured: str, chosen: str
 ) -> None:
-    assert transport(replace(ModelConfig(name="m", model=model), transport=configured)) == chosen
+    assert route_of(replace(ModelConfig(name="m", model=model), transport=configured)) == chosen
+
+
+def test_litellm_is_the_default_transport_for_every_model() -> None:
+    for model in ("openai/gpt-4o", "gpt-4o", "anthropic/claude-sonnet-4-5", "hosted_vllm/m"):
+        assert route_of(ModelConfig(name="m", model=model)) == "litellm"

@@ -166,8 +166,9 @@ async def prepare_turn(
     if session is not None and context.omitted and memory.recall_room(window) > 0:
         lap("budget")
         scope = end_user if memory.recall_scope == "user" else None
+        checked = loaded.recall if loaded is not None and session is loaded.session else None
         context = await _recall(store, session, fixed, memory.recall_room(window), memory.recall_context, scope,
-                                counter, context, build)
+                                counter, context, build, checked)
         lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
@@ -189,15 +190,17 @@ async def opening_turns(store: TurnStore, session: SessionState, base: int, turn
 async def _recall(
     store: TurnStore, session: SessionState, fixed: Fixed, room: int, around: int, end_user: str | None,
     counter: TokenCounter, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
+    checked: object = None,
 ) -> Context:
     """The fit with recall (`memory.recall`): room held back from older kept turns, the store's best
-    matches for the question in it, and whatever room they leave unused given back to those turns."""
+    matches for the question in it, and whatever room they leave unused given back to those turns.
+    `checked`: what the turn's load noted for recall (`Loaded.recall`)."""
     held = await build(session, room)
     query = recall.question(fixed.new, context.messages)
     words = query.words
     if held.recall_room <= 0 or not words:
         return context
-    postings = await store.recall_postings(session, words, held.first_sent, end_user)
+    postings = await store.recall_postings(session, words, held.first_sent, end_user, checked)
     limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
     ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end,
                          weights=query.weights)

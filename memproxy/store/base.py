@@ -159,6 +159,10 @@ class Loaded:
     summary: Summary | None  # the session's newest summary, if it is in use
     summary_totals: Totals | None
     summary_known: bool = True  # False: the newest summary is not in use, and an older one may be
+    # The store's own note for recall (its in-memory index of the session, checked by this very
+    # read, with the messages it lacks), for `TurnStore.recall_postings` of the same turn to use
+    # without a statement of its own (None: nothing to note).
+    recall: object = field(default=None, compare=False, repr=False)
 
     def snapshot(self, base: int, whole_last_unit: bool, room: int) -> Snapshot | None:
         """What `TurnStore.snapshot` would give (it may hold more messages, never fewer), or None
@@ -455,14 +459,15 @@ class TurnStore(Protocol):
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
-                              end_user: str | None = None) -> Postings:
+                              end_user: str | None = None, checked: object = None) -> Postings:
         """Where each of `words` (`memproxy.searchtext.query_words`) occurs, as the full-text index
         stems it: among the session's active messages before position `before`, and, with
         `end_user`, every active message of the tenant's other sessions made for that end user
         (the newest 50). Superseded and deleted messages are never found. One statement, bounded:
         a word found at more than `COMMON_WORD_POSITIONS` positions in all is too common to tell
         messages apart, and is returned as found nowhere (SQLite reads no further than one past it;
-        a PostgreSQL GIN bitmap is built whole)."""
+        a PostgreSQL GIN bitmap is built whole). `checked`: `Loaded.recall` of this turn's
+        `load`, which spares the statement where it holds the index it checked."""
         ...
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,

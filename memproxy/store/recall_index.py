@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from .base import RecalledMessage
 
@@ -79,3 +80,14 @@ class SessionIndex:
         """The message at position `seq`, if indexed."""
         i = seq - self.first
         return self.lines[i] if 0 <= i < len(self.lines) else None
+
+
+class Checked(NamedTuple):
+    """A session's index as `TurnStore.load` checked it in its own statement (`Loaded.recall`):
+    still the session's, its first active position, and the active messages after the index's
+    newest that the load read, as `SQLRecall` indexes them (position, row id, role, unit start,
+    line, line tokens, compact tokens, creation time, search text), ascending."""
+
+    entry: SessionIndex
+    low: int
+    rows: list[tuple[Any, ...]]

@@ -32,3 +32,4 @@ class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
         self._history = SessionCache(history_cache_bytes)
         self._recall_index = SessionCache(recall_cache_bytes)
         self._stem_cache = {}
+        self._too_big = {}

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
-from ..recall_index import SessionIndex
+from ..recall_index import MESSAGE_OVERHEAD, Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import recall_text, search_text, text_out
 from .common import SQLBase
@@ -31,6 +31,8 @@ _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
 _STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`), a few MiB
+_LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, a token of its messages
+_TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
 # one statement. Row 0: the session's first active position, whether the index still holds (the
 # same session, by its creation time, with the newest indexed message, by position and row id,
@@ -67,10 +69,21 @@ class SQLRecall(SQLBase):
 
     _recall_index: SessionCache[SessionIndex]  # `SQLStore` sets them
     _stem_cache: dict[str, tuple[str, ...]]
+    # Sessions whose index was found larger than the whole cache (by creation time, and the length
+    # it had then): recall asks the store's own index for them instead of building theirs again
+    # every turn (a 10,000-message session of 400-word messages: 5 s a turn), until they shrink.
+    _too_big: dict[tuple[str, str], tuple[float, int]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
-                              end_user: str | None = None) -> Postings:
-        indexed = await self._indexed(session, before) if end_user is None and words else None
+                              end_user: str | None = None, checked: object = None) -> Postings:
+        indexed = None
+        if end_user is None and words:
+            if isinstance(checked, Checked):
+                # The question's words and those of the messages the index lacks, stemmed at once.
+                await self._stems([*words, *(w for row in checked.rows for w in _words(row[8]))])
+                indexed = await self._from_checked(session, checked, before)
+            if indexed is None:
+                indexed = await self._indexed(session, before)
         if indexed is not None:
             stems = await self._stems(words)
             held: list[dict[str, list[int]]] = []
@@ -163,35 +176,89 @@ class SQLRecall(SQLBase):
             return None
         key = (session.tenant, session.session_id)
         index = self._recall_index.get(key)
+        if index is None:
+            # Not built where it would not be kept: what it costs at least, by the session's tokens
+            # (measured: 24 bytes a token on 400-word messages, 50 on LoCoMo's short turns).
+            if session.length * MESSAGE_OVERHEAD + session.head_compact_cum * _LEAST_BYTES_PER_TOKEN \
+                    > self._recall_index.budget:
+                return None
+            too_big = self._too_big.get(key)
+            if too_big is not None:
+                if too_big[0] == session.created_at and session.length >= too_big[1]:
+                    return None
+                del self._too_big[key]  # another session under the id, or cleared: it may fit now
         held = (index.created, index.end - 1, index.ids[-1]) if index else (-1.0, -1, -1)
         end = index.end if index else 0
-        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end, before))
+        # Up to the head, not just `before`: the turns after this one find the index current
+        # with what their load read (`Checked`).
+        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end,
+                                               max(before, session.length)))
         if not rows or rows[0][0] != 0:
             self._recall_index.discard(key)
             return None
         _, low, holds, _, next_start, _, _, _, created, _ = rows[0]
-        new = rows[1:]
+        new = [row[1:] for row in rows[1:]]
         if not holds or index is None:
-            index = SessionIndex(float(created), int(new[0][1]) if new else 0)
-        if new:
-            if int(new[0][1]) != index.end or int(new[-1][1]) != index.end + len(new) - 1:
-                self._recall_index.discard(key)  # not the contiguous positions the index needs
-                return None
-            terms = [_words(row[9]) for row in new]
-            stems = await self._stems(sorted({w for ws in terms for w in ws}))
-            for row, words in zip(new, terms):
-                line = RecalledMessage(session.session_id, int(row[1]), str(row[3]), bool(row[4]),
-                                       text_out(row[5]) or "", None if row[6] is None else int(row[6]),
-                                       int(row[7]), float(row[8]))
-                index.add(int(row[2]), line, [stem for w in words for stem in stems[w]])
-            self._recall_index.put(key, index, index.cost)
+            index = SessionIndex(float(created), int(new[0][0]) if new else 0)
+        if not await self._extend(session, index, new):
+            return None
+        if index.cost > self._recall_index.budget:
+            if len(self._too_big) >= _TOO_BIG_KEPT:
+                self._too_big.clear()
+            self._too_big[key] = (index.created, session.length)
         return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
                         None if next_start is None else bool(next_start))
 
+    async def _from_checked(self, session: SessionState, checked: Checked, before: int) -> _Indexed | None:
+        """The session's index as this turn's `load` checked it, brought up to the head with the
+        messages that read (None: it cannot serve `before`, and `_indexed` must)."""
+        index = checked.entry
+        if index.created != session.created_at:
+            return None
+        new = [row for row in checked.rows if row[0] >= index.end]  # a turn beside this one may have added some
+        if new and new[0][0] != index.end:  # the load read from later on: the index's own read fills the gap
+            return None
+        if not await self._extend(session, index, new) or index.end < before:
+            return None
+        line = index.line(before)
+        return _Indexed(index, max(checked.low, index.first), max(before, 0),
+                        None if line is None else line.unit_start)
+
+    async def _extend(self, session: SessionState, index: SessionIndex, new: Sequence[Row]) -> bool:
+        """`new` added to the session's index and the index cached; rows as `_INDEX_READ` reads them,
+        less their part (False: not the contiguous positions after the index's newest, and the
+        index is dropped)."""
+        key = (session.tenant, session.session_id)
+        if not new:
+            return True
+        if int(new[0][0]) != index.end or int(new[-1][0]) != index.end + len(new) - 1:
+            self._recall_index.discard(key)
+            return False
+        terms = [_words(row[8]) for row in new]
+        stems = await self._stems(sorted({w for ws in terms for w in ws}))
+        for row, words in zip(new, terms):
+            if int(row[0]) != index.end:  # a turn beside this one added it while the stems were read
+                continue
+            line = RecalledMessage(session.session_id, int(row[0]), str(row[2]), bool(row[3]),
+                                   text_out(row[4]) or "", None if row[5] is None else int(row[5]),
+                                   int(row[6]), float(row[7]))
+            index.add(int(row[1]), line, [stem for w in words for stem in stems[w]])
+        self._recall_index.put(key, index, index.cost)
+        return True
+
     async def _stems(self, words: Sequence[str]) -> dict[str, tuple[str, ...]]:
-        """`words` as the store's index stems them (`Backend.stems`), those asked before from memory."""
+        """`words` as the store's index stems them (`Backend.stems`), those asked before from memory.
+        A number is its own stem in both stores' stemmers (tests/test_recall_store.py checks it):
+        a turn's new messages and question bring new numbers every turn, and asking costs a
+        statement (SQLite's probe: 0.1 ms however few the words)."""
         cache = self._stem_cache
         missing = [w for w in dict.fromkeys(words) if w not in cache]
+        numbers = [w for w in missing if w.isascii() and w.isdigit()]
+        if numbers:
+            if len(cache) + len(numbers) > _STEMS_KEPT:
+                cache.clear()
+            cache.update((w, (w,)) for w in numbers)
+            missing = [w for w in missing if w not in cache]
         if missing:
             if len(cache) + len(missing) > _STEMS_KEPT:
                 cache.clear()
@@ -247,24 +314,32 @@ def _lines(indexed: _Indexed, spans: Sequence[tuple[int, int]]) -> list[Recalled
     """`TurnStore.recall_messages` for one session, from its index: each span's messages, grown to
     whole units where it starts inside one or its last unit goes on past it, before `before`."""
     index, low, before = indexed.entry, indexed.low, indexed.before
+    lines, offset = index.lines, index.first
 
     def starts(seq: int) -> bool | None:
         if seq == before:
             return indexed.next_starts_unit
-        line = index.line(seq) if low <= seq < before else None
-        return None if line is None else line.unit_start
+        return lines[seq - offset].unit_start if low <= seq < before and seq - offset < len(lines) else None
 
-    keep: set[int] = set()
+    runs: list[tuple[int, int]] = []
     for first, last in spans:
-        after = starts(last + 1)
         lo, hi = first, last + 1
-        if not (starts(first) and after is not False):
+        if not (starts(first) and starts(hi) is not False):
             while lo > low and not starts(lo):
                 lo -= 1
             while hi < before and not starts(hi):
                 hi += 1
-        keep.update(range(max(lo, low), min(hi, before)))
-    return [line for seq in sorted(keep) if (line := index.line(seq)) is not None]
+        lo, hi = max(lo, low), min(hi, before, offset + len(lines))
+        if lo < hi:
+            runs.append((lo, hi))
+    runs.sort()
+    out: list[RecalledMessage] = []
+    end = -1  # the position after the last one taken
+    for lo, hi in runs:
+        if hi > end:
+            out += lines[max(lo, end) - offset : hi - offset]
+            end = hi
+    return out
 
 
 def _starts_unit(row: Row | None) -> bool:

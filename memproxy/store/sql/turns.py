@@ -21,6 +21,7 @@ from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage
                     Totals, TurnRecord, mandatory_start)
 from ..errors import StoreConflict
 from ..history_cache import Cached, message_cost
+from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CHUNK, SQLBase
@@ -50,6 +51,7 @@ _HEAD_MARKS = _marks("s.pk", "s.length", "s.head_cum - ?", "s.head_compact_cum -
 _MESSAGE_FIELDS = 9  # the columns of `active_range`, which `_stored` reads
 _SESSION_FIELDS = 12  # the columns of `get_session`, which `_session` reads
 _SUMMARY_FIELDS = 10  # `to_summary`'s columns, then the running totals where the summary ends
+_RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it reads of a message
 
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
@@ -94,13 +96,15 @@ QUERIES = {
     # its creation time) with the newest cached message, by position and row id, still active.
     # 1: the messages any room up to `?` could send, in order (from the earliest of the last unit
     # start and the first unit starts whose tails fit; all of them when the whole history fits),
-    # less those the cache holds when it holds.
+    # less those the cache holds when it holds. Last in every row (`_RECALL_FIELDS`): whether the
+    # session's recall index (`memproxy.store.recall_index`) still holds, by the same check as
+    # the cache's, in row 0; what the index reads of a message, in the others.
     "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
     " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
     " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), {start},"
-    " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {cached} THEN 1 ELSE 0 END"
-    " FROM sessions s"
+    " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {cached} THEN 1 ELSE 0 END,"
+    " CASE WHEN {cached} THEN 1 ELSE 0 END, NULL, NULL, NULL, NULL, NULL FROM sessions s"
     " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
     " LEFT JOIN summaries su ON su.session_pk = s.pk AND su.version = s.summary_version"
     " LEFT JOIN messages sm ON sm.session_pk = su.session_pk AND sm.active = 1 AND sm.seq = su.covers - 1"
@@ -120,7 +124,8 @@ QUERIES = {
 _NULLS = ", ".join(["NULL"] * (_SESSION_FIELDS + len(_HEAD_MARKS) + _SUMMARY_FIELDS + 3))
 QUERIES["head"] = QUERIES["head"].format(
     messages="SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
-    f" m.compact_tokens, m.compact_cum_before, m.id, {_NULLS} FROM sessions s JOIN messages m ON m.session_pk = s.pk"
+    f" m.compact_tokens, m.compact_cum_before, m.id, {_NULLS}, NULL, m.role, m.recall_text, m.recall_tokens,"
+    " m.search_text, m.created_at FROM sessions s JOIN messages m ON m.session_pk = s.pk"
     " AND m.active = 1",
     all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * (_MESSAGE_FIELDS + 1)),
     start=f"CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES (coalesce({_HEAD_MARKS[0]},"
@@ -132,7 +137,8 @@ QUERIES["head"] = QUERIES["head"].format(
 class SQLTurns(SQLBase):
     """The `TurnStore` methods."""
 
-    _history: SessionCache[Cached]  # `SQLStore` sets it
+    _history: SessionCache[Cached]  # `SQLStore` sets them
+    _recall_index: SessionCache[SessionIndex]
 
     async def get_session(self, tenant: str, session_id: str) -> SessionState | None:
         row = await self._one(QUERIES["get_session"], (tenant, session_id))
@@ -144,7 +150,9 @@ class SQLTurns(SQLBase):
         first, last, last_id, created = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id,
                                          cached.session_created) if cached else (-1, -1, -1, -1.0)
         held = (created, last, last_id)
-        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, *held, *key,
+        index = self._recall_index.get(key)
+        indexed = (index.created, index.end - 1, index.ids[-1]) if index and index.ids else (-1.0, -1, -1)
+        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, *held, *indexed, *key,
                                                    room, room, room, *held, last, *key,
                                                    room, room, room, *held, first, *key))
         if not rows:
@@ -152,8 +160,11 @@ class SQLTurns(SQLBase):
             return None
         # The first row: its part (0), the message columns and id (null), then the session's own
         # columns, its four marks, its newest summary (`to_summary`'s columns, then two totals),
-        # where the messages to read start, its first active position, and whether the cache holds.
-        head = rows[0][2 + _MESSAGE_FIELDS:]
+        # where the messages to read start, its first active position, whether the cache holds,
+        # and whether the recall index does.
+        head = rows[0][2 + _MESSAGE_FIELDS : -_RECALL_FIELDS + 1]
+        index_holds = bool(head[-1])
+        head = head[:-1]
         session = _session(head)
         last_unit, last_user = (None if v is None else int(v) for v in head[_SESSION_FIELDS:_SESSION_FIELDS + 2])
         summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):-3]
@@ -163,11 +174,18 @@ class SQLTurns(SQLBase):
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
         in_use = summary[0] is not None and summary[8] is not None and summary[2] <= session.length
+        recall = None
+        if index is not None and index_holds:
+            # The messages after the index's newest, as it reads them (`Checked`): its next turn's
+            # recall indexes them without a statement of its own.
+            recall = Checked(index, int(first_active or 0), [
+                (r[1], r[1 + _MESSAGE_FIELDS], r[-5], r[5], r[-4], r[-3],
+                 r[3] if r[8] is None else r[8], r[-1], r[-2]) for r in rows[1:] if r[1] >= index.end])
         return Loaded(session=session, room=room, last_unit=last_unit, last_user=last_user,
                       start=stored[0].seq if stored else session.length, messages=stored,
                       summary=to_summary(summary) if in_use else None,
                       summary_totals=Totals(int(summary[8]), int(summary[9])) if in_use else None,
-                      summary_known=session.summary_version == 0 or in_use)
+                      summary_known=session.summary_version == 0 or in_use, recall=recall)
 
     def _with_cached(self, key: tuple[str, str], created: float, cached: Cached | None, start: int,
                      rows: list[Row]) -> list[StoredMessage]:
