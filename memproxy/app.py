@@ -24,6 +24,7 @@ from .memory.summaries import Summarizer
 from .metrics import Metrics
 from .observe import log as request_log, notes, observe
 from .provider import Provider
+from .responses import add_routes as add_responses_routes
 from .routes import healthz, metrics, model, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
@@ -53,6 +54,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
     add_endpoint_routes(app)
+    add_responses_routes(app)
     add_session_routes(app)
     add_inspector_routes(app)
     return app

@@ -16,6 +16,9 @@ stored (`X-Memproxy-Stored`); a stream, whose headers left before, ends with an 
 `[DONE]`. Once a stream's headers are out, whatever goes wrong ends it with exactly one OpenAI-shaped
 error event: an exception never reaches the error middleware, which would write a second response
 into the body.
+
+The turn itself (`serve_turn`) is shared with the Responses API (`memproxy.responses`): only the
+wire differs, the upstream call and what the client sees of it (`Wire`; chat's is `ChatWire`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -57,6 +60,9 @@ from .streaming import StreamAssembler, hiding_usage
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
+if TYPE_CHECKING:
+    from .provider import Provider
+
 log = logging.getLogger("memproxy.chat")
 
 HISTORY_HEADER = "X-Memproxy-History"
@@ -64,6 +70,87 @@ STORED_HEADER = "X-Memproxy-Stored"  # a plain response on a session: whether it
 RECALLED_HEADER = "X-Memproxy-Recalled"  # stored messages recalled into the request
 MEMORY_HEADER = "X-Memproxy-Memory"  # "unavailable": forwarded without memory (`storage.on_failure`)
 _NOT_PARAMS = frozenset({"model", "messages"})
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A plain (not streamed) upstream answer: the assistant message and usage a turn records, and
+    the body the client gets."""
+
+    reply: Message
+    usage: dict[str, Any] | None
+    body: dict[str, Any]
+
+
+class Wire(Protocol):
+    """How one turn's answer travels: the upstream call, and what the client sees of it. Chat's is
+    `ChatWire`; the Responses API has its own (`memproxy.responses`). The handler around it (the
+    session, the plan, the record, headers, errors) is the same for both."""
+
+    async def answer(self, provider: Provider, exchange: Exchange) -> Answer: ...
+
+    async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:
+        """The upstream stream; its first chunk is awaited, so early errors raise before any header."""
+        ...
+
+    def relay(self, chunk: dict[str, Any]) -> bytes:
+        """What the client sees of one upstream chunk (b"": nothing)."""
+        ...
+
+    def reply(self) -> tuple[Message, dict[str, Any] | None] | None:
+        """Once the stream ended: the assistant message and usage to record; None if it was cut."""
+        ...
+
+    def attach(self, record: TurnRecord) -> TurnRecord:
+        """The turn as the store writes it, with whatever this wire keeps beside it."""
+        ...
+
+    def done(self) -> bytes:
+        """The end of a stream whose answer is complete and recorded."""
+        ...
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """The one event that ends a stream with an error (`body`: an OpenAI error body)."""
+        ...
+
+
+class ChatWire:
+    """Chat completions: the provider's answer relayed as it came. A recorded turn's usage is asked
+    for even where the client did not ask; the client's stream is then relayed as it would have
+    been without it (no usage field, no usage chunk)."""
+
+    def __init__(self) -> None:
+        self._assembler = StreamAssembler()
+        self._hide_usage = False
+
+    async def answer(self, provider: Provider, exchange: Exchange) -> Answer:
+        result = await provider.complete(exchange.model, exchange.messages, exchange.params)
+        choices = result.get("choices") or [{}]
+        return Answer(choices[0].get("message") or {}, result.get("usage"), result)
+
+    async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:
+        asking = _with_usage(exchange.params) if exchange.turn is not None else None
+        self._hide_usage = asking is not None
+        return await provider.stream(exchange.model, exchange.messages, asking or exchange.params)
+
+    def relay(self, chunk: dict[str, Any]) -> bytes:
+        self._assembler.add(chunk)
+        shown = hiding_usage(chunk) if self._hide_usage else chunk
+        return b"" if shown is None else b"data: " + dumps(shown) + b"\n\n"
+
+    def reply(self) -> tuple[Message, dict[str, Any] | None] | None:
+        if not self._assembler.complete:
+            return None
+        return self._assembler.message(), self._assembler.usage
+
+    def attach(self, record: TurnRecord) -> TurnRecord:
+        return record
+
+    def done(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        return b"data: " + dumps(body) + b"\n\n"
 
 
 @dataclass
@@ -77,6 +164,7 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     turn: PreparedTurn | None = None
     record: TurnRecord | None = None  # the turn, once it is recorded
+    wire: Wire = field(default_factory=ChatWire)
 
     @property
     def recorded(self) -> bool:
@@ -99,16 +187,37 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     timings.lap("parse")
     noted = notes(request)  # the request's log line and metrics (`memproxy.observe`)
     noted.model, noted.stream, noted.timings = exchange.model.name, exchange.stream, timings
+    tenant = caller_tenant(request)
+    return await serve_turn(request, exchange, tenant, session_id_header(request))
+
+
+def caller_tenant(request: web.Request) -> str:
     tenant = request[CALLER].tenant
     if tenant is None:
         raise Forbidden("An admin key manages sessions; chat with a tenant's key.")
-    session_id = _session_id(request)
+    return tenant
+
+
+# What a turn reads inside its session's lock, where the messages to reconcile depend on the
+# session as it is then (the Responses API's `previous_response_id`): the messages and how to read them.
+Planning = Callable[[], Awaitable[tuple[list[Message], HistoryMode]]]
+
+
+async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, session_id: str | None,
+                     planning: Planning | None = None) -> web.StreamResponse:
+    """A parsed exchange's turn: without a session forwarded untouched, else planned, forwarded and
+    recorded under the session's lock. `planning`: the messages and history mode, decided once the
+    lock is held (default: the exchange's messages, read as `X-Memproxy-History` says)."""
+    config = request.app[CONFIG]
     if session_id is None:
         return await _forward(request, exchange)
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
         try:
-            await _prepare(request, exchange, tenant, session_id)
+            mode = None
+            if planning is not None:
+                exchange.messages, mode = await planning()
+            await _prepare(request, exchange, tenant, session_id, mode)
         except StoreUnavailable as exc:
             if config.storage.on_failure != "passthrough":
                 raise  # a 503, before anything is paid for upstream
@@ -134,7 +243,7 @@ def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
     return Exchange(model=model, messages=messages, params=params, timings=timings)
 
 
-def _session_id(request: web.Request) -> str | None:
+def session_id_header(request: web.Request) -> str | None:
     value = request.headers.get(SESSION_HEADER)
     if value is None:
         return None
@@ -153,10 +262,11 @@ def _history_mode(request: web.Request) -> HistoryMode:
     raise BadRequest(f"{HISTORY_HEADER} must be one of {', '.join(HISTORY_MODES)}", param=HISTORY_HEADER)
 
 
-async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str) -> None:
+async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str,
+                   mode: HistoryMode | None = None) -> None:
     app = request.app
     config, provider = app[CONFIG], app[PROVIDER]
-    mode = _history_mode(request)
+    mode = mode or _history_mode(request)
     turn = await prepare_turn(
         app[STORE], app[SUMMARIZER], exchange.model, provider.counter(exchange.model),
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
@@ -193,12 +303,11 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         return await _forward_stream(request, exchange)
     provider = request.app[PROVIDER]
     upstream_started = time.perf_counter()
-    result = await provider.complete(exchange.model, exchange.messages, exchange.params)
+    answer = await exchange.wire.answer(provider, exchange)
     upstream_ms = exchange.timings.upstream_ended(upstream_started)
     if exchange.turn is not None:
-        choices = result.get("choices") or [{}]
         try:
-            await _record(request, exchange, choices[0].get("message") or {}, result.get("usage"), upstream_ms)
+            await _record(request, exchange, answer.reply, answer.usage, upstream_ms)
         except (ProxyError, StoreConflict):
             raise  # a refusal (the session moved meanwhile: 409), not a failure
         except Exception as exc:
@@ -208,7 +317,7 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
                 request.app[METRICS].store_error("record")
         exchange.headers[STORED_HEADER] = "true" if exchange.recorded else "false"
     exchange.headers["Server-Timing"] = exchange.timings.header()
-    response = web.Response(body=dumps(result), headers=exchange.headers, content_type="application/json",
+    response = web.Response(body=dumps(answer.body), headers=exchange.headers, content_type="application/json",
                             charset="utf-8")
     try:
         await response.prepare(request)
@@ -229,11 +338,8 @@ def _with_usage(params: dict[str, Any]) -> dict[str, Any] | None:
 
 async def _forward_stream(request: web.Request, exchange: Exchange) -> web.StreamResponse:
     provider = request.app[PROVIDER]
-    # A recorded turn's usage is asked for even where the client did not ask; the client's stream
-    # is then relayed as it would have been without it (`_relay`: no usage field, no usage chunk).
-    asking = _with_usage(exchange.params) if exchange.turn is not None else None
     upstream_started = time.perf_counter()
-    chunks = await provider.stream(exchange.model, exchange.messages, asking or exchange.params)
+    chunks = await exchange.wire.open(provider, exchange)
     exchange.timings.upstream_ended(upstream_started)
     # The headers leave now, before the answer is complete and recorded: the whole split, `record`
     # included, is in the request's log line.
@@ -244,28 +350,27 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
         "Cache-Control": "no-cache",
     })
     await response.prepare(request)
-    assembler = StreamAssembler()
     try:
-        upstream_ms = await _relay(chunks, response, assembler, exchange.timings, upstream_started,
-                                   hide_usage=asking is not None)
-        if not assembler.complete:
+        upstream_ms = await _relay(chunks, response, exchange.wire, exchange.timings, upstream_started)
+        reply = exchange.wire.reply()
+        if reply is None:
             raise ProxyError("the upstream stream ended before the answer was complete",
                              status=502, code="upstream_incomplete")
         if exchange.turn is not None:
-            await _record(request, exchange, assembler.message(), assembler.usage, upstream_ms)
-        await response.write(b"data: [DONE]\n\n")
+            await _record(request, exchange, *reply, upstream_ms)
+        await response.write(exchange.wire.done())
     except ConnectionError:
         notes(request).status = CLIENT_GONE  # the client went away before the answer was complete
         return response
     except Exception as exc:  # anything at all: the headers are out, so it can only end the stream
-        await _end_stream(request, response, exc)
+        await _end_stream(request, response, exc, exchange.wire)
         return response
     await _write_quietly_eof(response)
     _after_response(request, exchange)
     return response
 
 
-async def _end_stream(request: web.Request, response: web.StreamResponse, exc: Exception) -> None:
+async def _end_stream(request: web.Request, response: web.StreamResponse, exc: Exception, wire: Wire) -> None:
     """End a stream whose headers are out with one error event, and no `[DONE]`: the client's SDK
     raises it, and what came before it is not a finished answer. A `ProxyError` says what it is; a
     store failure says the answer was not stored; anything else is an internal error, whose text
@@ -285,7 +390,7 @@ async def _end_stream(request: web.Request, response: web.StreamResponse, exc: E
         _log_failure("a stream after its headers", exc)
         status, body = 500, error_body("internal error", "server_error", "internal_error")
     noted.status, noted.error = status, body["error"]["code"] or body["error"]["type"]
-    await _write_quietly(response, b"data: " + dumps(body) + b"\n\n")
+    await _write_quietly(response, wire.error(body))
 
 
 def _log_failure(where: str, exc: BaseException) -> None:
@@ -297,17 +402,15 @@ def _log_failure(where: str, exc: BaseException) -> None:
 
 
 async def _relay(chunks: AsyncGenerator[dict[str, Any], None], response: web.StreamResponse,
-                 assembler: StreamAssembler, timings: Timings, upstream_started: float, hide_usage: bool) -> float:
-    """Relay the stream to the client; returns how long the upstream took (relaying included),
-    also when the stream or the client broke off. `hide_usage`: the usage was asked for memproxy's
-    own record, and the client sees none of it (no `usage` field, no chunk holding only usage)."""
+                 wire: Wire, timings: Timings, upstream_started: float) -> float:
+    """Relay the stream to the client as `wire` shows it; returns how long the upstream took
+    (relaying included), also when the stream or the client broke off."""
     try:
         async with aclosing(chunks):  # a client that went away releases the upstream connection now
             async for chunk in chunks:
-                assembler.add(chunk)
-                shown = hiding_usage(chunk) if hide_usage else chunk
-                if shown is not None:
-                    await response.write(b"data: " + dumps(shown) + b"\n\n")
+                shown = wire.relay(chunk)
+                if shown:
+                    await response.write(shown)
     finally:
         upstream_ms = timings.upstream_ended(upstream_started)
     return upstream_ms
@@ -319,8 +422,9 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     assert turn is not None
     app = request.app
     provider = app[PROVIDER]
-    record = turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
-                         exchange.model.name, usage, upstream_ms, provider.cost(exchange.model, usage))
+    record = exchange.wire.attach(turn_record(turn, provider.counter(exchange.model), app[CONFIG].memory, reply,
+                                              exchange.model.name, usage, upstream_ms,
+                                              provider.cost(exchange.model, usage)))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.record = notes(request).record = record
     exchange.timings.lap("record")

@@ -36,6 +36,10 @@ StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
 Transport = Literal["litellm", "openai", "auto"]  # `auto`: memproxy's own client for `openai/` models
 TRANSPORTS: tuple[Transport, ...] = ("litellm", "openai", "auto")
+# How `POST /v1/responses` reaches the model: `bridge` sends a chat completion (any provider, on the
+# model's transport) and answers in the Responses shape; `native` calls the provider's own Responses
+# API through litellm (`litellm.aresponses`).
+ResponsesApi = Literal["bridge", "native"]
 RecallScope = Literal["session", "user"]  # where recall looks: the session, or all of its end user's
 Overflow = Literal["summarize", "marker", "drop"]  # what happens to history that no longer fits
 OVERFLOW_POLICIES: tuple[Overflow, ...] = ("summarize", "marker", "drop")
@@ -140,6 +144,7 @@ class ModelConfig:
     tokenizer: Tokenizer = "auto"
     timeout_seconds: Positive = 600.0
     transport: Transport = "litellm"
+    responses_api: ResponsesApi = "bridge"
 
 
 @dataclass(frozen=True, config=_SECTION)

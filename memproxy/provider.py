@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import aiohttp
 from . import observability
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
-from .messages import Message, detached
+from .messages import Message, assistant_message, detached
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
@@ -376,6 +377,66 @@ class Provider:
         # the request never left, so it goes now with each one as U+FFFD.
         return await self._litellm.acompletion(**{**kwargs, "messages": _without_surrogates(kwargs["messages"])})
 
+    # --- the Responses API (`memproxy.responses`): input items become chat messages by litellm's own
+    # bridge, so memory keeps them like any chat message; a model with `responses_api: native` is
+    # then called on its provider's Responses API through litellm, every other one as a chat
+    # completion (on its transport, as chat is).
+
+    def responses_messages(self, items: str | list[dict[str, Any]], instructions: str | None) -> list[Message]:
+        """Responses input items (and `instructions`, a leading system message) as chat messages:
+        consecutive function calls join the assistant message before them, reasoning items become
+        that message's `reasoning_content`, function call outputs become tool messages."""
+        bridge = _responses_bridge()
+        raw = bridge.transform_responses_api_input_to_messages(
+            input=items, responses_api_request={"instructions": instructions} if instructions else {},
+            replay_reasoning=True)
+        return [_plain_message(m) for m in raw]
+
+    def responses_chat_params(self, model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+        """A Responses request's parameters (`tools`, `tool_choice`, `text`, `reasoning`,
+        `max_output_tokens`, ...) as a chat completion's, translated by litellm's bridge."""
+        request = _responses_bridge().transform_responses_api_request_to_chat_completion_request(
+            model=model.model, input=[], responses_api_request=params)
+        return {k: v for k, v in request.items() if k not in ("messages", "model", "stream", "stream_options")}
+
+    async def respond(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
+        """A Response from the provider's own Responses API (`litellm.aresponses`), as a dict."""
+        try:
+            response = await self._litellm.aresponses(**self._responses_kwargs(model, items, params))
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        result: dict[str, Any] = _dumped(response)
+        return result
+
+    async def respond_stream(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]
+                             ) -> AsyncGenerator[dict[str, Any], None]:
+        """The provider's Responses stream, its events as dicts; the first is awaited here."""
+        kwargs = {**self._responses_kwargs(model, items, params), "stream": True}
+        try:
+            events = (await self._litellm.aresponses(**kwargs)).__aiter__()
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            return _responses_events(None, None, self)
+        except Exception as exc:
+            raise self.upstream_error(exc) from exc
+        return _responses_events(first, events, self)
+
+    def _responses_kwargs(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]
+                          ) -> dict[str, Any]:
+        """`litellm.aresponses`'s arguments: the parameters it names, the others in `extra_body`;
+        the model's provider name, endpoint, key and timeout."""
+        named = _responses_parameters(self._litellm)
+        kwargs: dict[str, Any] = {k: v for k, v in params.items() if k in named and k not in ("model", "input")}
+        extra = {k: v for k, v in params.items() if k not in named and k != "model"}
+        if extra:
+            kwargs["extra_body"] = extra
+        kwargs.update(model=model.model, input=items, timeout=model.timeout_seconds)
+        if model.api_base:
+            kwargs["api_base"] = model.api_base
+        if model.api_key:
+            kwargs["api_key"] = model.api_key
+        return kwargs
+
     def upstream_error(self, exc: Exception) -> ProxyError:
         if isinstance(exc, ProxyError):
             return exc
@@ -578,4 +639,47 @@ async def _chunks(
     except Exception as exc:
         if _caused_by(exc, (aiohttp.ClientPayloadError, ConnectionError)):  # litellm calls it a 500
             raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
+        raise provider.upstream_error(exc) from exc
+
+
+def _responses_bridge() -> Any:
+    """litellm's Responses <-> chat completions bridge (loaded with litellm, by `Provider`)."""
+    module = importlib.import_module("litellm.responses.litellm_completion_transformation.transformation")
+    return module.LiteLLMCompletionResponsesConfig
+
+
+def _responses_parameters(litellm: Any) -> frozenset[str]:
+    """The parameters `litellm.aresponses` names (the rest go in `extra_body`)."""
+    return frozenset(inspect.signature(litellm.aresponses).parameters) - {"kwargs", "extra_body"}
+
+
+def _plain_message(message: Any) -> Message:
+    """A message of litellm's bridge as memproxy keeps messages: a plain dict without null fields;
+    an assistant's as `assistant_message` stores a reply (tool calls as id, type and function only)."""
+    raw = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+    plain = {k: v for k, v in raw.items() if v is not None}
+    if plain.get("role") == "assistant":
+        return assistant_message(plain)
+    return plain
+
+
+def _dumped(value: Any) -> dict[str, Any]:
+    """A litellm Responses object as a dict. Its models hold some fields as plain dicts where a
+    model is declared (an event's `part`, a response's `usage`), which pydantic warns about on
+    every dump: the values are right, so the warning is not raised."""
+    result: dict[str, Any] = value.model_dump(exclude_none=True, warnings=False)
+    return result
+
+
+async def _responses_events(
+    first: Any, rest: AsyncIterator[Any] | None, provider: Provider
+) -> AsyncGenerator[dict[str, Any], None]:
+    """A Responses stream's events as dicts (`_chunks`, for litellm's Responses events)."""
+    if first is None or rest is None:
+        return
+    yield _dumped(first)
+    try:
+        async for event in rest:
+            yield _dumped(event)
+    except Exception as exc:
         raise provider.upstream_error(exc) from exc

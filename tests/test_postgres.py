@@ -22,7 +22,7 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
-from memproxy.store import EndpointUsage, SQLiteStore, Store, Summary, open_store
+from memproxy.store import EndpointUsage, NewResponse, SQLiteStore, Store, Summary, open_store
 from memproxy.store.postgres import numbered
 from memproxy.store.sql import QUERIES
 from memproxy.store.migrations import migrations
@@ -48,7 +48,10 @@ async def conversation(store: Store, tenant: str, session_id: str, turns: int) -
         if i % 3 == 1:
             messages += [assistant(None, [f"c{i}"]), tool(f"c{i}", f"result {i}")]
         messages.append(assistant(f"{session_id} a{i}"))
-        await store.record_turn(turn(session, messages, tenant=tenant, session_id=session_id))
+        # Each turn as a kept Responses API answer too, so that table is populated like the rest.
+        kept = NewResponse(f"resp_{session_id}_{i}", {"id": f"resp_{session_id}_{i}"}, [])
+        await store.record_turn(dataclasses.replace(turn(session, messages, tenant=tenant, session_id=session_id),
+                                                    response=kept))
 
 
 async def test_a_schema_named_with_capitals_is_the_one_used(tmp_path: Path) -> None:
@@ -91,13 +94,15 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": (("t", "s1", 50), "messages_active_seq"),
+        "get_response": (("t", "resp_s1_3"), "responses_pkey"),
     }
 
 
 def unbounded_scans(plan: list[str]) -> list[str]:
     """Plan nodes that read more than one session's rows: a Seq Scan, or an index scan whose index
     condition does not pin the session (`session_pk = ...`, or `tenant = ...` on `sessions`) or one
-    row by its primary key (`id = ...`: the history cache's check of its newest message)."""
+    row by its primary key (`id = ...`: the history cache's check of its newest message; `pk = ...`: a
+    kept response's session)."""
     found = []
     for i, line in enumerate(plan):
         if "Seq Scan" in line:
@@ -108,7 +113,8 @@ def unbounded_scans(plan: list[str]) -> list[str]:
                 if "->" in following:
                     break
                 details.append(following)
-            if not any("Index Cond" in d and ("(session_pk = " in d or "(tenant = " in d or "(id = " in d)
+            if not any("Index Cond" in d and ("(session_pk = " in d or "(tenant = " in d or "(id = " in d
+                                              or "(pk = " in d)
                        for d in details):
                 found.append(line.strip())
     return found

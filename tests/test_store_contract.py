@@ -22,8 +22,8 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import (EndpointUsage, NewMessage, SessionState, SQLiteStore, Store, StoredCounts, StoredMessage,
-                            Summary, SummaryCall, Totals, TurnRecord, Usage)
+from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
+                            StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
 from memproxy.store.errors import StoreConflict
 from memproxy.store.migrations import migrations, statements
@@ -364,6 +364,57 @@ async def test_endpoint_usage_adds_up_per_tenant_and_endpoint_and_outlives_sessi
     assert await reader.endpoint_usage("nobody") == []
     assert await store.delete_tenant("t") == 1
     assert len(await reader.endpoint_usage("t")) == 2  # accounting outlives the conversations
+
+
+async def test_a_response_is_kept_with_its_turn_for_its_tenant_alone(open_store: Opener) -> None:
+    writer, reader = await open_store(), await open_store()
+    body = {"id": "resp_1", "object": "response", "output": [{"type": "message", "content": "x\u0000y"}]}
+    items = [{"type": "message", "role": "user", "content": "hi"}]
+    await writer.record_turn(dataclasses.replace(turn(None, [user("hi"), assistant("hello")]),
+                                                 response=NewResponse("resp_1", body, items)))
+    kept = await reader.get_response("t", "resp_1")
+    assert kept is not None
+    assert (kept.session_id, kept.seq, kept.body, kept.input_items) == ("s", 1, body, items)
+    assert kept.chain_hash == chain_hashes(ROOT_HASH, [user("hi"), assistant("hello")])[-1]
+    assert kept.active and kept.head
+    assert await reader.get_response("other-tenant", "resp_1") is None  # ids are scoped by tenant
+    assert await reader.get_response("t", "resp_2") is None
+
+    # A later turn moves the head; an edit back at the start supersedes the response's answer.
+    session = await reader.get_session("t", "s")
+    await writer.record_turn(dataclasses.replace(turn(session, [user("more"), assistant("ok")]),
+                                                 response=NewResponse("resp_2", {"id": "resp_2"}, [])))
+    kept = await reader.get_response("t", "resp_1")
+    assert kept is not None and kept.active and not kept.head
+    session = await reader.get_session("t", "s")
+    await writer.record_turn(dataclasses.replace(turn(session, [user("edited"), assistant("e")], base=0),
+                                                 kind="edit"))
+    kept = await reader.get_response("t", "resp_1")
+    assert kept is not None and not kept.active and not kept.head
+
+    assert not await writer.delete_response("other-tenant", "resp_1")
+    assert await writer.delete_response("t", "resp_1")
+    assert await reader.get_response("t", "resp_1") is None
+    assert not await writer.delete_response("t", "resp_1")
+    # Deleting the session deletes its responses.
+    session = await reader.get_session("t", "s")
+    assert session is not None
+    await writer.delete_session(session)
+    assert await reader.get_response("t", "resp_2") is None
+
+
+async def test_a_rebased_turn_keeps_its_response_where_its_answer_landed(open_store: Opener) -> None:
+    store = await open_store()
+    await store.record_turn(turn(None, [user("a"), assistant("b")]))
+    session = await store.get_session("t", "s")
+    planned = dataclasses.replace(turn(session, [user("c"), assistant("d")]),
+                                  response=NewResponse("resp_late", {"id": "resp_late"}, []))
+    await store.record_turn(turn(session, [user("x"), assistant("y")]))  # another writer first
+    await store.record_turn(planned)
+    kept = await store.get_response("t", "resp_late")
+    moved = await store.get_session("t", "s")
+    assert kept is not None and moved is not None
+    assert (kept.seq, kept.chain_hash, kept.head) == (5, moved.head_hash, True)
 
 
 def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:

@@ -265,6 +265,33 @@ class SentContext:
 
 
 @dataclass(frozen=True)
+class NewResponse:
+    """A response of `POST /v1/responses` kept with its turn (`TurnRecord.response`), so that a
+    later request may name it (`previous_response_id`) and `GET /v1/responses/{id}` return it. It
+    points at the turn's answer: the last of the turn's messages."""
+
+    id: str  # `resp_...`, unique within its tenant
+    body: dict[str, Any]  # the response object as returned
+    input_items: list[dict[str, Any]]  # the input items it was asked with, as the client sent them
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A kept response (`TurnStore.get_response`), with where its answer stands in its session."""
+
+    id: str
+    tenant: str
+    session_id: str
+    seq: int  # position of its answer on the session's chain
+    chain_hash: str  # that answer's chained hash
+    body: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    created_at: float
+    active: bool  # its answer is still on the active chain (not superseded by an edit)
+    head: bool  # its answer is the session's newest message
+
+
+@dataclass(frozen=True)
 class TurnRecord:
     """One successful exchange, written atomically.
 
@@ -297,6 +324,7 @@ class TurnRecord:
     # The end user the turn was made for (`X-Memproxy-User`, else the request's `user`): the
     # session's, for recall across that user's sessions (`memory.recall_scope: user`).
     end_user: str | None = None
+    response: NewResponse | None = None  # a Responses API answer, kept with the turn
 
 
 @dataclass(frozen=True)
@@ -467,6 +495,14 @@ class TurnStore(Protocol):
         """Write the turn in one transaction. If the session moved since the turn was planned, a
         continuation (`base == expected_length`, its base still on the active chain) is appended
         after the new head; anything else raises `StoreConflict` and writes nothing."""
+        ...
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's kept response of that id (None: no such response, or another tenant's)."""
+        ...
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        """Forget a kept response (its turn's messages stay in the session); False if there was none."""
         ...
 
     async def add_endpoint_usage(self, usage: EndpointUsage) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, Summary, SummaryCall, Totals, TurnRecord,
-                    mandatory_start)
+from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse, Summary, SummaryCall,
+                    Totals, TurnRecord, mandatory_start)
 from ..errors import StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
@@ -83,6 +83,11 @@ QUERIES = {
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    # A kept response with its session, whether its answer is still active, and the session's head.
+    "get_response": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, r.input_items, r.created_at,"
+    " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1 AND m.seq = r.seq"
+    " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
+    " WHERE r.tenant = ? AND r.id = ?",
     # `load`: a session and its snapshot at the head, in one statement (one read of one state, one
     # trip), its rows told apart by the first column. 0: the session row with its newest message,
     # its marks (`_HEAD_MARKS`), its newest summary with the totals where it ends (null if that
@@ -331,6 +336,15 @@ class SQLTurns(SQLBase):
                  None if message.compact_body is None else dumps(message.compact_body), compact_tokens,
                  compact_cum, search_text(*session, message.body, now),
                  recall_text(message.body, message.compact_body), message.recall_tokens)))
+        if turn.response is not None and placement:
+            # A Responses API answer points at the turn's last message, where it landed (a rebased
+            # turn's too: `placement` and the hashes are the rebased ones).
+            kept = turn.response
+            steps.append((
+                "INSERT INTO responses (tenant, id, session_pk, seq, chain_hash, body, input_items, created_at)"
+                f" VALUES (?, ?, {_SESSION_PK}, ?, ?, ?, ?, ?)",
+                (turn.tenant, kept.id, *session, placement[-1][0], turn.messages[-1].chain_hash,
+                 dumps(kept.body), dumps(kept.input_items), now)))
         return steps
 
     @staticmethod
@@ -378,6 +392,19 @@ class SQLTurns(SQLBase):
             messages.append(dataclasses.replace(message, chain_hash=chain))
         return dataclasses.replace(turn, base=length, base_hash=head_hash,
                                    base_totals=Totals(head_cum, head_compact_cum), messages=messages)
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        row = await self._one(QUERIES["get_response"], (tenant, response_id))
+        if row is None:
+            return None
+        return StoredResponse(id=row[0], tenant=tenant, session_id=row[1], seq=row[2], chain_hash=row[3],
+                              body=json.loads(row[4]), input_items=json.loads(row[5]), created_at=row[6],
+                              active=bool(row[7]), head=row[8] == row[3])
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        rows = await self._write_one("DELETE FROM responses WHERE tenant = ? AND id = ? RETURNING id",
+                                     (tenant, response_id))
+        return bool(rows)
 
     async def add_endpoint_usage(self, usage: EndpointUsage) -> None:
         # A cost stays unknown (null) only while neither part knows one, as in `tenant_usage`.

@@ -1,0 +1,359 @@
+"""`/v1/responses`: the Responses API, with memory, on the chat pipeline.
+
+A request's input items become chat messages (litellm's bridge, `Provider.responses_messages`) and
+its parameters a chat completion's (`Provider.responses_chat_params`, which the budget reads); the
+turn is then served exactly as a chat turn (`memproxy.chat.serve_turn`: reconcile, budget, summary,
+recall, record), so items and chat messages share one store and one session can be continued from
+either API. Only the wire differs (`ResponsesWire`): the answer comes from a chat completion on the
+model's transport (`responses_api: bridge`, any provider) or from the provider's own Responses API
+through litellm (`native`), and goes back as a Response object or its stream of events.
+
+The session is `X-Session-Id`, or the session of `previous_response_id`, or `conversation` (its id
+is the session id); two of them naming different sessions is a 400. A request with none is a new
+session named by its response id when the response is kept (`store` not false), so that a chain of
+`previous_response_id`s has memory on any provider; with `store: false` and no session it is
+forwarded without memory. A kept response is written with its turn, in one transaction
+(`TurnRecord.response`), and is its tenant's alone.
+
+`previous_response_id` continues after that response's answer: new items only, appended, when it is
+still the session's newest message; otherwise the stored history up to it followed by the new items,
+read as a full history, so the turn is an edit from there (the later messages are superseded: kept
+and listed, never sent again). A response whose answer was itself superseded, or whose history the
+message cap has cut, cannot be continued (409 `session_conflict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from aiohttp import web
+
+from .bodies import json_object, requested_model
+from .chat import Answer, Exchange, caller_tenant, serve_turn, session_id_header
+from .errors import BadRequest, Conflict, NotFound, UpstreamError
+from .jsonbytes import dumps
+from .memory.reconcile import HistoryMode
+from .messages import Message, split_system, validate_messages
+from .observe import notes
+from .params import check_params
+from .provider import Provider
+from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, input_items, new_id, output_items,
+                             parse_request, response_object, responses_usage, sse, status_of)
+from .session_ids import SESSION_HEADER, is_session_id
+from .store import NewResponse, TurnRecord, TurnStore
+from .streaming import StreamAssembler
+from .timing import Timings, measured
+from .typedefs import CONFIG, PROVIDER, STORE
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_TERMINAL = frozenset({"response.completed", "response.incomplete"})
+_FAILED = frozenset({"response.failed", "error"})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/responses", create)
+    r.add_get("/v1/responses/{response_id}", retrieve)
+    r.add_delete("/v1/responses/{response_id}", delete)
+    r.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    with measured() as timings:
+        return await _create(request, timings)
+
+
+async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
+    app = request.app
+    provider = app[PROVIDER]
+    body = await json_object(request)
+    parsed = parse_request(body)
+    model = requested_model(app[CONFIG], parsed.model)
+    check_params({k: v for k, v in body.items() if k in ("temperature", "top_p", "parallel_tool_calls", "user")})
+    messages = _messages(provider, parsed)
+    try:
+        params = provider.responses_chat_params(model, parsed.params)
+    except Exception as exc:  # litellm's bridge could not read the tools or formats: the client's
+        raise BadRequest(f"the request's parameters could not be read: {type(exc).__name__}",
+                         param="tools" if parsed.params.get("tools") else None) from exc
+    timings.lap("parse")
+    noted = notes(request)
+    noted.model, noted.stream, noted.timings = model.name, parsed.stream, timings
+    tenant = caller_tenant(request)
+    response_id = new_id("resp")
+    wire = ResponsesWire(provider, parsed, response_id, model.name, native=model.responses_api == "native")
+    exchange = Exchange(model=model, messages=messages, params={**params, "stream": parsed.stream},
+                        timings=timings, wire=wire)
+    session_id = await _session(request, app[STORE], tenant, parsed)
+    planning = None
+    if parsed.previous_response_id is not None:
+        previous_id = parsed.previous_response_id
+
+        async def planning() -> tuple[list[Message], HistoryMode]:
+            return await _continuing(app[STORE], tenant, previous_id, messages)
+    if session_id is None and parsed.store:
+        session_id = response_id  # a kept response always has a session: its chain has memory
+    return await serve_turn(request, exchange, tenant, session_id, planning)
+
+
+def _messages(provider: Provider, parsed: ResponsesRequest) -> list[Message]:
+    """The input as chat messages, checked as chat messages are."""
+    try:
+        messages = provider.responses_messages(parsed.input, parsed.instructions)
+    except Exception as exc:  # litellm's bridge refused the items: the client's input
+        raise BadRequest(f"'input' could not be read: {type(exc).__name__}", param="input") from exc
+    try:
+        return validate_messages(messages)
+    except BadRequest as exc:
+        raise BadRequest(f"'input' does not make a valid conversation: {exc.message}", param="input") from exc
+
+
+async def _session(request: web.Request, store: TurnStore, tenant: str, parsed: ResponsesRequest) -> str | None:
+    """The session the request names, by `X-Session-Id`, `previous_response_id` or `conversation`."""
+    header = session_id_header(request)
+    named: str | None = None
+    source = ""
+    if parsed.previous_response_id is not None:
+        previous = await store.get_response(tenant, parsed.previous_response_id)
+        if previous is None:
+            raise _no_previous(parsed.previous_response_id)
+        named, source = previous.session_id, "previous_response_id"
+    elif parsed.conversation is not None:
+        if not is_session_id(parsed.conversation):
+            raise BadRequest("'conversation' must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="conversation")
+        named, source = parsed.conversation, "conversation"
+    if named is not None and header is not None and header != named:
+        raise BadRequest(f"{SESSION_HEADER} names another session than '{source}' does", param=source)
+    return named or header
+
+
+def _no_previous(response_id: str) -> NotFound:
+    return NotFound(f"Previous response with id '{response_id}' not found.", code="previous_response_not_found",
+                    param="previous_response_id")
+
+
+async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages: list[Message]
+                      ) -> tuple[list[Message], HistoryMode]:
+    """What a request continuing `previous_id` reconciles, read under the session's lock: its new
+    messages alone where that response is the session's newest answer; else the stored history up
+    to that answer and then the new messages, as a full history (an edit from there)."""
+    previous = await store.get_response(tenant, previous_id)
+    if previous is None:  # deleted since the request began
+        raise _no_previous(previous_id)
+    if previous.head:
+        return messages, "new"
+    session = await store.get_session(tenant, previous.session_id)
+    if not previous.active or session is None:
+        raise Conflict(f"response '{previous_id}' was superseded by an edit of its session; continue from a "
+                       "newer response")
+    stored = await store.active_range(session, 0, previous.seq + 1)
+    if [m.seq for m in stored] != list(range(previous.seq + 1)):
+        raise Conflict(f"the history before response '{previous_id}' is no longer stored whole "
+                       "(retention.max_messages_per_session); continue from the newest response")
+    system, new = split_system(messages)
+    return [*system, *(m.body for m in stored), *new], "full"
+
+
+class ResponsesWire:
+    """The Responses API's wire for one request (`memproxy.chat.Wire`): a chat completion answered
+    as a Response (bridge), or the provider's own Response relayed (native); kept with its turn
+    unless `store: false`. A stream's `response.completed` leaves once the turn is recorded, as
+    chat's `[DONE]` does."""
+
+    def __init__(self, provider: Provider, request: ResponsesRequest, response_id: str, model: str,
+                 native: bool) -> None:
+        self._provider = provider  # its bridge reads a native Response's output items
+        self._request = request
+        self.id = response_id
+        self._model = model  # the client's name for it
+        self._native = native
+        self._final: dict[str, Any] | None = None
+        self._created_at = time.time()  # one creation time, in every event and the kept object
+        created = response_object(response_id, request, model, [], None, status="in_progress",
+                                  created_at=self._created_at)
+        self._events = ChatEvents(created)
+        self._assembler = StreamAssembler()
+        self._started = False
+        self._closing: list[dict[str, Any]] = []
+        self._held: dict[str, Any] | None = None  # a native stream's terminal event
+
+    def _upstream_params(self, exchange: Exchange) -> dict[str, Any]:
+        # The provider keeps nothing: memproxy is the store, and sends the whole context each time.
+        return {**self._request.params, "store": False}
+
+    async def answer(self, provider: Provider, exchange: Exchange) -> Answer:
+        if self._native:
+            result = await provider.respond(exchange.model, input_items(exchange.messages),
+                                            self._upstream_params(exchange))
+            body = self._native_body(result)
+            reply = _reply_from(provider, body)
+            usage = chat_usage(body.get("usage"))
+        else:
+            completion = await provider.complete(exchange.model, exchange.messages, exchange.params)
+            choice = (completion.get("choices") or [{}])[0]
+            reply = choice.get("message") or {}
+            usage = completion.get("usage")
+            body = response_object(self.id, self._request, self._model, output_items(reply),
+                                   responses_usage(usage), status_of(choice.get("finish_reason")),
+                                   created_at=self._created_at)
+        self._final = body
+        return Answer(reply, usage, body)
+
+    def _native_body(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The provider's Response as memproxy's: its id, the client's model name, what the client
+        asked about keeping it and continuing from which response."""
+        body = {**result, "id": self.id, "model": self._model, "store": self._request.store,
+                "previous_response_id": self._request.previous_response_id}
+        if self._request.conversation is not None:
+            body["conversation"] = {"id": self._request.conversation}
+        return body
+
+    async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:
+        if self._native:
+            return await provider.respond_stream(exchange.model, input_items(exchange.messages),
+                                                 self._upstream_params(exchange))
+        # A Response reports its usage: asked for always, as chat asks for a recorded turn's.
+        options = exchange.params.get("stream_options")
+        params = {**exchange.params, "stream": True,
+                  "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+        return await provider.stream(exchange.model, exchange.messages, params)
+
+    def relay(self, chunk: dict[str, Any]) -> bytes:
+        if self._native:
+            return self._relay_native(chunk)
+        events = [] if self._started else self._events.start()
+        self._started = True
+        self._assembler.add(chunk)
+        return b"".join(sse(e) for e in [*events, *self._events.add(chunk)])
+
+    def _relay_native(self, event: dict[str, Any]) -> bytes:
+        kind = event.get("type")
+        if kind in _FAILED:
+            error = (event.get("response") or {}).get("error") or event.get("error") or event
+            message = error.get("message") if isinstance(error, dict) else None
+            raise UpstreamError(f"upstream response failed: {message or kind}", code="upstream_error")
+        if isinstance(event.get("response"), dict):
+            event = {**event, "response": self._native_body(event["response"])}
+        if kind in _TERMINAL:
+            self._held = event  # sent once the turn is recorded (`done`)
+            return b""
+        return sse(event)
+
+    def reply(self) -> tuple[Message, dict[str, Any] | None] | None:
+        if self._native:
+            if self._held is None:
+                return None
+            self._final = self._held["response"]
+            return _reply_from(self._provider, self._final), chat_usage(self._final.get("usage"))
+        if not self._assembler.complete:
+            return None
+        self._closing = self._events.finish()
+        self._final = response_object(self.id, self._request, self._model, self._events.items,
+                                      responses_usage(self._assembler.usage),
+                                      status_of(self._assembler.finish_reason), created_at=self._created_at)
+        return self._assembler.message(), self._assembler.usage
+
+    def attach(self, record: TurnRecord) -> TurnRecord:
+        if not self._request.store or self._final is None:
+            return record
+        kept = NewResponse(self.id, self._final, _with_ids(self._request.input_list))
+        return dataclasses.replace(record, response=kept)
+
+    def done(self) -> bytes:
+        if self._native:
+            assert self._held is not None
+            return sse(self._held)
+        assert self._final is not None
+        return b"".join(sse(e) for e in [*self._closing, self._events.completed(self._final)])
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        return sse(self._events.error(body["error"]))
+
+
+def _reply_from(provider: Provider, response: dict[str, Any]) -> Message:
+    """A native Response's output items as one assistant message, what the turn records: read by
+    the same bridge as the input, so an answer is stored as its items read when a client sends
+    them back (text joined, function calls as tool calls, reasoning as `reasoning_content`)."""
+    reply: Message = {"role": "assistant", "content": None}
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for message in provider.responses_messages(response.get("output") or [], None):
+        if message.get("role") != "assistant":
+            continue
+        text = message.get("content")
+        if isinstance(text, list):
+            text = "".join(str(p.get("text", "")) for p in text if isinstance(p, dict))
+        if text:
+            texts.append(text)
+        calls += message.get("tool_calls") or []
+        for key in ("reasoning_content", "thinking_blocks"):
+            if message.get(key) and key not in reply:
+                reply[key] = message[key]
+    reply["content"] = "".join(texts) or None
+    if calls:
+        reply["tool_calls"] = calls
+    return reply
+
+
+def _with_ids(items: list[Item]) -> list[Item]:
+    """Input items as `input_items` lists them: each with an id (the client's, else a new one)."""
+    return [item if item.get("id") else {"id": new_id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")),
+                                        **item} for item in items]
+
+
+# --- the kept responses ----------------------------------------------------------------------------
+
+
+async def _kept(request: web.Request) -> tuple[str, Any]:
+    tenant = caller_tenant(request)
+    response_id = request.match_info["response_id"]
+    stored = await request.app[STORE].get_response(tenant, response_id)
+    if stored is None:
+        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+    return tenant, stored
+
+
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    _, stored = await _kept(request)
+    return web.Response(body=dumps(stored.body), content_type="application/json", charset="utf-8")
+
+
+async def delete(request: web.Request) -> web.StreamResponse:
+    tenant = caller_tenant(request)
+    response_id = request.match_info["response_id"]
+    if not await request.app[STORE].delete_response(tenant, response_id):
+        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.StreamResponse:
+    """A kept response's input items, a page at a time (`limit` 1-100, default 20; `order` desc by
+    default, as OpenAI lists them; `after` an item id)."""
+    _, stored = await _kept(request)
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("'order' must be asc or desc", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise BadRequest("'limit' must be an integer from 1 to 100", param="limit")
+    items: list[Item] = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise BadRequest(f"no input item '{after}' in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return web.Response(body=dumps({
+        "object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit,
+    }), content_type="application/json", charset="utf-8")

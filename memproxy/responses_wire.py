@@ -1,0 +1,425 @@
+"""The Responses API's wire format, as plain functions over plain data: no I/O, no litellm.
+
+memproxy serves `POST /v1/responses` with the chat pipeline (`memproxy.chat`): the request's input
+items become chat messages (litellm's own bridge does that, `Provider.responses_input`), memory works
+on those, and the answer comes back in the Responses shape. This module holds the rest of the
+codec:
+
+- `ResponsesRequest`: the body, checked (bad input is a 400 before anything is planned or stored);
+- `output_items` / `response_object`: an assistant chat message into the Response object's
+  `output` items (reasoning, message, function calls, in that order) and the object itself;
+- `ChatEvents`: a chat-completion stream into the Responses stream's events, in the order the
+  openai SDK assembles them (`response.created`, each item added, its deltas, each item done,
+  `response.completed`);
+- `input_items`: chat messages back into Responses input items, for a provider that speaks the
+  Responses API itself (`responses_api: native`);
+- the usage both ways.
+
+Ids are memproxy's own (`resp_`, `msg_`, `fc_`, `rs_` and 24 hex digits): a response is kept and
+found by its id whatever the provider.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import BadRequest
+from .messages import Message, SYSTEM_ROLES
+
+Item = dict[str, Any]
+Event = dict[str, Any]
+Status = Literal["completed", "incomplete"]
+
+# The body's keys memproxy reads itself; the rest are the model's parameters.
+REQUEST_KEYS = frozenset({"model", "input", "instructions", "stream", "store", "previous_response_id",
+                          "conversation"})
+# Parameters a Response object echoes back, as sent (None where the request set none).
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "reasoning", "temperature",
+           "text", "tool_choice", "tools", "top_p", "truncation", "user", "previous_response_id")
+_DEFAULTS: dict[str, Any] = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0,
+                             "top_p": 1.0, "truncation": "disabled", "text": {"format": {"type": "text"}}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A `POST /v1/responses` body, checked."""
+
+    model: str
+    input: str | list[Item]
+    instructions: str | None
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    conversation: str | None
+    body: dict[str, Any] = field(repr=False)  # as sent
+
+    @property
+    def input_list(self) -> list[Item]:
+        """The input as items (a string is one user message), as `input_items` lists them."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
+        return self.input
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The model's parameters: everything but what memproxy reads itself."""
+        return {k: v for k, v in self.body.items() if k not in REQUEST_KEYS}
+
+
+def parse_request(body: dict[str, Any]) -> ResponsesRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required", param="model")
+    raw = body.get("input")
+    if isinstance(raw, str):
+        if not raw:
+            raise BadRequest("'input' must not be empty", param="input")
+    elif isinstance(raw, list) and raw:
+        for i, item in enumerate(raw):
+            _check_item(item, f"input[{i}]")
+    else:
+        raise BadRequest("'input' must be a string or a non-empty array of items", param="input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string", param="instructions")
+    for key in ("stream", "store"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise BadRequest(f"'{key}' must be a boolean", param=key)
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise BadRequest("'previous_response_id' must be a response id", param="previous_response_id")
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+        if not isinstance(conversation, str):
+            raise BadRequest("'conversation.id' must be a string", param="conversation.id")
+    elif conversation is not None and not isinstance(conversation, str):
+        raise BadRequest("'conversation' must be a conversation id or {\"id\": ...}", param="conversation")
+    if conversation is not None and previous is not None:
+        raise BadRequest("'previous_response_id' and 'conversation' cannot both be given", param="conversation")
+    for key in ("tools", "include"):
+        if body.get(key) is not None and not isinstance(body[key], list):
+            raise BadRequest(f"'{key}' must be an array", param=key)
+    max_output = body.get("max_output_tokens")
+    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
+        raise BadRequest("'max_output_tokens' must be a positive integer", param="max_output_tokens")
+    return ResponsesRequest(model=model, input=raw, instructions=instructions, stream=bool(body.get("stream")),
+                            store=body.get("store") is not False, previous_response_id=previous,
+                            conversation=conversation, body=body)
+
+
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def _check_item(item: Any, where: str) -> None:
+    """An input item of the kinds memory keeps: messages (a role and content), function calls and
+    their outputs, reasoning. Other kinds (built-in tool calls) are the provider's; memproxy cannot
+    replay them on another provider, so they are refused rather than silently dropped."""
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where} must be an object", param=where)
+    kind = item.get("type", "message")
+    if not isinstance(kind, str) or kind not in _ITEM_TYPES:
+        raise BadRequest(f"{where}.type must be one of {', '.join(sorted(_ITEM_TYPES))}, got {kind!r}",
+                         param=f"{where}.type")
+    if kind == "message":
+        role = item.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role")
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise BadRequest(f"{where}.content[{j}] must be an object with a 'type'",
+                                     param=f"{where}.content[{j}]")
+                if part["type"] in _TEXT_PARTS and not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{where}.content[{j}].text must be a string",
+                                     param=f"{where}.content[{j}].text")
+        elif not isinstance(content, str):
+            raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
+    elif kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str):
+                raise BadRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise BadRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
+        if not isinstance(item.get("output"), (str, list)):
+            raise BadRequest(f"{where}.output must be a string or an array", param=f"{where}.output")
+
+
+# --- an assistant chat message as Response output ---------------------------------------------------
+
+
+def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> list[Item]:
+    """The output items of an assistant chat message: its reasoning, its text, its tool calls."""
+    items: list[Item] = []
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        items.append(reasoning_item(make_id("rs"), reasoning))
+    text = _text(message.get("content"))
+    if text:
+        items.append(message_item(make_id("msg"), text))
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append(call_item(make_id("fc"), str(call.get("id") or make_id("call")), str(function.get("name") or ""),
+                               str(function.get("arguments") or "")))
+    return items
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> Item:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> Item:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def reasoning_item(item_id: str, text: str) -> Item:
+    return {"type": "reasoning", "id": item_id, "summary": [{"type": "summary_text", "text": text}] if text else []}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def response_object(response_id: str, request: ResponsesRequest, model: str, output: list[Item],
+                    usage: dict[str, Any] | None, status: str = "completed",
+                    created_at: float | None = None) -> dict[str, Any]:
+    """A Response object: what `POST /v1/responses` answers, `GET` returns and a stream completes with.
+    `model` is the model the client named; the request's parameters are echoed as OpenAI does."""
+    body = request.body
+    echoed = {key: body[key] if body.get(key) is not None else _DEFAULTS.get(key) for key in _ECHOED}
+    result: dict[str, Any] = {
+        "id": response_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
+        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model, "output": output, **echoed, "store": request.store,
+        "usage": usage,
+    }
+    if request.conversation is not None:
+        result["conversation"] = {"id": request.conversation}
+    return result
+
+
+def status_of(finish_reason: Any) -> Status:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A chat completion's usage in the Responses shape."""
+    if not usage:
+        return None
+    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + completion}
+
+
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """A Response's usage in the chat shape memproxy records (`prompt_tokens`, `completion_tokens`)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# --- a chat-completion stream as Responses events ---------------------------------------------------
+
+
+class ChatEvents:
+    """A chat-completion stream (choice 0) into Responses events. Items open as their first delta
+    arrives and close, in order, when the stream ends (`finish`), before `response.completed`, which
+    the caller sends once the turn is recorded (`completed`)."""
+
+    def __init__(self, response: dict[str, Any], make_id: Callable[[str], str] = new_id) -> None:
+        self._response = response  # the Response as created: status in_progress, no output
+        self._make_id = make_id
+        self._seq = 0
+        self.items: list[Item] = []  # every item opened, in output order, as it stands
+        self._reasoning: int | None = None  # output index of the open reasoning item
+        self._message: int | None = None
+        self._calls: dict[int, int] = {}  # the chat tool call's index -> its output index
+        self.finish_reason: str | None = None
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def start(self) -> list[Event]:
+        return [self._event("response.created", response=self._response),
+                self._event("response.in_progress", response=self._response)]
+
+    def add(self, chunk: dict[str, Any]) -> list[Event]:
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning_delta(str(delta["reasoning_content"]))
+            if delta.get("content"):
+                events += self._text_delta(str(delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                events += self._call_delta(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _open(self, item: Item) -> tuple[int, Event]:
+        self.items.append(item)
+        index = len(self.items) - 1
+        return index, self._event("response.output_item.added", output_index=index, item=dict(item))
+
+    def _reasoning_delta(self, text: str) -> list[Event]:
+        events = []
+        if self._reasoning is None:
+            index, added = self._open(reasoning_item(self._make_id("rs"), ""))
+            self._reasoning = index
+            item = self.items[index]
+            item["summary"] = [{"type": "summary_text", "text": ""}]
+            events += [added, self._event("response.reasoning_summary_part.added", item_id=item["id"],
+                                          output_index=index, summary_index=0,
+                                          part={"type": "summary_text", "text": ""})]
+        item = self.items[self._reasoning]
+        item["summary"][0]["text"] += text
+        return [*events, self._event("response.reasoning_summary_text.delta", item_id=item["id"],
+                                     output_index=self._reasoning, summary_index=0, delta=text)]
+
+    def _text_delta(self, text: str) -> list[Event]:
+        events = []
+        if self._message is None:
+            index, added = self._open(message_item(self._make_id("msg"), "", status="in_progress"))
+            self._message = index
+            item = self.items[index]
+            part = {"type": "output_text", "text": "", "annotations": []}
+            item["content"] = [part]
+            events += [added, self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                          content_index=0, part=dict(part))]
+        item = self.items[self._message]
+        item["content"][0]["text"] += text
+        return [*events, self._event("response.output_text.delta", item_id=item["id"], output_index=self._message,
+                                     content_index=0, delta=text, logprobs=[])]
+
+    def _call_delta(self, delta: dict[str, Any]) -> list[Event]:
+        events = []
+        position = int(delta.get("index", len(self._calls)))
+        function = delta.get("function") or {}
+        if position not in self._calls:
+            index, added = self._open(call_item(self._make_id("fc"), str(delta.get("id") or self._make_id("call")),
+                                                str(function.get("name") or ""), "", status="in_progress"))
+            self._calls[position] = index
+            events.append(added)
+        item = self.items[self._calls[position]]
+        if function.get("name") and item["name"] != function["name"]:
+            item["name"] = function["name"] if not item["name"] else item["name"] + function["name"]
+        if function.get("arguments"):
+            item["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self._calls[position], delta=function["arguments"]))
+        return events
+
+    def finish(self) -> list[Event]:
+        """Every open item done, in output order."""
+        events: list[Event] = []
+        for index, item in enumerate(self.items):
+            if item["type"] == "reasoning":
+                part = item["summary"][0]
+                events += [self._event("response.reasoning_summary_text.done", item_id=item["id"],
+                                       output_index=index, summary_index=0, text=part["text"]),
+                           self._event("response.reasoning_summary_part.done", item_id=item["id"],
+                                       output_index=index, summary_index=0, part=dict(part))]
+            elif item["type"] == "message":
+                item["status"] = "completed"
+                part = item["content"][0]
+                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                       content_index=0, text=part["text"], logprobs=[]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                       content_index=0, part=dict(part))]
+            else:
+                item["status"] = "completed"
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=index, name=item["name"], arguments=item["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def completed(self, response: dict[str, Any]) -> Event:
+        kind = "response.incomplete" if response.get("status") == "incomplete" else "response.completed"
+        return self._event(kind, response=response)
+
+    def error(self, error: dict[str, Any]) -> Event:
+        return self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
+                           error=error)
+
+
+def sse(event: Event) -> bytes:
+    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode(
+        "utf-8", "surrogatepass") + b"\n\n"
+
+
+# --- chat messages as Responses input, for a provider that speaks the Responses API -----------------
+
+
+def input_items(messages: Iterable[Message]) -> list[Item]:
+    """Chat messages (what memory decided to send) as Responses input items: system and developer
+    messages as messages of that role, an assistant's text and tool calls as a message and
+    function calls, tool results as function call outputs. Reasoning is not sent: without the
+    provider's own item (its id or encrypted content) a provider cannot take it back."""
+    items: list[Item] = []
+    for message in messages:
+        role = message.get("role")
+        content = message.get("content")
+        if role == "tool":
+            items.append({"type": "function_call_output", "call_id": str(message.get("tool_call_id") or ""),
+                          "output": _text(content) if not isinstance(content, str) else content})
+        elif role == "assistant":
+            text = _text(content)
+            if text:
+                items.append({"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": text}]})
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                items.append({"type": "function_call", "call_id": str(call.get("id") or ""),
+                              "name": str(function.get("name") or ""),
+                              "arguments": str(function.get("arguments") or "")})
+        else:
+            items.append({"type": "message", "role": role if role in SYSTEM_ROLES or role == "user" else "user",
+                          "content": _input_content(content)})
+    return items
+
+
+def _input_content(content: Any) -> Any:
+    """A chat message's content as a Responses message's: text parts become `input_text`, image
+    parts `input_image`; a string stays a string."""
+    if not isinstance(content, list):
+        return content if isinstance(content, str) else ""
+    parts = []
+    for part in content:
+        if part.get("type") == "text":
+            parts.append({"type": "input_text", "text": part.get("text", "")})
+        elif part.get("type") == "image_url":
+            url = part.get("image_url")
+            parts.append({"type": "input_image", "image_url": url.get("url") if isinstance(url, dict) else url,
+                          "detail": (url.get("detail") if isinstance(url, dict) else None) or "auto"})
+        else:
+            parts.append(part)
+    return parts

@@ -1,0 +1,441 @@
+"""The Responses API with memory: `POST /v1/responses` (plain and streamed), `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, driven by the official SDK
+(`client.responses.create` / `.stream`) and the OpenAI Agents SDK on its default Responses model,
+through a real proxy to two fake providers: one that speaks only chat completions (the bridge,
+`responses_api: bridge`) and one that speaks only the Responses API (`responses_api: native`).
+What each provider received proves the memory; what the client got proves the wire."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from fake_responses import FakeResponsesUpstream
+from fake_upstream import FakeUpstream, Reply
+from memproxy.config import Config, ModelConfig
+from memproxy.typedefs import SUMMARIZER
+from summaries import fact_summariser
+from test_budget import words
+from test_endpoints import assert_error
+
+pytestmark = [pytest.mark.both_stores]
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def responses_server() -> Iterator[FakeResponsesUpstream]:
+    fake = FakeResponsesUpstream().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def native_upstream(responses_server: FakeResponsesUpstream) -> FakeResponsesUpstream:
+    responses_server.reset()
+    return responses_server
+
+
+@pytest.fixture
+def config(config: Config, native_upstream: FakeResponsesUpstream) -> Config:
+    native = ModelConfig(name="native", model="openai/gpt-4o-mini", api_base=native_upstream.url,
+                         api_key="upstream-secret", context_window=2000, max_output_tokens=256,
+                         responses_api="native")
+    return replace(config, models=(*config.models, native))
+
+
+class Upstream:
+    """One of the two providers, seen the same way: the model that reaches it, its script, and the
+    conversation its newest request carried as (role, text) pairs."""
+
+    def __init__(self, wire: str, chat: FakeUpstream, native: FakeResponsesUpstream) -> None:
+        self.wire = wire
+        self.model = "small" if wire == "bridge" else "native"
+        self.fake: FakeUpstream = chat if wire == "bridge" else native
+        self.chat = chat  # the summariser's provider, whichever wire
+        self._native = native
+
+    def enqueue(self, *replies: Reply) -> None:
+        self.fake.enqueue(*replies)
+
+    def requests(self) -> list[dict[str, Any]]:
+        if self.wire == "bridge":
+            return [r.body for r in self.fake.chat_requests()]
+        return [r.body for r in self._native.responses_requests()]
+
+    def conversation(self, index: int = -1) -> list[tuple[str, str]]:
+        body = self.requests()[index]
+        if self.wire == "bridge":
+            return [pair for m in body["messages"] for pair in _chat_pairs(m)]
+        return [pair for item in body["input"] for pair in _item_pairs(item)]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content)
+    return str(content or "")
+
+
+def _chat_pairs(message: dict[str, Any]) -> list[tuple[str, str]]:
+    pairs = []
+    if message.get("content"):
+        pairs.append((message["role"], _text(message["content"])))
+    for call in message.get("tool_calls") or []:
+        pairs.append(("call", f"{call['function']['name']} {call['function']['arguments']}"))
+    return pairs
+
+
+def _item_pairs(item: dict[str, Any]) -> list[tuple[str, str]]:
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return [("call", f"{item['name']} {item['arguments']}")]
+    if kind == "function_call_output":
+        return [("tool", item["output"])]
+    return [(item["role"], _text(item["content"]))]
+
+
+@pytest.fixture(params=["bridge", "native"])
+def wire(request: pytest.FixtureRequest, upstream: FakeUpstream, native_upstream: FakeResponsesUpstream) -> Upstream:
+    return Upstream(request.param, upstream, native_upstream)
+
+
+async def call(proxy: Proxy, method: str, path: str, key: str = PROXY_KEY, **kwargs: Any) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, f"{proxy.url}{path}", headers={"Authorization": f"Bearer {key}"},
+                                **kwargs) as response:
+            return response.status, await response.json(content_type=None)
+
+
+async def session_messages(proxy: Proxy, session: str) -> dict[str, Any]:
+    status, body = await call(proxy, "GET", f"/sessions/{session}")
+    assert status == 200, body
+    result: dict[str, Any] = body
+    return result
+
+
+# --- sessions ---------------------------------------------------------------------------------------
+
+
+async def test_a_session_header_gives_responses_memory(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client("resp-s1")
+    wire.enqueue(Reply(content="Hello Ada."), Reply(content="You are Ada."))
+    first = await client.responses.create(model=wire.model, input="My name is Ada.", instructions="Be brief.")
+    assert first.id.startswith("resp_") and first.output_text == "Hello Ada." and first.status == "completed"
+    assert first.usage is not None and first.usage.output_tokens == 5
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="What is my name?")
+    second = raw.parse()
+    assert second.output_text == "You are Ada."
+    assert raw.headers["X-Memproxy-Reconcile"] == "append" and raw.headers["X-Session-Id"] == "resp-s1"
+    # The provider saw the first turn, and the session's system prompt, though the client sent neither.
+    assert wire.conversation() == [("system", "Be brief."), ("user", "My name is Ada."),
+                                   ("assistant", "Hello Ada."), ("user", "What is my name?")]
+    stored = await session_messages(proxy, "resp-s1")
+    assert [m["message"]["content"] for m in stored["messages"]] == [
+        "My name is Ada.", "Hello Ada.", "What is my name?", "You are Ada."]
+
+
+async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client(session=None)
+    wire.enqueue(Reply(content="Hi Ada."), Reply(content="Ada."), Reply(content="Hi Bob."))
+    first = await client.responses.create(model=wire.model, input="I am Ada.")
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="Who am I?",
+                                                          previous_response_id=first.id)
+    second = raw.parse()
+    assert raw.headers["X-Session-Id"] == first.id  # the chain's session is named by its first response
+    assert second.previous_response_id == first.id
+    assert wire.conversation() == [("user", "I am Ada."), ("assistant", "Hi Ada."), ("user", "Who am I?")]
+
+    # Continuing from the first response again forks: the provider sees only what led to it.
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="No, I am Bob.",
+                                                          previous_response_id=first.id)
+    assert raw.parse().output_text == "Hi Bob."
+    assert raw.headers["X-Memproxy-Reconcile"] == "edit" and raw.headers["X-Memproxy-Superseded"] == "2"
+    assert wire.conversation() == [("user", "I am Ada."), ("assistant", "Hi Ada."), ("user", "No, I am Bob.")]
+    # Nothing is forgotten: the superseded branch is kept; continuing from it is refused, not guessed.
+    shown = await session_messages(proxy, first.id)
+    assert [m["message"]["content"] for branch in shown["superseded"] for m in branch["messages"]] == [
+        "Who am I?", "Ada."]
+    with pytest.raises(openai.ConflictError):
+        await client.responses.create(model=wire.model, input="x", previous_response_id=second.id)
+
+
+async def test_conversation_names_the_session(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client(session=None)
+    await client.responses.create(model=wire.model, input="Remember 42.", conversation="conv_7")
+    reply = await client.responses.create(model=wire.model, input="Which number?", conversation={"id": "conv_7"})
+    assert reply.conversation is not None and reply.conversation.id == "conv_7"
+    assert wire.conversation()[0] == ("user", "Remember 42.")
+    # The header and the conversation must agree.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await proxy.client("other").responses.create(model=wire.model, input="x", conversation="conv_7")
+    assert refused.value.body["param"] == "conversation"  # type: ignore[index]
+    agreed = await proxy.client("conv_7").responses.create(model=wire.model, input="Again?",
+                                                           conversation="conv_7")
+    assert agreed.output_text
+    assert len(wire.requests()) == 3
+
+
+async def test_a_tool_round_trip_through_previous_response_id(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client(session=None)
+    wire.enqueue(Reply(tool_calls=[{"id": "call_w1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]),
+                 Reply(content="Sunny in Paris."))
+    first = await client.responses.create(model=wire.model, input="Weather in Paris?", tools=[WEATHER_TOOL])
+    [call_item] = [item for item in first.output if item.type == "function_call"]
+    assert (call_item.call_id, call_item.name, json.loads(call_item.arguments)) == (
+        "call_w1", "get_weather", {"city": "Paris"})
+    second = await client.responses.create(
+        model=wire.model, previous_response_id=first.id, tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": "call_w1", "output": "sunny"}])
+    assert second.output_text == "Sunny in Paris."
+    assert wire.conversation() == [("user", "Weather in Paris?"), ("call", 'get_weather {"city":"Paris"}'),
+                                   ("tool", "sunny")]
+    body = wire.requests()[-1]
+    if wire.wire == "bridge":  # the tool went as a chat tool; the call and its result as a chat unit
+        assert body["tools"][0]["function"]["name"] == "get_weather"
+        assert body["messages"][1]["tool_calls"][0]["id"] == "call_w1"
+        assert body["messages"][2] == {"role": "tool", "tool_call_id": "call_w1", "content": "sunny"}
+    else:
+        assert body["tools"][0]["name"] == "get_weather" and body["store"] is False
+
+
+# --- streams ----------------------------------------------------------------------------------------
+
+
+async def test_a_stream_is_the_sdks_to_assemble_and_is_kept(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client("stream-s")
+    wire.enqueue(Reply(content="Streamed answer."),
+                 Reply(content="Calling.", tool_calls=[{"id": "call_s1", "type": "function",
+                                                        "function": {"name": "get_weather",
+                                                                     "arguments": '{"city":"Oslo"}'}}]))
+    kinds = []
+    async with client.responses.stream(model=wire.model, input="Say something.") as stream:
+        async for event in stream:
+            kinds.append(event.type)
+        final = await stream.get_final_response()
+    assert final.output_text == "Streamed answer."
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    status, kept = await call(proxy, "GET", f"/responses/{final.id}")
+    assert status == 200 and kept["output"][0]["content"][0]["text"] == "Streamed answer."
+
+    # With a tool call, streamed with `stream=True`; the next turn sees both turns.
+    events = await client.responses.create(model=wire.model, input="Weather?", tools=[WEATHER_TOOL], stream=True)
+    seen = [event async for event in events]
+    done = seen[-1]
+    assert done.type == "response.completed"
+    calls = [item for item in done.response.output if item.type == "function_call"]
+    assert [(c.call_id, c.arguments) for c in calls] == [("call_s1", '{"city":"Oslo"}')]
+    deltas = "".join(e.delta for e in seen if e.type == "response.function_call_arguments.delta")
+    assert deltas == '{"city":"Oslo"}'
+    await client.responses.create(model=wire.model, input=[
+        {"type": "function_call_output", "call_id": "call_s1", "output": "cold"}], tools=[WEATHER_TOOL])
+    assert wire.conversation() == [("user", "Say something."), ("assistant", "Streamed answer."),
+                                   ("user", "Weather?"), ("assistant", "Calling."),
+                                   ("call", 'get_weather {"city":"Oslo"}'), ("tool", "cold")]
+
+
+async def test_a_cut_stream_ends_with_an_error_event_and_stores_nothing(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client("cut-s")
+    wire.enqueue(Reply(content="This will be cut off.", cut_stream=True))
+    with pytest.raises(openai.APIError):
+        async with client.responses.stream(model=wire.model, input="Go.") as stream:
+            async for _ in stream:
+                pass
+    status, _ = await call(proxy, "GET", "/sessions/cut-s")
+    assert status == 404
+
+
+# --- kept responses ---------------------------------------------------------------------------------
+
+
+async def test_get_delete_and_input_items(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client(session=None)
+    created = await client.responses.create(model=wire.model, input=[
+        {"role": "user", "content": "first"}, {"type": "message", "role": "user",
+                                               "content": [{"type": "input_text", "text": "second"}]}])
+    got = await client.responses.retrieve(created.id)
+    assert got.model_dump() == created.model_dump()
+    items = await client.responses.input_items.list(created.id, order="asc")
+    assert [item.content[0].text if isinstance(item.content, list) else item.content  # type: ignore[union-attr]
+            for item in items.data] == ["first", "second"]
+    assert all(item.id for item in items.data)
+    newest = await client.responses.input_items.list(created.id, limit=1)
+    assert len(newest.data) == 1 and newest.has_more
+
+    # Another tenant sees none of it.
+    other = proxy.client(session=None, key=OTHER_KEY)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.create(model=wire.model, input="x", previous_response_id=created.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.delete(created.id)
+
+    await client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(created.id)
+    status, body = await call(proxy, "GET", f"/responses/{created.id}/input_items")
+    assert status == 404
+    assert_error(body, type="invalid_request_error", code="not_found", param="response_id")
+
+
+async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client(session=None)
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="Private.", store=False)
+    unkept = raw.parse()
+    assert unkept.store is False and unkept.output_text and "X-Session-Id" not in raw.headers
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unkept.id)
+    status, body = await call(proxy, "POST", "/responses",
+                              json={"model": wire.model, "input": "x", "previous_response_id": unkept.id})
+    assert status == 404
+    assert_error(body, type="invalid_request_error", code="previous_response_not_found",
+                 param="previous_response_id")
+    status, listed = await call(proxy, "GET", "/sessions")
+    assert status == 200 and listed["data"] == []
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x"}, "model"),
+    ({"model": "small"}, "input"),
+    ({"model": "small", "input": []}, "input"),
+    ({"model": "small", "input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"model": "small", "input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+    ({"model": "small", "input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"model": "small", "input": "x", "stream": "yes"}, "stream"),
+    ({"model": "small", "input": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "small", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": "small", "input": "x", "conversation": 7}, "conversation"),
+    ({"model": "small", "input": "x", "conversation": "c", "previous_response_id": "resp_x"}, "conversation"),
+    ({"model": "small", "input": "x", "tools": [7]}, "tools"),
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+])
+async def test_bad_input_is_an_openai_error_and_stores_nothing(
+        proxy: Proxy, upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
+    status, answer = await call(proxy, "POST", "/responses", json=body)
+    assert status == 400
+    assert_error(answer, type="invalid_request_error", code=None, param=param)
+    assert upstream.received == []
+    status, listed = await call(proxy, "GET", "/sessions")
+    assert listed["data"] == []
+
+
+async def test_an_unknown_model_and_an_admin_key_are_refused(proxy: Proxy) -> None:
+    status, body = await call(proxy, "POST", "/responses", json={"model": "nope", "input": "x"})
+    assert status == 404
+    assert_error(body, type="invalid_request_error", code="model_not_found", param="model")
+
+
+async def test_reasoning_is_kept_and_shown_but_not_resent(proxy: Proxy, wire: Upstream) -> None:
+    client = proxy.client("reasoning-s")
+    wire.enqueue(Reply(content="42.", reasoning_content="Six times seven."), Reply(content="Yes."))
+    first = await client.responses.create(model=wire.model, input="Six times seven?")
+    [reasoning] = [item for item in first.output if item.type == "reasoning"]
+    assert [s.text for s in reasoning.summary] == ["Six times seven."]
+    # A client that sends its history back, reasoning item included, is recognised (`continue`).
+    history: Any = [{"role": "user", "content": "Six times seven?"},
+                    *[item.model_dump(exclude_none=True) for item in first.output],
+                    {"role": "user", "content": "Sure?"}]
+    raw = await client.responses.with_raw_response.create(model=wire.model, input=history)
+    assert raw.headers["X-Memproxy-Reconcile"] == "continue"
+    assert wire.conversation() == [("user", "Six times seven?"), ("assistant", "42."), ("user", "Sure?")]
+    body = wire.requests()[-1]
+    assert "Six times seven." not in json.dumps(body)  # the finished exchange's reasoning stays home
+    stored = await session_messages(proxy, "reasoning-s")
+    assert stored["messages"][1]["message"]["reasoning_content"] == "Six times seven."
+
+
+async def test_responses_turns_are_summarised_and_recalled_like_chat(
+        start_proxy: Any, config: Config, wire: Upstream) -> None:
+    """A long Responses session on a 2,000-token window: older turns are folded into a rolling
+    summary (written by the summariser on the chat provider), and a question about a turn left out
+    brings it back through recall."""
+    memory = replace(config.memory, summaries=True, overflow="summarize", recall_tokens=None)
+    proxy = await start_proxy(replace(config, memory=memory))
+    summariser = wire.chat
+    summariser.summarizer = fact_summariser
+    client = proxy.client("long-responses")
+    headers: Any = None
+    await client.responses.create(model=wire.model, input="My locker code is ZEBRA-7731, remember it.")
+    for turn in range(12):
+        raw = await client.responses.with_raw_response.create(
+            model=wire.model, input=f"Note FACT-{turn}: {words(60, turn)}")
+        headers = raw.headers
+        await proxy.app[SUMMARIZER].wait_idle()
+    assert headers is not None and int(headers["X-Memproxy-Stored-Omitted"]) > 0
+    assert summariser.summary_requests(), "no summary was written"
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="What is my locker code ZEBRA?")
+    assert int(raw.headers["X-Memproxy-Summary-Version"]) >= 1
+    sent = json.dumps(wire.requests()[-1])
+    assert "Known facts" in sent  # the summary went in front of the kept turns
+    assert int(raw.headers["X-Memproxy-Recalled"]) >= 1 and "ZEBRA-7731" in sent
+
+
+# --- one session, both APIs ---------------------------------------------------------------------------
+
+
+async def test_one_session_continued_from_chat_then_responses_and_back(
+        proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client("both-apis")
+    upstream.enqueue(Reply(content="Noted: blue."), Reply(content="Blue."), Reply(content="Still blue."))
+    await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "I like blue."}])
+    answer = await client.responses.create(model="small", input="Which colour do I like?")
+    assert answer.output_text == "Blue."
+    assert [m["content"] for m in upstream.last().messages] == ["I like blue.", "Noted: blue.",
+                                                                "Which colour do I like?"]
+    # Back on chat, resending the whole history as a chat client does: recognised, not duplicated.
+    raw = await client.chat.completions.with_raw_response.create(model="small", messages=[
+        {"role": "user", "content": "I like blue."}, {"role": "assistant", "content": "Noted: blue."},
+        {"role": "user", "content": "Which colour do I like?"}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Sure?"}])
+    assert raw.headers["X-Memproxy-Reconcile"] == "continue"
+    assert len(upstream.last().messages) == 5
+
+
+# --- the OpenAI Agents SDK on its default Responses model -------------------------------------------
+
+
+async def test_openai_agents_sdk_on_its_responses_model(proxy: Proxy, wire: Upstream) -> None:
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"rainy in {city}"
+
+    agent = agents.Agent(name="assistant", instructions="You help with weather.", tools=[get_weather],
+                         model=agents.OpenAIResponsesModel(model=wire.model, openai_client=proxy.client("agent-s")))
+    wire.enqueue(Reply(tool_calls=[{"id": "call_a1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city":"Lima"}'}}]),
+                 Reply(content="It is rainy in Lima."), Reply(content="You asked about Lima."))
+    first = await agents.Runner.run(agent, "Weather in Lima?")
+    assert first.final_output == "It is rainy in Lima."
+    # Within the run the SDK resent the whole run's items: recognised, so the call is stored once.
+    assert wire.conversation() == [("system", "You help with weather."), ("user", "Weather in Lima?"),
+                                   ("call", 'get_weather {"city":"Lima"}'), ("tool", "rainy in Lima")]
+    second = await agents.Runner.run(agent, "Which city did I ask about?")
+    assert second.final_output == "You asked about Lima."
+    assert wire.conversation() == [("system", "You help with weather."), ("user", "Weather in Lima?"),
+                                   ("call", 'get_weather {"city":"Lima"}'), ("tool", "rainy in Lima"),
+                                   ("assistant", "It is rainy in Lima."), ("user", "Which city did I ask about?")]
+    # Streamed, the SDK assembles the answer from the events.
+    wire.enqueue(Reply(content="Still Lima."))
+    streamed = agents.Runner.run_streamed(agent, "And now?")
+    async for _ in streamed.stream_events():
+        pass
+    assert streamed.final_output == "Still Lima."
+    assert wire.conversation()[-2:] == [("assistant", "You asked about Lima."), ("user", "And now?")]
+    stored = await session_messages(proxy, "agent-s")
+    assert [m["message"]["role"] for m in stored["messages"]] == [
+        "user", "assistant", "tool", "assistant", "user", "assistant", "user", "assistant"]
