@@ -137,6 +137,9 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
 ) -> None:
     victim = pool.workers()[0]
     os.kill(victim.pid, signal.SIGKILL)
+    # Connections the kernel queued on the dying worker's socket die with it (as they would under any
+    # pre-forked server); once it is gone its socket has left the port, and the other takes them all.
+    await asyncio.get_running_loop().run_in_executor(None, victim.wait, 30)
     session = f"after-kill-{uuid.uuid4().hex[:8]}"
     c = client(pool, session)
     try:  # the other worker serves meanwhile
