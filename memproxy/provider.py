@@ -24,13 +24,14 @@ memproxy's own requests (summaries) always go through litellm, translated for th
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
 import logging
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -273,20 +274,23 @@ class Provider:
         """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
-        return await self._first_chunk(self._acompletion(self._kwargs(model, messages, {**params, "stream": True})))
+        return await self._first_chunk(self._acompletion(self._kwargs(model, messages, {**params, "stream": True})),
+                                       _dumped_chunk)
 
-    async def _first_chunk(self, call: Awaitable[Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """litellm's stream of `call`, as dicts; its first chunk is awaited here, so that an early
-        error raises before anything is sent to the client."""
+    async def _first_chunk(self, call: Awaitable[Any], dump: Callable[[Any], dict[str, Any]]
+                           ) -> AsyncGenerator[dict[str, Any], None]:
+        """litellm's stream of `call` (chat chunks or Responses events), each as `dump` makes it a
+        dict; its first item is awaited here, so that an early error raises before anything is
+        sent to the client."""
         try:
             response = await call
             iterator = response.__aiter__()
             first = await iterator.__anext__()
         except StopAsyncIteration:
-            return _chunks(None, None, self)
+            return _chunks(None, None, self, dump)
         except Exception as exc:
             raise self.upstream_error(exc) from exc
-        return _chunks(first, iterator, self)
+        return _chunks(first, iterator, self, dump)
 
     # --- the other OpenAI endpoints, passed through: `params` is the client's body, whose `model`
     # the model's provider name replaces. memproxy's own client relays them to an OpenAI-compatible
@@ -306,7 +310,7 @@ class Provider:
         params = {**params, "stream": True}
         if self._native[model.name]:
             return await self._openai.stream_at(model, PATHS["completions"], params)
-        return await self._first_chunk(self._call_litellm("completions", model, params))
+        return await self._first_chunk(self._call_litellm("completions", model, params), _dumped_chunk)
 
     async def transcribe(self, model: ModelConfig, fields: Sequence[tuple[str, str]], audio: AudioFile
                          ) -> dict[str, Any] | str:
@@ -412,14 +416,7 @@ class Provider:
                              ) -> AsyncGenerator[dict[str, Any], None]:
         """The provider's Responses stream, its events as dicts; the first is awaited here."""
         kwargs = {**self._responses_kwargs(model, items, params), "stream": True}
-        try:
-            events = (await self._litellm.aresponses(**kwargs)).__aiter__()
-            first = await events.__anext__()
-        except StopAsyncIteration:
-            return _responses_events(None, None, self)
-        except Exception as exc:
-            raise self.upstream_error(exc) from exc
-        return _responses_events(first, events, self)
+        return await self._first_chunk(self._litellm.aresponses(**kwargs), _dumped)
 
     def _responses_kwargs(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]
                           ) -> dict[str, Any]:
@@ -627,15 +624,20 @@ def transport(model: ModelConfig) -> Route:
     return "openai" if model.model.startswith(PREFIX) else "litellm"
 
 
+def _dumped_chunk(chunk: Any) -> dict[str, Any]:
+    result: dict[str, Any] = chunk.model_dump(exclude_none=True)
+    return result
+
+
 async def _chunks(
-    first: Any, rest: AsyncIterator[Any] | None, provider: Provider
+    first: Any, rest: AsyncIterator[Any] | None, provider: Provider, dump: Callable[[Any], dict[str, Any]]
 ) -> AsyncGenerator[dict[str, Any], None]:
     if first is None or rest is None:
         return
-    yield first.model_dump(exclude_none=True)
+    yield dump(first)
     try:
         async for chunk in rest:
-            yield chunk.model_dump(exclude_none=True)
+            yield dump(chunk)
     except Exception as exc:
         if _caused_by(exc, (aiohttp.ClientPayloadError, ConnectionError)):  # litellm calls it a 500
             raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
@@ -648,6 +650,7 @@ def _responses_bridge() -> Any:
     return module.LiteLLMCompletionResponsesConfig
 
 
+@functools.cache
 def _responses_parameters(litellm: Any) -> frozenset[str]:
     """The parameters `litellm.aresponses` names (the rest go in `extra_body`)."""
     return frozenset(inspect.signature(litellm.aresponses).parameters) - {"kwargs", "extra_body"}
@@ -669,17 +672,3 @@ def _dumped(value: Any) -> dict[str, Any]:
     every dump: the values are right, so the warning is not raised."""
     result: dict[str, Any] = value.model_dump(exclude_none=True, warnings=False)
     return result
-
-
-async def _responses_events(
-    first: Any, rest: AsyncIterator[Any] | None, provider: Provider
-) -> AsyncGenerator[dict[str, Any], None]:
-    """A Responses stream's events as dicts (`_chunks`, for litellm's Responses events)."""
-    if first is None or rest is None:
-        return
-    yield _dumped(first)
-    try:
-        async for event in rest:
-            yield _dumped(event)
-    except Exception as exc:
-        raise provider.upstream_error(exc) from exc

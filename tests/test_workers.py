@@ -28,6 +28,7 @@ from db import rows
 from fake_upstream import FakeUpstream, Reply
 from helpers import assistant, until, user
 from memproxy.config import StorageConfig
+from memproxy.workers import supervise
 from processes import Served, serve, storage_section, store_for_processes, write_config
 
 WORKERS = 2
@@ -154,3 +155,12 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
 
     await until(replaced, "the dead worker is replaced and listens", timeout=120.0, interval=0.2)
     assert "exited with -9; starting it again" in pool.served.log.read_text()
+
+
+async def test_a_worker_that_stops_before_it_listens_stops_the_start(tmp_path: Path) -> None:
+    """The supervisor itself, its workers given a config that does not exist: each exits at once
+    without listening, and the start fails with exit code 1 rather than restarting them forever."""
+    missing = tmp_path / "missing.yaml"
+    code = await supervise(WORKERS, "127.0.0.1", 0, lambda port, ready_fd: [
+        "serve", "-c", str(missing), "--port", str(port), "--ready-fd", str(ready_fd)])
+    assert code == 1
