@@ -127,7 +127,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if server.workers > 1 and args.ready_fd is None:
             return _supervise(args, config)
         log.debug("starting: importing litellm")
-        load_litellm()  # here, where a stop signal interrupts it at once; the provider finds it loaded
+        # here, where a stop signal interrupts it at once; the provider finds it loaded
+        load_litellm(observed=bool(config.litellm.callbacks))
         asyncio.run(_serve(config, args.ready_fd))
     except ConfigError as exc:  # found while starting: the store would not open, the port is taken
         return _refuse([exc], args.config)

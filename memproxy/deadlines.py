@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 from aiohttp import web
 
@@ -59,8 +60,8 @@ class DeadlinedConnection(asyncio.Protocol):
         self._closing = False  # a 408 went out: no more requests on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # a stream transport, though not necessarily `asyncio.Transport`'s subclass (uvloop's is not)
+        self._transport = cast(asyncio.Transport, transport)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:

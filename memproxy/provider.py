@@ -72,8 +72,17 @@ class AudioFile:
     content_type: str
 
 
-def load_litellm() -> Any:
+def load_litellm(observed: bool = True) -> Any:
+    """litellm, imported and set up once per process. `observed`: whether callbacks
+    (`litellm.callbacks` in the config) will read what litellm logs of each call."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    if not observed:
+        # After every call litellm builds a logging payload for its callbacks, and in it a copy of
+        # every message with long base64 strings (inline images) cut short: a walk over the whole
+        # conversation, some 2 us a message, long after the answer is relayed but on the same event
+        # loop as the next turns. With no callback to read it, the copy is skipped (0 turns the
+        # cutting off); litellm reads the setting once, at import.
+        os.environ.setdefault("MAX_BASE64_LENGTH_FOR_LOGGING", "0")
     # litellm's OpenAI-compatible chat providers through litellm's own HTTP handler (its provider
     # config and its pooled client) instead of the OpenAI SDK, whose request "transform" walks every
     # message against the SDK's type hints: ~0.3 ms a message on every call, the whole history

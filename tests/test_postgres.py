@@ -88,8 +88,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "active_range": ((1, 30, 50), "messages_active_seq"),
         "current_summary": ((1, 60), "summaries_session_pk_version_key"),
         "snapshot_summary": ((1, 60), "summaries_session_pk_version_key"),
-        "head": ((300, 300, 300, 300, 300, 1.0, 40, 1, 1.0, 30, 1, "t", "s1", 300, 300, 300, 1.0, 40, 1, 40, "t", "s1",
-                  300, 300, 300, 1.0, 40, 1, 30, "t", "s1"), "messages_fit_compact"),
+        "head": ((300, 300, 300, 1.0, 40, 1, "t", "s1", 300, 300, 1.0, 30, 1, 40, 40, 30), "messages_fit_compact"),
         "newest_chat_turn": (("t", "s1"), "turns_session"),
         "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
@@ -158,6 +157,38 @@ async def test_queries_that_serve_a_turn_use_indexes_on_postgres(postgres: Store
             assert re.search(rf"(using|Bitmap Index Scan on) {index} ", shown), f"{name} does not use {index}:\n{shown}"
     finally:
         await conn.close()
+
+
+async def test_a_turn_on_a_long_cached_session_reads_only_what_is_new(postgres: StoreUnderTest) -> None:
+    """`load` on a session of 1,200 messages whose history the cache holds: the statement that checks
+    the cache and reads the rest touches a handful of rows, not the session's every message (the
+    bounds of each message range are worked out once, before the range is read; a plan that
+    filters every message of the session by them grows with the conversation)."""
+    store = await postgres.open()
+    try:
+        await conversation(store, "t", "long", 450)  # 1,200 messages: a tool exchange every third turn
+        session = await store.get_session("t", "long")
+        assert session is not None and session.length == 1200
+    finally:
+        await store.close()
+    await postgres.query("ANALYZE")
+    [(last_id,)] = await postgres.query(
+        "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?", session.pk, session.length - 1)
+    room, held = 1_000_000, (session.created_at, session.length - 1, last_id)  # everything fits; all cached
+    params = (room, room, room, *held, "t", "long", room, room, -1.0, -1, -1, *held[1:2], *held[1:2], 0)
+    conn = await _connect(postgres)
+    try:
+        answer = await conn.fetch(numbered(QUERIES["head"]), *params)
+        plan = [r[0] for r in await conn.fetch("EXPLAIN (ANALYZE) " + numbered(QUERIES["head"]), *params)]
+    finally:
+        await conn.close()
+    shown = "\n".join(plan)
+    assert [row[0] for row in answer] == [0], shown  # the session's row alone: every message is cached
+    read = [int(rows) * int(loops) for rows, loops in re.findall(r" on messages .*rows=(\d+) loops=(\d+)", shown)]
+    assert sum(read) <= 8, shown  # single-row lookups: the newest message, the marks, the cache's check
+    removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", shown)]
+    assert sum(removed) <= 2, shown
+    assert all(int(loops) == 1 for loops in re.findall(r"loops=(\d+)", shown)), shown
 
 
 async def _connect(under_test: StoreUnderTest) -> asyncpg.Connection:

@@ -426,7 +426,8 @@ def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:
             sql = sql.format(marks="?,?,?")
             params = [1] * sql.count("?")
             plan = " | ".join(row[3] for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
-            assert "SCAN" not in re.sub(r"SCAN (\d+ )?CONSTANT", "", plan), f"{name}: {plan}"
+            # a list of constants, or `head`'s one row worked out before its message ranges are read
+            assert "SCAN" not in re.sub(r"SCAN (\d+ )?CONSTANT|SCAN h\b", "", plan), f"{name}: {plan}"
             assert "INDEX" in plan, f"{name}: {plan}"
 
 

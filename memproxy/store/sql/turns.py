@@ -89,30 +89,35 @@ QUERIES = {
     " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
     " WHERE r.tenant = ? AND r.id = ?",
     # `load`: a session and its snapshot at the head, in one statement (one read of one state, one
-    # trip), its rows told apart by the first column. 0: the session row with its newest message,
-    # its marks (`_HEAD_MARKS`), its newest summary with the totals where it ends (null if that
-    # history has changed since), where the messages to read start, its first active position, and
-    # whether the cached history (`memproxy.store.history_cache`) still holds: the same session (by
-    # its creation time) with the newest cached message, by position and row id, still active.
-    # 1: the messages any room up to `?` could send, in order (from the earliest of the last unit
-    # start and the first unit starts whose tails fit; all of them when the whole history fits),
-    # less those the cache holds when it holds. Last in every row (`_RECALL_FIELDS`): whether the
-    # session's recall index (`memproxy.store.recall_index`) still holds, by the same check as
-    # the cache's, in row 0; what the index reads of a message, in the others.
-    "head": "SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
+    # trip), its rows told apart by the first column. `h`, worked out once (materialised: a planner
+    # that folded it into the message scans would work it out again for every message of the
+    # session): the session's row id, where the messages to read start, and whether the cached
+    # history (`memproxy.store.history_cache`) still holds: the same session (by its creation time)
+    # with the newest cached message, by position and row id, still active. 0: the session row with
+    # its newest message, its marks (`_HEAD_MARKS`), its newest summary with the totals where it
+    # ends (null if that history has changed since), where the messages to read start, its first
+    # active position, and whether the cache holds. 1: the messages any room up to `?` could send,
+    # in order (from the earliest of the last unit start and the first unit starts whose tails fit;
+    # all of them when the whole history fits), less those the cache holds when it holds: each part
+    # an index range whose bounds are known before it is read. Last in every row
+    # (`_RECALL_FIELDS`): whether the session's recall index (`memproxy.store.recall_index`) still
+    # holds, by the same check as the cache's, in row 0; what the index reads of a message, in the
+    # others.
+    "head": "WITH h AS MATERIALIZED (SELECT s.pk, {start} AS lo, CASE WHEN {cached} THEN 1 ELSE 0 END AS holds"
+    " FROM sessions s WHERE s.tenant = ? AND s.session_id = ?)"
+    " SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
     " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
-    " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), {start},"
-    " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {cached} THEN 1 ELSE 0 END,"
-    " CASE WHEN {cached} THEN 1 ELSE 0 END, NULL, NULL, NULL, NULL, NULL FROM sessions s"
+    " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), h.lo,"
+    " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), h.holds,"
+    " CASE WHEN {cached} THEN 1 ELSE 0 END, NULL, NULL, NULL, NULL, NULL FROM h JOIN sessions s ON s.pk = h.pk"
     " LEFT JOIN messages hm ON hm.session_pk = s.pk AND hm.active = 1 AND hm.seq = s.length - 1"
     " LEFT JOIN summaries su ON su.session_pk = s.pk AND su.version = s.summary_version"
     " LEFT JOIN messages sm ON sm.session_pk = su.session_pk AND sm.active = 1 AND sm.seq = su.covers - 1"
-    " AND sm.chain_hash = su.covers_hash WHERE s.tenant = ? AND s.session_id = ?"
-    " UNION ALL {messages} AND m.seq >= (SELECT max(column1) FROM (VALUES ({start}),"
-    " (CASE WHEN {cached} THEN ? + 1 ELSE 0 END)) w) WHERE s.tenant = ? AND s.session_id = ?"
-    " UNION ALL {messages} AND m.seq >= {start} AND m.seq < CASE WHEN {cached} THEN ? ELSE 0 END"
-    " WHERE s.tenant = ? AND s.session_id = ? ORDER BY 1, 2",
+    " AND sm.chain_hash = su.covers_hash"
+    " UNION ALL {messages} AND m.seq >= CASE WHEN h.holds = 1 AND ? + 1 > h.lo THEN ? + 1 ELSE h.lo END"
+    " UNION ALL {messages} AND m.seq >= h.lo AND m.seq < CASE WHEN h.holds = 1 THEN ? ELSE 0 END"
+    " ORDER BY 1, 2",
     # What recording a turn looks up as it writes: the newest chat turn (its messages' turn; chat
     # turns on a session are written one at a time, under its row's lock, a summariser call's
     # `summary` turn is not), a message's parent, and what an edit supersedes.
@@ -125,8 +130,7 @@ _NULLS = ", ".join(["NULL"] * (_SESSION_FIELDS + len(_HEAD_MARKS) + _SUMMARY_FIE
 QUERIES["head"] = QUERIES["head"].format(
     messages="SELECT 1, m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
     f" m.compact_tokens, m.compact_cum_before, m.id, {_NULLS}, NULL, m.role, m.recall_text, m.recall_tokens,"
-    " m.search_text, m.created_at FROM sessions s JOIN messages m ON m.session_pk = s.pk"
-    " AND m.active = 1",
+    " m.search_text, m.created_at FROM h JOIN messages m ON m.session_pk = h.pk AND m.active = 1",
     all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * (_MESSAGE_FIELDS + 1)),
     start=f"CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES (coalesce({_HEAD_MARKS[0]},"
     f" s.length)), (coalesce({_HEAD_MARKS[2]}, s.length)), (coalesce({_HEAD_MARKS[3]}, s.length))) v) END",
@@ -152,9 +156,8 @@ class SQLTurns(SQLBase):
         held = (created, last, last_id)
         index = self._recall_index.get(key)
         indexed = (index.created, index.end - 1, index.ids[-1]) if index and index.ids else (-1.0, -1, -1)
-        rows = await self._fetch(QUERIES["head"], (room, room, room, room, room, *held, *indexed, *key,
-                                                   room, room, room, *held, last, *key,
-                                                   room, room, room, *held, first, *key))
+        rows = await self._fetch(QUERIES["head"], (room, room, room, *held, *key, room, room, *indexed,
+                                                   last, last, first))
         if not rows:
             self._history.discard(key)
             return None
