@@ -7,7 +7,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -298,18 +298,20 @@ async def test_upstream_timeout_is_504(
     assert stored_rows(config) == {table: [] for table in TABLES}
 
 
-def closed_port() -> int:
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port on which nothing listens, held for the test: bound but not listening, it refuses every
+    connection, and no other test's server (xdist runs several at once) can take it meanwhile."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+        yield sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_unreachable_upstream_is_502(
-    start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config, stream: bool
+    start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config, stream: bool, closed_port: int
 ) -> None:
-    config = replace_model(config, api_base=f"http://127.0.0.1:{closed_port()}/v1")
+    config = replace_model(config, api_base=f"http://127.0.0.1:{closed_port}/v1")
     proxy: Proxy = await start_proxy(config)
     with pytest.raises(openai.APIStatusError) as caught:
         await proxy.client().chat.completions.create(model="small", messages=[USER], stream=stream)

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from conftest import PROXY_KEY, Proxy, replace_model
-from test_errors import closed_port
+from test_errors import closed_port  # noqa: F401  (a fixture)
 from db import rows
 from memproxy.config import Config, ModelConfig
 from memproxy.provider import transport as route_of
@@ -180,7 +180,7 @@ async def test_base_url_and_key_default_to_the_openai_environment(
 @pytest.mark.parametrize("bypass", [False, True], ids=["through-proxy", "no-proxy"])
 async def test_proxy_environment_is_honoured(
     start_proxy: Callable[[Config], Any], config: Config, provider: tuple[RawProvider, str],
-    monkeypatch: pytest.MonkeyPatch, bypass: bool,
+    monkeypatch: pytest.MonkeyPatch, bypass: bool, closed_port: int,
 ) -> None:
     """HTTP_PROXY routes the call through a proxy (here the raw server plays it, in front of a
     provider address that does not answer); NO_PROXY exempts the provider's host."""
@@ -190,7 +190,7 @@ async def test_proxy_environment_is_honoured(
     monkeypatch.setenv("HTTP_PROXY", url.removesuffix("/v1"))
     if bypass:
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    proxy: Proxy = await start_proxy(replace_model(config, api_base=f"http://127.0.0.1:{closed_port()}/v1"))
+    proxy: Proxy = await start_proxy(replace_model(config, api_base=f"http://127.0.0.1:{closed_port}/v1"))
     answer = {"id": "x", "object": "chat.completion", "created": 1, "model": "small",
               "choices": [{"index": 0, "message": {"role": "assistant", "content": "via proxy"},
                            "finish_reason": "stop"}]}

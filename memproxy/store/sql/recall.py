@@ -34,20 +34,24 @@ _STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`), a few 
 _LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, a token of its messages
 _TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
-# one statement. Row 0: the session's first active position, whether the index still holds (the
-# same session, by its creation time, with the newest indexed message, by position and row id,
-# still active), whether the message at position `before` starts a unit (null: none there), and
-# the session's creation time. Then the active messages not indexed yet before `before`: after the
-# index where it holds, from the start where it does not.
+# one statement. `h`, worked out once (as `load`'s head query does: not again for every message):
+# the session's row id and creation time, and whether the index still holds (the same session, by
+# its creation time, with the newest indexed message, by position and row id, still active). Row
+# 0: the session's first active position, whether the index holds, whether the message at position
+# `before` starts a unit (null: none there), and the session's creation time. Then the active
+# messages not indexed yet before `before`: after the index where it holds, from the start where
+# it does not.
 _HOLDS = ("(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
           " AND c.seq = ? AND c.id = ?))")
 _INDEX_READ = (
-    f"SELECT 0, (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), CASE WHEN {_HOLDS}"
-    " THEN 1 ELSE 0 END, NULL, (SELECT unit_start FROM messages WHERE session_pk = s.pk AND active = 1 AND seq = ?),"
-    " NULL, NULL, NULL, s.created_at, NULL FROM sessions s WHERE s.pk = ?"
+    f"WITH h AS MATERIALIZED (SELECT s.pk, s.created_at, CASE WHEN {_HOLDS} THEN 1 ELSE 0 END AS holds"
+    " FROM sessions s WHERE s.pk = ?)"
+    " SELECT 0, (SELECT min(seq) FROM messages WHERE session_pk = h.pk AND active = 1), h.holds, NULL,"
+    " (SELECT unit_start FROM messages WHERE session_pk = h.pk AND active = 1 AND seq = ?),"
+    " NULL, NULL, NULL, h.created_at, NULL FROM h"
     " UNION ALL SELECT 1, m.seq, m.id, m.role, m.unit_start, m.recall_text, m.recall_tokens,"
-    " coalesce(m.compact_tokens, m.tokens), m.created_at, m.search_text FROM sessions s JOIN messages m"
-    f" ON m.session_pk = s.pk AND m.active = 1 WHERE s.pk = ? AND m.seq >= CASE WHEN {_HOLDS} THEN ? ELSE 0 END"
+    " coalesce(m.compact_tokens, m.tokens), m.created_at, m.search_text FROM h JOIN messages m"
+    " ON m.session_pk = h.pk AND m.active = 1 WHERE m.seq >= CASE WHEN h.holds = 1 THEN ? ELSE 0 END"
     " AND m.seq < ? ORDER BY 1, 2")
 
 
@@ -191,8 +195,7 @@ class SQLRecall(SQLBase):
         end = index.end if index else 0
         # Up to the head, not just `before`: the turns after this one find the index current
         # with what their load read (`Checked`).
-        rows = await self._fetch(_INDEX_READ, (*held, before, session.pk, session.pk, *held, end,
-                                               max(before, session.length)))
+        rows = await self._fetch(_INDEX_READ, (*held, session.pk, before, end, max(before, session.length)))
         if not rows or rows[0][0] != 0:
             self._recall_index.discard(key)
             return None
