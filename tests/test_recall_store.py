@@ -149,6 +149,29 @@ async def test_the_index_holds_exactly_the_active_messages(
         assert {(h.session_id, h.seq) for h in hits} == holding
 
 
+async def test_a_word_found_too_common_stays_so_only_while_the_session_can_hold_it(backend: StoreUnderTest) -> None:
+    """On the store's own index (no index in memory: a session too big for it), a word found too
+    common in a session is not asked again on that session's later turns; once the session is
+    cleared, or deleted and created again, it is asked again and found where it now is."""
+    store = await open_store(dataclasses.replace(backend.storage, recall_cache_mb=0))
+    try:
+        common = [m for k in range(COMMON_WORD_POSITIONS // 2 + 1) for m in (user(f"tide {k}"), assistant("tide"))]
+        session = await say(store, "s", common)
+        assert (await store.recall_postings(session, ["tide"], session.length)).words == [{}]
+        session = await say(store, "s", [user("more tide"), assistant("ok")])
+        assert (await store.recall_postings(session, ["tide"], session.length)).words == [{}]
+        await store.clear_session(session)
+        session = await say(store, "s", [user("tide"), assistant("ok"), user("later")])
+        assert (await store.recall_postings(session, ["tide"], session.length)).words == [{"s": [0]}]
+        session = await say(store, "s", common)
+        assert (await store.recall_postings(session, ["tide"], session.length)).words == [{}]
+        await store.delete_session(session)
+        again = await say(store, "s", [user("tide"), assistant("ok")])
+        assert (await store.recall_postings(again, ["tide"], again.length)).words == [{"s": [0]}]
+    finally:
+        await store.close()
+
+
 WORDS = ["harbour", "harbours", "running", "runs", "the", "café", "lighthouse", "keeper"]
 
 

@@ -33,3 +33,4 @@ class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
         self._recall_index = SessionCache(recall_cache_bytes)
         self._stem_cache = {}
         self._too_big = {}
+        self._common = {}

@@ -77,6 +77,13 @@ class SQLRecall(SQLBase):
     # it had then): recall asks the store's own index for them instead of building theirs again
     # every turn (a 10,000-message session of 400-word messages: 5 s a turn), until they shrink.
     _too_big: dict[tuple[str, str], tuple[float, int]]
+    # For those sessions: the words their store index holds too many positions of to rank by (by
+    # creation time, the length the session had when the first was found, the words). A session
+    # only grows by turns, and a word's positions with it, so each is asked of the store once: until
+    # the session is created again, or cleared or edited back to fewer messages than it had then.
+    # (A message cap deletes the oldest messages as the session grows: a word it leaves with just
+    # under the limit stays noted, among the session's most common words all the same.)
+    _common: dict[tuple[str, str], tuple[float, int, set[str]]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
                               end_user: str | None = None, checked: object = None) -> Postings:
@@ -103,16 +110,42 @@ class SQLRecall(SQLBase):
             scope += [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
         names = {pk: name for pk, name, _ in scope}
         found: list[dict[str, list[int]]] = [{} for _ in words]
-        if words:
+        common = self._common_words(session) if end_user is None else set()
+        asked = [i for i, word in enumerate(words) if word not in common]
+        if asked:
             sql, params = self._db.postings([(pk, session_key(session.tenant, name), end)
-                                             for pk, name, end in scope], words)
-            for i, pk, positions in await self._fetch(sql, params):
-                if positions:
-                    found[int(i)][names[int(pk)]] = _positions(positions)
-            # A word read at the limit is too common to rank by (`COMMON_WORD_POSITIONS`).
-            found = [{} if sum(map(len, by_session.values())) > COMMON_WORD_POSITIONS else by_session
-                     for by_session in found]
+                                             for pk, name, end in scope], [words[i] for i in asked])
+            rows = await self._fetch(sql, params)
+            # A word read at the limit is too common to rank by (`COMMON_WORD_POSITIONS`): counted,
+            # its positions are not parsed at all, and within one session it is not asked again.
+            counts = [0] * len(asked)
+            for i, _, positions in rows:
+                counts[int(i)] += _count(positions)
+            for i, pk, positions in rows:
+                if positions and counts[int(i)] <= COMMON_WORD_POSITIONS:
+                    found[asked[int(i)]][names[int(pk)]] = _positions(positions)
+            if end_user is None:
+                self._note_common(session, {words[asked[i]] for i, n in enumerate(counts) if n > COMMON_WORD_POSITIONS})
         return Postings({name: max(end, 0) for _, name, end in scope}, found)
+
+    def _common_words(self, session: SessionState) -> set[str]:
+        """The words found too common in the session's store index (`_common`), while they can be."""
+        noted = self._common.get((session.tenant, session.session_id))
+        if noted is None or noted[0] != session.created_at or session.length < noted[1]:
+            return set()
+        return noted[2]
+
+    def _note_common(self, session: SessionState, words: set[str]) -> None:
+        if not words:
+            return
+        key = (session.tenant, session.session_id)
+        known = self._common_words(session)
+        if not known:
+            if len(self._common) >= _TOO_BIG_KEPT:
+                self._common.clear()
+            self._common[key] = (session.created_at, session.length, set(words))
+        else:
+            known |= words
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
                               end_user: str | None = None, found: Postings | None = None) -> list[RecalledMessage]:
@@ -347,6 +380,13 @@ def _lines(indexed: _Indexed, spans: Sequence[tuple[int, int]]) -> list[Recalled
 
 def _starts_unit(row: Row | None) -> bool:
     return row is not None and bool(row[3])
+
+
+def _count(value: object) -> int:
+    """How many positions `_positions` would parse out of `value`."""
+    if isinstance(value, str):
+        return value.count(",") + 1 if value else 0
+    return len(value) if isinstance(value, (list, tuple)) else 0
 
 
 def _positions(value: object) -> list[int]:
