@@ -374,12 +374,20 @@ class Report:
                  "with a session header on the default transport (litellm): the product; its pass-through "
                  "and own-client figures are in section 1. Throughput "
                  "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
-                 "is one process, LiteLLM's proxy one worker per core (section 2). The verdict is on the "
+                 f"and LiteLLM's proxy run {self.workers_text()} (section 2). The verdict is on the "
                  "medians over rounds; beside it, the range the ratio took round by round.", "",
                  "| target | measured | ratio | ratio per round (min–max) | result |", "|---|---|---|---|---|")
         for name, measured, r, per_round, ok in self.targets():
             self.add(f"| {name} | {measured} | {r} | {per_round} | {verdict(ok)} |")
         self.add("")
+
+    def workers_text(self) -> str:
+        """How many processes the measured servers ran (older saved runs: memproxy in one)."""
+        s = self.r["meta"]["settings"]
+        workers = s["memproxy"].get("workers", 1)
+        if workers == s["litellm_proxy"]["workers"]:
+            return f"{workers} workers each, one per core"
+        return f"{workers} and {s['litellm_proxy']['workers']} workers"
 
     def section_machine(self) -> None:
         meta = self.r["meta"]
@@ -893,8 +901,8 @@ class Report:
                  "history sweep covers long sessions.",
                  "- Latency and CPU figures on a 2-core machine are shaped by the load generator and the fake "
                  "upstream competing with the proxy for the same cores; the ratios between paths measured "
-                 "side by side are what carries over. LiteLLM's proxy runs one worker per core, memproxy one "
-                 "process: throughput per core divides by the CPU time each actually used.",
+                 f"side by side are what carries over. memproxy and LiteLLM's proxy run {self.workers_text()}: "
+                 "throughput per core divides by the CPU time each actually used.",
                  "- Raw results: `bench-results.json` beside this page.", "")
 
     def write(self) -> Path:

@@ -137,10 +137,10 @@ QUICK = Plan(rounds=1, cpu_requests=10, concurrency={1: 3, 10: 20, 100: 100}, st
 
 def memproxy_config(upstream: str, db: Path | str, memory: dict[str, Any], window: int,
                     extra_models: dict[str, tuple[int, int]] | None = None, own_client: tuple[str, ...] = (),
-                    schema: str | None = None) -> str:
+                    schema: str | None = None, workers: int = 1) -> str:
     """The config of a memproxy run by the bench; `db` a SQLite file or a database URL,
     `extra_models` name -> (window, output reserve), those in `own_client` with `transport: openai`
-    (the others on the default, litellm)."""
+    (the others on the default, litellm); `workers` its processes (`serve --workers`)."""
     memory_lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in memory.items())
     extra = "".join(f"""\
   - name: {name}
@@ -157,6 +157,7 @@ def memproxy_config(upstream: str, db: Path | str, memory: dict[str, Any], windo
 server:
   host: 127.0.0.1
   port: 0
+  workers: {workers}
 storage:
   url: "{url}"
 {schema_line}models:
@@ -785,13 +786,16 @@ def versions(litellm_status: str) -> dict[str, str]:
             "litellm_proxy": litellm_status}
 
 
-def settings(plan: Plan, litellm_workers: int) -> dict[str, Any]:
+def settings(plan: Plan, litellm_workers: int, workers: int) -> dict[str, Any]:
     return {
         "plan": asdict(plan),
-        "memproxy": {"process": "one process (`memproxy serve`), SQLite store in a temp dir, log level INFO",
-                     "model": "openai/bench-model through memproxy's own OpenAI client (`transport: auto`), context"
-                              f" window {WINDOW} (sweep model: {SWEEP_WINDOW}); the \"via litellm\" path: the same model"
-                              " with `transport: litellm`",
+        "memproxy": {"process": f"`memproxy serve --workers {workers}` (one per core, as LiteLLM's proxy), SQLite"
+                                " store in a temp dir, log level INFO; the long sessions, token replay and recall"
+                                " phases on memproxies of one process each",
+                     "workers": workers,
+                     "model": "openai/bench-model through litellm (the default transport), context"
+                              f" window {WINDOW} (sweep model: {SWEEP_WINDOW}); the \"own client\" path: the same model"
+                              " with `transport: openai`",
                      "memory": BENCH_MEMORY, "auth": "one proxy key", "sweep_window": SWEEP_WINDOW},
         "litellm_proxy": {"workers": litellm_workers, "env": servers.LITELLM_ENV,
                           "config": servers.litellm_settings_text()},
@@ -813,7 +817,7 @@ async def measure_paths(args: argparse.Namespace, plan: Plan, processes: servers
     results["history_seed_s"] = await seed.seed_sessions(
         f"sqlite:///{db}", TENANT, plan.history_sizes, MemoryConfig(**BENCH_MEMORY), ENCODING)
     config = workdir / "memproxy.yaml"
-    config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
+    config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW, workers=workers))
     memproxy = servers.start_memproxy(processes, "memproxy", config)
     litellm = None
     if not args.no_litellm_proxy:
@@ -831,7 +835,7 @@ async def measure_paths(args: argparse.Namespace, plan: Plan, processes: servers
     if litellm is None and not args.no_litellm_proxy:
         print(f"bench: LiteLLM's proxy is not measured: {litellm_status}", file=sys.stderr, flush=True)
     results["meta"]["versions"] = versions(litellm_status)
-    results["meta"]["settings"] = settings(plan, workers)
+    results["meta"]["settings"] = settings(plan, workers, workers)
     watched = {"memproxy": memproxy, "upstream": upstream}
     if litellm is not None:
         watched["litellm-proxy"] = litellm
