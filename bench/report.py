@@ -613,16 +613,20 @@ class Report:
                          " tokens)" for t in turns]
                 self.add(f"| {store} | {LONG_TRANSPORTS[transport]} | " + " | ".join(cells) + " |")
         self.add("", "What still grows with the size sent is the request itself. The upstream call as memproxy "
-                 "times it (its own client, SQLite) beside the same body, as the upstream received it, sent "
-                 "straight to the upstream by the load generator (already serialised: the difference is "
-                 "memproxy serialising it and its HTTP client):", "",
-                 "| turns | request body | memproxy `upstream` p50 | direct, same body, p50 |", "|---|---|---|---|")
-        sqlite = long["stores"].get("sqlite", {}).get("openai", {})
+                 "times it (SQLite; on its own client, and through litellm, which also walks every message: "
+                 "its provider transformation, its logging) beside the same body, as the upstream received "
+                 "it, sent straight to the upstream by the load generator (already serialised: the "
+                 "difference is serialising it and the HTTP client):", "",
+                 "| turns | request body | `upstream` p50, own client | `upstream` p50, via litellm "
+                 "| direct, same body, p50 |", "|---|---|---|---|---|")
+        sqlite = long["stores"].get("sqlite", {})
+        own, via = sqlite.get("openai", {}), sqlite.get("litellm", {})
         for t in turns:
             direct = long["direct"].get(t)
-            if direct and t in sqlite:
-                self.add(f"| {int(t):,} | {direct['bytes'] / 1024:,.0f} KiB | {ms(stat(sqlite[t], 'upstream_p50'), 2)} ms "
-                         f"| {ms(direct['p50'], 2)} ms |")
+            if direct and t in own:
+                litellm = f"{ms(stat(via[t], 'upstream_p50'), 2)} ms" if t in via else "-"
+                self.add(f"| {int(t):,} | {direct['bytes'] / 1024:,.0f} KiB | {ms(stat(own[t], 'upstream_p50'), 2)} ms "
+                         f"| {litellm} | {ms(direct['p50'], 2)} ms |")
         seeded = ", ".join(f"{store} {took} s" for store, took in long.get("seed_s", {}).items())
         self.add("", f"Seeding took {seeded}.", "")
 
