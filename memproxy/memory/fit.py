@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import ContextLengthExceeded
-from ..messages import Message, starts_unit, without_reasoning
+from ..messages import Message, starts_unit
 from ..store import Snapshot, StoredMessage, Summary, Totals
 from ..tokens import TokenCounter
 from .shrink import dedupe_repeats
@@ -185,7 +185,7 @@ def fit(
     opening: list[Message] = []
     opening_tokens = 0
     if head and not whole and len(head) <= must_start:
-        opening, saved = drop_unanswered_calls([without_reasoning(m.body) for m in head], [m.tokens for m in head],
+        opening, saved = drop_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
                                               [], counter)
         opening_tokens = sum(m.tokens for m in head) - saved
         if must_tokens + opening_tokens <= available:
@@ -302,7 +302,7 @@ def _history(
     # reasoning never does (`without_reasoning`): where the form still holds it (trimming off, a
     # message stored before reasoning was left out), it goes now, still counted: never under.
     trim = memory.tool_output_max_tokens > 0
-    forms = [without_reasoning(m.compact if trim else m.body) for m in old]
+    forms = [m.settled_compact for m in old] if trim else [m.settled for m in old]
     tokens = [m.compact_tokens if trim else m.tokens for m in old] + [m.tokens for m in recent]
     old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
     deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)

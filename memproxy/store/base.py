@@ -17,11 +17,12 @@ passes the one contract suite in `tests/test_store_contract.py`.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-from ..messages import Message
+from ..messages import Message, without_reasoning
 
 # How a chat turn's messages matched the stored ones (`memory.reconcile`), kept with the turn.
 ChatKind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
@@ -63,6 +64,17 @@ class StoredMessage:
     @property
     def compact(self) -> Message:
         return self.compact_body if self.compact_body is not None else self.body
+
+    # How it is sent once its exchange is over (`without_reasoning`), as stored and in compact
+    # form: worked out once per decoded message, which the history cache keeps from turn to turn,
+    # not once per message per turn (a long session sent whole: thousands).
+    @functools.cached_property
+    def settled(self) -> Message:
+        return without_reasoning(self.body)
+
+    @functools.cached_property
+    def settled_compact(self) -> Message:
+        return without_reasoning(self.compact)
 
 
 @dataclass(frozen=True)
