@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,6 +44,8 @@ from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
 from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
+
+log = logging.getLogger("memproxy")
 
 # Client parameters that litellm would take as its own settings; they go upstream in extra_body.
 _RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
@@ -60,6 +63,7 @@ PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "comple
 _LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
                                        "moderations": "amoderation", "images": "aimage_generation",
                                        "transcriptions": "atranscription", "speech": "aspeech"}
+_SLOW_TOKENIZER_SECONDS = 2.0  # a tokenizer that took this long to load is said so (`LitellmCounter.load`)
 TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
 # Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
 _NUMBER_FIELDS = frozenset({"temperature"})
@@ -123,6 +127,19 @@ class LitellmCounter:
         with_tools = self._litellm.token_counter(model=self._model, messages=[], tools=list(tools))
         return int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
 
+    def load(self) -> None:
+        """Count once, so that litellm picks its tokenizer now. For some model names (Llama 2 and
+        3, Cohere's Command R) that is a Hugging Face tokenizer it downloads on first use, with
+        retries (about 25 s where there is no network, then it falls back to tiktoken): blocking,
+        so at start-up rather than in the first request, with every other one waiting behind it."""
+        started = time.perf_counter()
+        self.text("memproxy")
+        took = time.perf_counter() - started
+        if took >= _SLOW_TOKENIZER_SECONDS:
+            log.warning("litellm took %.1f s to load the tokenizer for %s (a Hugging Face download, cached"
+                        " once it succeeds; where there is no network, HF_HUB_OFFLINE=1 skips it, or set"
+                        " the model's tokenizer)", took, self._model)
+
 
 def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     """`models[index]`'s context window: as configured, else litellm's local model info."""
@@ -181,7 +198,9 @@ class Provider:
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
-            self._counters[model.name] = self._make_counter(model)
+            self._counters[model.name] = counter = self._make_counter(model)
+            if isinstance(counter, LitellmCounter):
+                counter.load()
             self._native[model.name] = transport(model) == "openai"
             self._reasoning[model.name] = _provider_of(model) in _OPENAI_LIKE and _reasons(self._litellm, model.model)
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(

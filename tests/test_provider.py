@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from aiohttp import web
 
 from memproxy.config import Config, ConfigError, ModelConfig, parse_config
-from memproxy.provider import LitellmCounter, Provider, check_provider, transport
+from memproxy.provider import _SLOW_TOKENIZER_SECONDS, LitellmCounter, Provider, check_provider, transport
 from memproxy.tokens import TiktokenCounter
+from threaded_server import ThreadedServer
 
 MESSAGE = {"role": "user", "content": "How many tokens is this sentence, roughly?"}
 
@@ -113,3 +121,40 @@ def test_the_readme_provider_configs_start_offline() -> None:
     asked = {name: provider._kwargs(m, [MESSAGE], {}).get("max_tokens") for name, m in by_name.items()
              if transport(m) == "litellm"}
     assert asked == {"claude": 4096, "gemini": None, "azure-gpt-4o": None, "llama": None, "qwen": None}
+
+
+def test_a_tokenizer_litellm_downloads_is_loaded_before_the_first_request(tmp_path: Path) -> None:
+    """litellm counts a Llama 3 model's tokens with a Hugging Face tokenizer it downloads on first
+    use, blocking (with retries, ~25 s where there is no network): the provider asks for it as it
+    starts, not in the first request. A fake Hugging Face Hub (HF_ENDPOINT) sees the download asked
+    for while the provider is made, before anything is counted; it answers 404, so litellm falls
+    back to tiktoken and the provider still starts. It answers slowly, as a network may: the
+    provider says how long the tokenizer took and what skips it."""
+    asked: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        if len(asked) == 1:
+            await asyncio.sleep(_SLOW_TOKENIZER_SECONDS)  # a slow network, not a wait for anything
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    hub = ThreadedServer("fake-hub")
+    port = hub.start(app)
+    try:
+        made = subprocess.run(
+            [sys.executable, "-c", "from memproxy.config import Config, ModelConfig\n"
+             "from memproxy.provider import Provider\n"
+             "Provider(Config(models=(ModelConfig(name='llama', model='hosted_vllm/meta-llama/Llama-3.1-8B-Instruct',"
+             " api_base='http://127.0.0.1:9/v1', context_window=8192),)))\n"
+             "print('made')\n"],
+            env={**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"),
+                 "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+            capture_output=True, text=True, timeout=120)
+    finally:
+        hub.stop()
+    assert made.returncode == 0 and made.stdout.strip() == "made", made.stderr
+    assert any("llama-3-tokenizer" in path for path in asked), asked
+    assert "to load the tokenizer for hosted_vllm/meta-llama/Llama-3.1-8B-Instruct" in made.stderr, made.stderr
+    assert "HF_HUB_OFFLINE=1" in made.stderr
