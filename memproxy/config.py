@@ -35,7 +35,6 @@ TOKENIZERS: tuple[Tokenizer, ...] = ("auto", "cl100k_base", "o200k_base", "litel
 StoreFailurePolicy = Literal["error", "passthrough"]
 STORE_FAILURE_POLICIES: tuple[StoreFailurePolicy, ...] = ("error", "passthrough")
 Transport = Literal["litellm", "openai", "auto"]  # `auto`: memproxy's own client for `openai/` models
-TRANSPORTS: tuple[Transport, ...] = ("litellm", "openai", "auto")
 # How `POST /v1/responses` reaches the model: `bridge` sends a chat completion (any provider, on the
 # model's transport) and answers in the Responses shape; `native` calls the provider's own Responses
 # API through litellm (`litellm.aresponses`).

@@ -455,12 +455,7 @@ class Provider:
         extra = {k: v for k, v in params.items() if k not in named and k != "model"}
         if extra:
             kwargs["extra_body"] = extra
-        kwargs.update(model=model.model, input=items, timeout=model.timeout_seconds)
-        if model.api_base:
-            kwargs["api_base"] = model.api_base
-        if model.api_key:
-            kwargs["api_key"] = model.api_key
-        return kwargs
+        return {**kwargs, **_target(model), "input": items}
 
     def upstream_error(self, exc: Exception) -> ProxyError:
         if isinstance(exc, ProxyError):
@@ -524,20 +519,20 @@ def _litellm_kwargs(model: ModelConfig, params: dict[str, Any]) -> dict[str, Any
     multiplies the wait). The body's own `model` is the client's name for it, replaced here."""
     native = {k: v for k, v in params.items() if k not in _RESERVED and k != "model"}
     extra = {k: v for k, v in params.items() if k in _RESERVED}
-    kwargs: dict[str, Any] = {
-        **native,
-        "model": model.model,
-        "timeout": model.timeout_seconds,
-        "max_retries": 0,
-        "allowed_openai_params": list(native),
-    }
+    kwargs: dict[str, Any] = {**native, **_target(model), "max_retries": 0, "allowed_openai_params": list(native)}
     if extra:
         kwargs["extra_body"] = extra
-    if model.api_base:
-        kwargs["api_base"] = model.api_base
-    if model.api_key:
-        kwargs["api_key"] = model.api_key
     return kwargs
+
+
+def _target(model: ModelConfig) -> dict[str, Any]:
+    """Where and how litellm calls the model: its provider name, endpoint, key and timeout."""
+    target: dict[str, Any] = {"model": model.model, "timeout": model.timeout_seconds}
+    if model.api_base:
+        target["api_base"] = model.api_base
+    if model.api_key:
+        target["api_key"] = model.api_key
+    return target
 
 
 def _sdk_route(litellm: Any, name: str) -> bool:

@@ -158,3 +158,19 @@ def test_a_tokenizer_litellm_downloads_is_loaded_before_the_first_request(tmp_pa
     assert any("llama-3-tokenizer" in path for path in asked), asked
     assert "to load the tokenizer for hosted_vllm/meta-llama/Llama-3.1-8B-Instruct" in made.stderr, made.stderr
     assert "HF_HUB_OFFLINE=1" in made.stderr
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_litellm_skips_copying_messages_for_its_logs_only_when_nothing_reads_them(observed: bool) -> None:
+    """After every call litellm copies every message into the logging payload it makes for its
+    callbacks (shortening inline images). Loaded for a config without callbacks it is told not to
+    (`MAX_BASE64_LENGTH_FOR_LOGGING` 0, read once at import); with callbacks, its default stays."""
+    env = {k: v for k, v in os.environ.items() if k != "MAX_BASE64_LENGTH_FOR_LOGGING"}
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from memproxy.provider import load_litellm\n"
+         f"load_litellm(observed={observed})\n"
+         "from litellm.litellm_core_utils import logging_utils\n"
+         "print(logging_utils.MAX_BASE64_LENGTH_FOR_LOGGING)\n"],
+        env={**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert (int(loaded.stdout.strip()) > 0) is observed

@@ -19,6 +19,12 @@ from .codec import ADD_TO_ROLLUP, USAGE_COLUMNS, USAGE_SUMS
 from .script import Backend, Row, Script, statement
 
 CHUNK = 500  # ids per statement, well under every placeholder limit
+# Whether what a cache in memory holds of session `s` (its history, its recall index) is still its
+# active history: the same session, by its creation time, with the newest cached message, by
+# position and row id, still active. Its `?`s: that creation time, position and row id. Stored rows
+# are never rewritten, so that one message stands for all before it (`memproxy.store.history_cache`).
+CACHE_HOLDS = ("(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
+               " AND c.seq = ? AND c.id = ?))")
 
 
 class SQLBase:

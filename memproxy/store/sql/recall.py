@@ -20,7 +20,7 @@ from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, 
 from ..recall_index import MESSAGE_OVERHEAD, Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import recall_text, search_text, text_out
-from .common import SQLBase
+from .common import CACHE_HOLDS, SQLBase
 from .script import Row, Script, Step
 
 _END = 2_147_483_647  # past any position
@@ -35,16 +35,13 @@ _LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, 
 _TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
 # one statement. `h`, worked out once (as `load`'s head query does: not again for every message):
-# the session's row id and creation time, and whether the index still holds (the same session, by
-# its creation time, with the newest indexed message, by position and row id, still active). Row
+# the session's row id and creation time, and whether the index still holds (`CACHE_HOLDS`). Row
 # 0: the session's first active position, whether the index holds, whether the message at position
 # `before` starts a unit (null: none there), and the session's creation time. Then the active
 # messages not indexed yet before `before`: after the index where it holds, from the start where
 # it does not.
-_HOLDS = ("(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
-          " AND c.seq = ? AND c.id = ?))")
 _INDEX_READ = (
-    f"WITH h AS MATERIALIZED (SELECT s.pk, s.created_at, CASE WHEN {_HOLDS} THEN 1 ELSE 0 END AS holds"
+    f"WITH h AS MATERIALIZED (SELECT s.pk, s.created_at, CASE WHEN {CACHE_HOLDS} THEN 1 ELSE 0 END AS holds"
     " FROM sessions s WHERE s.pk = ?)"
     " SELECT 0, (SELECT min(seq) FROM messages WHERE session_pk = h.pk AND active = 1), h.holds, NULL,"
     " (SELECT unit_start FROM messages WHERE session_pk = h.pk AND active = 1 AND seq = ?),"
@@ -138,14 +135,13 @@ class SQLRecall(SQLBase):
     def _note_common(self, session: SessionState, words: set[str]) -> None:
         if not words:
             return
-        key = (session.tenant, session.session_id)
         known = self._common_words(session)
-        if not known:
-            if len(self._common) >= _TOO_BIG_KEPT:
-                self._common.clear()
-            self._common[key] = (session.created_at, session.length, set(words))
-        else:
-            known |= words
+        if known:
+            known.update(words)  # the noted set itself: still valid from the length it was noted at
+            return
+        if len(self._common) >= _TOO_BIG_KEPT:
+            self._common.clear()
+        self._common[(session.tenant, session.session_id)] = (session.created_at, session.length, set(words))
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
                               end_user: str | None = None, found: Postings | None = None) -> list[RecalledMessage]:

@@ -24,7 +24,7 @@ from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
-from .common import CHUNK, SQLBase
+from .common import CACHE_HOLDS, CHUNK, SQLBase
 from .script import Backend, Outcome, Row, Script, Step
 
 # A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
@@ -92,8 +92,7 @@ QUERIES = {
     # trip), its rows told apart by the first column. `h`, worked out once (materialised: a planner
     # that folded it into the message scans would work it out again for every message of the
     # session): the session's row id, where the messages to read start, and whether the cached
-    # history (`memproxy.store.history_cache`) still holds: the same session (by its creation time)
-    # with the newest cached message, by position and row id, still active. 0: the session row with
+    # history (`memproxy.store.history_cache`) still holds (`CACHE_HOLDS`). 0: the session row with
     # its newest message, its marks (`_HEAD_MARKS`), its newest summary with the totals where it
     # ends (null if that history has changed since), where the messages to read start, its first
     # active position, and whether the cache holds. 1: the messages any room up to `?` could send,
@@ -134,8 +133,7 @@ QUERIES["head"] = QUERIES["head"].format(
     all_marks=", ".join(_HEAD_MARKS), message_nulls=", ".join(["NULL"] * (_MESSAGE_FIELDS + 1)),
     start=f"CASE WHEN s.head_cum <= ? THEN 0 ELSE (SELECT min(column1) FROM (VALUES (coalesce({_HEAD_MARKS[0]},"
     f" s.length)), (coalesce({_HEAD_MARKS[2]}, s.length)), (coalesce({_HEAD_MARKS[3]}, s.length))) v) END",
-    cached="(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
-    " AND c.seq = ? AND c.id = ?))")
+    cached=CACHE_HOLDS)
 
 
 class SQLTurns(SQLBase):
