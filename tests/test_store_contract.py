@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from db import opening_held
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
@@ -79,7 +80,7 @@ def turn(
 
 async def test_blank_database_gets_every_migration_once(open_store: Opener, backend: StoreUnderTest) -> None:
     # Four at once (replicas starting together) all open the new file, and apply each migration once:
-    # on SQLite the ones that find it locked while another migrates wait for it (`_set_wal`).
+    # on SQLite the ones that find it locked while another migrates wait for it (`_until_unlocked`).
     await asyncio.gather(*(open_store() for _ in range(4)))
     await open_store()  # opening again applies nothing twice
     ids = [row[0] for row in await backend.query("SELECT id FROM schema_migrations ORDER BY id")]
@@ -87,6 +88,23 @@ async def test_blank_database_gets_every_migration_once(open_store: Opener, back
     assert ids[:2] == ["0001_initial", "0002_summaries"]
     if backend.kind == "sqlite":
         assert (await backend.query("PRAGMA journal_mode"))[0][0] == "wal"
+
+
+async def test_an_opening_kept_waiting_ends_at_once_when_cancelled(backend: StoreUnderTest) -> None:
+    """Another process holds what opening needs (the SQLite file, the schema's migration lock), so
+    the opening waits, with a two-minute busy timeout; a stop signal's cancel then ends it promptly,
+    not when that wait would have run out, and leaves no connection behind."""
+    storage = dataclasses.replace(backend.storage, busy_timeout_ms=120_000)
+    with opening_held(storage):
+        opening = asyncio.ensure_future(open_store_config(storage))
+        done, _ = await asyncio.wait([opening], timeout=0.5)
+        assert not done, "the store opened while another process held it"
+        cancelled = time.monotonic()
+        opening.cancel()
+        await asyncio.wait([opening])
+        took = time.monotonic() - cancelled
+    assert opening.cancelled()
+    assert took < 5, f"the cancelled opening took {took:.1f} s to end"
 
 
 async def test_unknown_session_is_none(open_store: Opener) -> None:

@@ -93,13 +93,19 @@ async def checkpoint_log(conn: aiosqlite.Connection) -> tuple[int, int]:
 
 
 async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = False) -> aiosqlite.Connection:
+    """A connection set up with `pragmas` (and WAL mode), its busy timeout set last. Until then a
+    pragma that finds the file locked (another process migrating it, a `BEGIN EXCLUSIVE` elsewhere)
+    is retried here, on the event loop, until the busy timeout: SQLite's own busy handler would wait
+    on the connection's thread, where a stop signal's cancel cannot reach it (`sqlite3_interrupt`
+    does not end that wait), and closing the connection would then wait out the whole timeout."""
     conn = await _opened(path)
     try:
-        setup = [f"busy_timeout = {int(busy_timeout_ms)}", "foreign_keys = ON", "synchronous = NORMAL", *pragmas]
+        await conn.execute_fetchall("PRAGMA busy_timeout = 0")  # Python's default is five seconds
+        deadline = asyncio.get_running_loop().time() + busy_timeout_ms / 1000
+        setup = ["foreign_keys = ON", "synchronous = NORMAL", *pragmas, *(["journal_mode = WAL"] if wal else [])]
         for pragma in setup:
-            await conn.execute_fetchall(f"PRAGMA {pragma}")
-        if wal:
-            await _set_wal(conn, busy_timeout_ms)
+            await _until_unlocked(conn, f"PRAGMA {pragma}", deadline)
+        await conn.execute_fetchall(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
     except BaseException:
         await conn.close()  # else its thread outlives the loop that waits for it
         raise
@@ -121,16 +127,13 @@ async def _opened(path: str) -> aiosqlite.Connection:
         raise
 
 
-async def _set_wal(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
-    """WAL mode, waiting up to the busy timeout for a process that holds the file (another one
-    opening it and migrating): SQLite answers a journal mode change that finds the file locked
-    with "database is locked" at once, without its busy handler."""
+async def _until_unlocked(conn: aiosqlite.Connection, sql: str, deadline: float) -> None:
+    """Run `sql` on a connection with no busy timeout, again while the file is locked, until `deadline`."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + busy_timeout_ms / 1000
     pause = 0.005
     while True:
         try:
-            await conn.execute_fetchall("PRAGMA journal_mode = WAL")
+            await conn.execute_fetchall(sql)
             return
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) or loop.time() + pause > deadline:
