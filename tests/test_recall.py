@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -159,6 +160,68 @@ def test_rank_weighs_rare_words_above_common_ones_and_a_run_above_a_lone_mention
     late = recall.rank(found, 3, SESSION, 10, start=63)  # nothing before the opening turns' end
     assert late and all(r.seq >= 63 for r in late)
     assert recall.rank(postings(history, ["zzz"], 70), 3, SESSION, 10) == []
+
+
+def rank_by_definition(found: Postings, reach: int, session_id: str, start: int,
+                       weights: list[float]) -> dict[tuple[str, int], tuple[float, float, tuple[int, ...]]]:
+    """Every ranked position's (rank, own score, words held) as `rank`'s docstring and the module's note
+    define them, one position and one word at a time: the reference the vectorised `rank` must equal."""
+    lows = {sid: start if sid == session_id else 0 for sid in found.sizes}
+    sizes = {sid: max(size - lows[sid], 0) for sid, size in found.sizes.items()}
+    total = sum(sizes.values())
+    idf = recall._idf
+    held = [{sid: {p for p in ps if lows[sid] <= p < lows[sid] + sizes[sid]} for sid, ps in by.items()}
+            for by in found.words]
+    present = [i for i, by in enumerate(held) if any(by.values())]
+    question = sum(weights[i] for i in present) or 1.0
+    out = {}
+    for sid, n in sizes.items():
+        low = lows[sid]
+        plain, mine, words_of = [0.0] * n, [0.0] * n, [()] * n
+        for k in range(n):
+            p = low + k
+            words = tuple(i for i in present if p in held[i].get(sid, set()))
+            own = sum(idf(total, sum(map(len, held[i].values()))) * weights[i] for i in words)
+            own *= sum(weights[i] for i in words) / question
+            passage = 0.0
+            if reach > 0:
+                for i in present:
+                    if any(q in held[i].get(sid, set()) for q in (p - 1, p, p + 1)):
+                        inside = sum(len({q for p2 in ps for q in (p2 - 1, p2, p2 + 1)
+                                          if lows[s2] <= q < lows[s2] + sizes[s2]}) for s2, ps in held[i].items())
+                        passage += idf(total, inside) * weights[i]
+            plain[k], mine[k], words_of[k] = own + passage, own, words
+        for k in range(n):
+            score = sum(plain[j] * recall.DECAY ** abs(j - k) for j in range(max(k - reach, 0), min(k + reach + 1, n)))
+            if score > 0:
+                out[(sid, low + k)] = (score, mine[k], words_of[k])
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=3), reach=st.integers(0, 3),
+       limit=st.integers(1, 30), start=st.integers(0, 10), data=st.data())
+def test_rank_is_its_definition(sizes: list[int], reach: int, limit: int, start: int, data: st.DataObject) -> None:
+    """On any postings, over one session or several (`recall_scope: user`): `rank` returns the
+    best-ranked positions by the definition, best first, each with its own score and words."""
+    sessions = {(SESSION if k == 0 else f"other{k}"): size for k, size in enumerate(sizes)}
+    n_words = data.draw(st.integers(1, 6))
+    words = [{sid: sorted(data.draw(st.sets(st.integers(0, max(size - 1, 0)), max_size=size)))
+              for sid, size in sessions.items() if size} for _ in range(n_words)]
+    found = Postings(sessions, [{sid: ps for sid, ps in by.items() if ps} for by in words])
+    weights = data.draw(st.lists(st.sampled_from([1.0, 0.2]), min_size=n_words, max_size=n_words))
+    expected = rank_by_definition(found, reach, SESSION, start, weights)
+    ranked = recall.rank(found, reach, SESSION, limit, start=start, weights=weights)
+    assert len(ranked) == min(limit, len(expected))
+    for r in ranked:
+        score, own, words_held = expected[(r.session_id, r.seq)]
+        assert r.score == pytest.approx(score, rel=1e-9) and r.matched == words_held
+        assert r.hit == pytest.approx(own, rel=1e-9, abs=1e-12)
+    scores = [r.score for r in ranked]
+    assert all(a >= b - 1e-9 for a, b in zip(scores, scores[1:]))  # best first
+    taken = {(r.session_id, r.seq) for r in ranked}
+    least = min(scores, default=0.0)
+    assert all(score <= least + 1e-9 for key, (score, _, _) in expected.items() if key not in taken)
 
 
 def test_choose_sends_the_best_units_in_order_counted_exactly() -> None:

@@ -185,11 +185,11 @@ def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int
         scores += mine
         if kernel is not None:
             scores = np.convolve(scores, kernel)[reach : reach + scores.size]
-        count = min(limit, int(np.count_nonzero(scores)))
-        if count == 0:
+        best = np.flatnonzero(scores > 0)  # only these can be chosen: a few hundred of thousands
+        if not best.size:
             continue
-        best = np.argpartition(-scores, count - 1)[:count] if count < scores.size else np.arange(scores.size)
-        best = best[scores[best] > 0]
+        if best.size > limit:
+            best = best[np.argpartition(-scores[best], limit - 1)[:limit]]
         best_of.append((sid, best + lows[sid], scores[best], mine[best], held[sid][best]))
     if not best_of:
         return []
