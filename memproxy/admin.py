@@ -300,7 +300,8 @@ async def context(
     # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
                               tenant, session.session_id, list(new), params, "new",
-                              idle_ttl=config.retention.idle_ttl_seconds, preview=True, end_user=end_user)
+                              idle_ttl=config.retention.idle_ttl_seconds, preview=True, end_user=end_user,
+                              calibration=provider.calibration.factor(model.name))
     ctx, budget = turn.context, turn.budget
     schemas = prompt_schemas(params)
     sent = ctx.messages
@@ -343,7 +344,8 @@ async def context(
         "session_id": session.session_id,
         "model": model.name,
         "budget": {"window": budget.window, "output_reserve": budget.output_reserve,
-                   "safety_margin": budget.margin, "input_tokens": budget.input_tokens},
+                   "safety_margin": budget.margin, "input_tokens": budget.input_tokens,
+                   "calibration": budget.calibration, "planned_tokens": budget.planned_tokens},
         "tokens": ctx.tokens,
         "expired": turn.expired,
         "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize"

@@ -213,10 +213,12 @@ async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, sess
         return await _forward(request, exchange)
     exchange.headers[SESSION_HEADER] = session_id
     async with request.app[LOCKS].hold(tenant, session_id):
+        mode: HistoryMode | None = None
+        sent: list[Message] = exchange.messages
         try:
-            mode = None
             if planning is not None:
                 exchange.messages, mode = await planning()
+            sent = exchange.messages
             await _prepare(request, exchange, tenant, session_id, mode)
         except StoreUnavailable as exc:
             if config.storage.on_failure != "passthrough":
@@ -227,7 +229,36 @@ async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, sess
             request.app[METRICS].store_error("passthrough")
             exchange.turn = None
             exchange.headers.update({MEMORY_HEADER: "unavailable", STORED_HEADER: "false"})
+        try:
+            return await _forward(request, exchange)
+        except UpstreamError as exc:
+            if not _refused_for_length(request, exchange, exc):
+                raise
+        # The provider counts more than memproxy did: planned again for its count, and sent once more.
+        exchange.messages = sent
+        await _prepare(request, exchange, tenant, session_id, mode)
         return await _forward(request, exchange)
+
+
+def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamError) -> bool:
+    """Whether the provider refused the planned request as too long where memory can make it
+    shorter (it holds stored history, a summary or recalled turns); if so the model's calibration
+    is raised by what the refusal says (`memproxy.calibration`)."""
+    turn = exchange.turn
+    app = request.app
+    if exc.code != "context_length_exceeded" or turn is None or not app[CONFIG].memory.calibrate_tokens:
+        return False
+    context = turn.context
+    if not (context.included or context.summary is not None or context.recalled):
+        return False  # the client's own messages alone: nothing of memory's to leave out
+    provider = app[PROVIDER]
+    model = exchange.model
+    before = provider.calibration.factor(model.name)
+    after = provider.calibration.refused(model.name, context.tokens, exc.message, provider.window(model))
+    app[METRICS].refused_for_length(model.name)
+    log.warning("the provider refused a planned request as too long: model=%s counted=%d calibration=%.3f->%.3f;"
+                " planned again", model.name, context.tokens, before, after)
+    return True
 
 
 def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
@@ -272,6 +303,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
         end_user=end_user(request.headers, exchange.params),
+        calibration=provider.calibration.factor(exchange.model.name),
     )
     exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
@@ -286,6 +318,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         "X-Memproxy-Superseded": str(reconciled.superseded),
         "X-Memproxy-Context-Tokens": str(context.tokens),
         "X-Memproxy-Input-Budget": str(budget.input_tokens),
+        "X-Memproxy-Token-Calibration": f"{budget.calibration:.3f}",
         "X-Memproxy-Stored-Included": str(context.included),
         "X-Memproxy-Stored-Omitted": str(context.omitted),
         "X-Memproxy-Summary-Version": str(context.summary.version if context.summary else 0),
@@ -427,6 +460,9 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
                                               provider.cost(exchange.model, usage)))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.record = notes(request).record = record
+    if app[CONFIG].memory.calibrate_tokens and usage:
+        provider.calibration.observe(exchange.model.name, turn.context.tokens, usage.get("prompt_tokens"),
+                                     provider.window(exchange.model))
     exchange.timings.lap("record")
 
 

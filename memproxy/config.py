@@ -152,6 +152,7 @@ class MemoryConfig:
 
     summarizer_model: Text | None = None
     safety_margin_tokens: Count | None = None
+    calibrate_tokens: Flag = True
     summaries: Flag = True
     chunk_threshold_tokens: Annotated[Int, Field(ge=1)] | None = None
     tail_turns: Annotated[Int, Field(ge=1)] = 3

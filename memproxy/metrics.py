@@ -87,6 +87,9 @@ class Metrics:
             "memproxy_summaries", "Summary folds tried, by outcome", ("outcome",), registry=registry)
         self.store_errors = Counter(
             "memproxy_store_errors", "Store failures, by where they were met", ("where",), registry=registry)
+        self.refusals_for_length = Counter(
+            "memproxy_refused_for_length", "Planned requests the provider refused as too long, each then "
+            "planned again for its count (`memory.calibrate_tokens`)", ("model",), registry=registry)
         if not self.multiprocess:
             ProcessCollector(registry=registry)
         # A series is looked up once (`labels` costs 0.9 µs, a dictionary 0.05): every label value is
@@ -132,6 +135,9 @@ class Metrics:
 
     def store_error(self, where: StoreErrorPlace) -> None:
         self.store_errors.labels(where).inc()
+
+    def refused_for_length(self, model: str) -> None:
+        self.refusals_for_length.labels(model).inc()
 
     def _get(self, metric: _Metric, labels: tuple[str, ...]) -> _Metric:
         key = (id(metric), labels)

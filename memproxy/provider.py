@@ -39,6 +39,7 @@ from typing import Any, Literal
 import aiohttp
 
 from . import observability
+from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
@@ -196,6 +197,7 @@ class Provider:
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
+        self.calibration = Calibration()  # how each model's provider counts what memproxy counts
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = counter = self._make_counter(model)
@@ -469,6 +471,8 @@ class Provider:
         body_message, body_code = _error_body(message)
         if body_message is not None:
             message, code = body_message, body_code or code
+        if isinstance(exc, litellm.ContextWindowExceededError):  # each provider says it its own way
+            code = "context_length_exceeded"
         if isinstance(exc, litellm.Timeout):
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \

@@ -77,6 +77,11 @@ class FakeUpstream:
     port: int = 0
     # Refuse a request that sends an assistant message's `reasoning_content` back, as DeepSeek does.
     refuse_reasoning: bool = False
+    # A provider with a tokenizer of its own: `tokens(body)` counts a chat request's prompt as it
+    # does, which its usage reports, and a request whose prompt and `max_tokens` pass `window` is
+    # refused with OpenAI's `context_length_exceeded` (None: neither).
+    tokens: Callable[[dict[str, Any]], int] | None = None
+    window: int = 0
 
     @property
     def url(self) -> str:
@@ -114,6 +119,8 @@ class FakeUpstream:
             self.summarizer = None
             self.responder = None
             self.refuse_reasoning = False
+            self.tokens = None
+            self.window = 0
         while self.arrived.acquire(blocking=False):
             pass
 
@@ -168,6 +175,17 @@ class FakeUpstream:
                 status=reply.status,
             )
         usage = reply.usage or {"prompt_tokens": 10 * number, "completion_tokens": 5, "total_tokens": 10 * number + 5}
+        if self.tokens is not None:
+            prompt = self.tokens(body)
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+            if prompt + asked > self.window:
+                return web.json_response({"error": {
+                    "message": f"This model's maximum context length is {self.window} tokens. However, you "
+                               f"requested {prompt + asked} tokens ({prompt} in the messages, {asked} in the "
+                               "completion). Please reduce the length of the messages or completion.",
+                    "type": "invalid_request_error", "code": "context_length_exceeded", "param": "messages"}},
+                    status=400)
+            usage = {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
         if body.get("stream"):
             return await self._stream(request, body, reply, usage, number)
         message: dict[str, Any] = {"role": "assistant",

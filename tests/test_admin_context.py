@@ -79,7 +79,8 @@ async def test_context_is_exactly_what_the_next_request_sends(
     assert preview["object"] == "session.context" and preview["model"] == "small"
     assert preview["expired"] is False and preview["would_summarize"] is False
     budget = preview["budget"]
-    assert budget == {"window": 2000, "output_reserve": 256, "safety_margin": 20, "input_tokens": 1724}
+    assert budget == {"window": 2000, "output_reserve": 256, "safety_margin": 20, "input_tokens": 1724,
+                      "calibration": 1.0, "planned_tokens": 1724}
     assert preview["tokens"] <= budget["input_tokens"]
 
     parts = {p["part"]: p for p in preview["parts"]}

@@ -212,6 +212,33 @@ async def test_a_request_anthropic_refuses_is_an_openai_shaped_error(
     assert stored(config) == []
 
 
+async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_its_count(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic
+) -> None:
+    """Claude counts a request higher than memproxy's estimate and refuses it as Anthropic does
+    ("prompt is too long"); litellm says so for any provider, and the turn is planned again for the
+    count Claude gave and sent once more: the client gets the answer (`memory.calibrate_tokens`)."""
+    # A marker where history is left out: Anthropic wants a user message first (`overflow: drop`
+    # may cut before an assistant message).
+    config = claude_config(storage, anthropic, context_window=2000, overflow="marker")
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("long")
+    for i in range(4):
+        anthropic.enqueue(Reply(text=f"answer {i} " * 60))
+        await ask(client, user(f"question {i} " * 60))
+    anthropic.enqueue(Reply(status=400, error_type="invalid_request_error",
+                            error_message="prompt is too long: 2600 tokens > 2000 maximum"),
+                      Reply(text="short enough"))
+    raw = await client.chat.completions.with_raw_response.create(
+        model="claude", messages=[{"role": "system", "content": SYSTEM}, user("and now?")])
+    assert raw.parse().choices[0].message.content == "short enough"
+    assert float(raw.headers["X-Memproxy-Token-Calibration"]) > 1.2
+    refused, answered = anthropic.chat_requests()[-2:]
+    assert len(answered.messages) < len(refused.messages)  # less history, the new message still last
+    assert answered.messages[-1] == {"role": "user", "content": text("and now?")}
+    assert stored(config)[-2:] == [user("and now?"), {"role": "assistant", "content": "short enough"}]
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 
@@ -331,3 +358,4 @@ def test_the_fake_refuses_what_anthropic_refuses(body: dict[str, Any], why: str)
     reason = refused({"model": "m", "max_tokens": 10, **body})
     assert reason is not None and why in reason
     assert refused({"model": "m", "max_tokens": 10, "messages": [user("Hi")]}) is None
+

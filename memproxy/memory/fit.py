@@ -49,10 +49,17 @@ class Budget:
     window: int
     output_reserve: int
     margin: int
+    calibration: float = 1.0  # the provider's tokens per counted token (`memproxy.calibration`)
 
     @property
     def input_tokens(self) -> int:
+        """What the request may hold, by memproxy's count: beyond it, a request is refused."""
         return self.window - self.output_reserve - self.margin
+
+    @property
+    def planned_tokens(self) -> int:
+        """What history is planned to fill up to: the input tokens as the provider counts them."""
+        return int(self.input_tokens / self.calibration) if self.calibration > 1 else self.input_tokens
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,8 @@ def fit(
     base, base_totals, must_start = snapshot.base, snapshot.base_totals, snapshot.must_start
     must_tokens = base_totals.full - _known(snapshot, must_start).full
     _check_fits(available, must_tokens, fixed, budget, model_name)
+    # Planned for the provider's count; what must be sent goes whatever the calibration says.
+    available = max(min(available, budget.planned_tokens - fixed.tokens), must_tokens)
 
     summary = snapshot.summary
     covered = summary.covers if summary else 0  # whether or not the summary fits

@@ -74,8 +74,10 @@ def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> i
     return min(model.max_output_tokens, window - 1)
 
 
-def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig) -> Budget:
-    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window))
+def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig,
+                   calibration: float = 1.0) -> Budget:
+    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window),
+                  calibration if memory.calibrate_tokens else 1.0)
 
 
 def prompt_schemas(params: dict[str, Any]) -> list[Any]:
@@ -104,10 +106,12 @@ async def prepare_turn(
     idle_ttl: float | None = None,
     preview: bool = False,
     end_user: str | None = None,
+    calibration: float = 1.0,
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded. `end_user`:
-    whose other sessions recall may look in (`memory.recall_scope: user`)."""
-    budget = request_budget(params, model, window, memory)
+    whose other sessions recall may look in (`memory.recall_scope: user`). `calibration`: the
+    model's provider's tokens per counted token (`memproxy.calibration`)."""
+    budget = request_budget(params, model, window, memory, calibration)
     schemas = prompt_schemas(params)
     tools = counter.tools(schemas)
     # The session and its snapshot at the head, in one read: sized for the most room history can

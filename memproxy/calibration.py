@@ -1,0 +1,71 @@
+"""Token counts calibrated by what each provider reports (`memory.calibrate_tokens`).
+
+memproxy counts every request exactly for OpenAI's models (tiktoken, their own encodings). For
+other models the count is an estimate: litellm's tokenizer for the model where it has one, else an
+OpenAI encoding, and a Claude, a Mistral or a Gemini counts the same text differently, often 10-30%
+more. A window filled to the last estimated token can then be over the provider's limit, and the
+provider refuses the request: an overflow error that memory could have avoided.
+
+So every answered turn compares what memproxy counted for the request with the `prompt_tokens`
+the provider reported for it, and keeps, per model, the factor by which the provider counts more:
+the highest ratio seen, and, when later requests show less, a step back towards them each time
+(`RELAX` of the way), never below 1 (a provider that counts fewer tokens is not trusted to hold
+more than the window). The budget then plans history for the window divided by the factor
+(`memory.fit.Budget.planned_tokens`); what must be sent is still refused only by the exact count,
+so calibration never causes a 400. A request the provider still refuses for its length (its
+`context_length_exceeded`) is planned once more, with the factor raised to what the provider said
+it counted where its message says so, else by `STEP`, and sent again: the client sees the answer.
+
+Small requests are not compared (`observed_from`): a provider's fixed additions (Anthropic's
+tool-use preamble, a few hundred tokens) would read as a large factor, and only requests near the
+window need it. The factors are per process and start at 1; each replica and worker learns its own
+from its first large requests (and its first refusal at most, per model).
+"""
+
+from __future__ import annotations
+
+import re
+
+RELAX = 0.1  # of the way from the factor to a lower ratio, per request that shows one
+STEP = 1.15  # the factor's rise on a refusal whose message gives no count
+MAX_FACTOR = 2.0  # beyond this the model's counter is wrong, not merely approximate
+MIN_OBSERVED = 1024  # requests counted at fewer tokens are not compared
+_NUMBER = re.compile(r"\d[\d,]*")
+
+
+class Calibration:
+    """The factor by which each model's provider counts more tokens than memproxy does."""
+
+    def __init__(self) -> None:
+        self._factors: dict[str, float] = {}
+
+    def factor(self, model: str) -> float:
+        return self._factors.get(model, 1.0)
+
+    def observe(self, model: str, counted: int, reported: object, window: int) -> float:
+        """A request memproxy counted at `counted` tokens, which the provider reported as
+        `reported` prompt tokens; the model's factor after it."""
+        factor = self.factor(model)
+        if not isinstance(reported, int) or isinstance(reported, bool) or counted < observed_from(window):
+            return factor
+        ratio = min(max(reported / counted, 1.0), MAX_FACTOR)
+        factor = ratio if ratio > factor else factor - (factor - ratio) * RELAX
+        self._factors[model] = factor
+        return factor
+
+    def refused(self, model: str, counted: int, message: str, window: int) -> float:
+        """The provider refused a request memproxy counted at `counted` tokens as too long, saying
+        `message`; the model's factor after it: at least `STEP` higher, or the ratio of the count
+        the message gives (the largest number in it above the window) to `counted`."""
+        factor = self.factor(model)
+        said = [int(n.replace(",", "")) for n in _NUMBER.findall(message)]
+        above = [n for n in said if n > window]
+        ratio = max(above) / counted if above and counted > 0 else 0.0
+        factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)
+        self._factors[model] = factor
+        return factor
+
+
+def observed_from(window: int) -> int:
+    """The smallest request (in counted tokens) compared with the provider's count."""
+    return max(MIN_OBSERVED, window // 8)

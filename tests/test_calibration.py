@@ -1,0 +1,164 @@
+"""Token counts calibrated by what the provider reports (`memproxy.calibration`), through the proxy.
+
+The fake provider here has a tokenizer of its own: it counts every request at 30% more than memproxy
+does (memproxy's own exact count, times 1.3), reports that as `prompt_tokens`, and refuses with
+OpenAI's `context_length_exceeded` a request that does not fit its 2,000-token window: a Mistral
+or a Claude behind an estimated count. Memory must keep such a conversation going without one
+overflow error reaching the client. The update rule itself is checked without a proxy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import PROXY_KEY, Proxy
+from fake_upstream import FakeUpstream, Reply
+from helpers import complete, stream_chat, user
+from memproxy.calibration import MAX_FACTOR, RELAX, STEP, Calibration, observed_from
+from memproxy.config import Config, MemoryConfig
+from memproxy.errors import ContextLengthExceeded
+from memproxy.memory.fit import Budget, Fixed, fit
+from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
+from memproxy.typedefs import METRICS
+from test_plan import COUNTER, SYSTEM, fixed_of, snapshot_of, stored
+
+pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
+
+WINDOW = 2000  # the conftest model "small": output reserve 256, safety margin 20
+RATIO = 1.3
+COUNTING = TiktokenCounter(encoding_name_for("openai/small"))  # what memproxy counts "small" with
+
+
+def provider_tokens(body: dict[str, Any]) -> int:
+    return math.ceil(RATIO * request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []))
+
+
+@pytest.fixture
+def provider(upstream: FakeUpstream) -> FakeUpstream:
+    upstream.tokens, upstream.window = provider_tokens, WINDOW
+    return upstream
+
+
+def sentence(i: int) -> str:
+    return f"Turn {i}: the lighthouse keeper wrote down the weather, the ships and the tides of the day. " * 3
+
+
+async def test_a_conversation_past_the_window_never_meets_the_providers_limit(
+        proxy: Proxy, provider: FakeUpstream) -> None:
+    client = proxy.client(session="long", **{"X-Memproxy-History": "new"})
+    calibrations = []
+    for i in range(40):
+        provider.enqueue(Reply(content=sentence(1000 + i)))
+        _, headers = await complete(client, [user(sentence(i))])  # raises on any error
+        calibrations.append(float(headers["X-Memproxy-Token-Calibration"]))
+    refused = [r for r in provider.chat_requests() if provider_tokens(r.body) + 256 > WINDOW]
+    assert len(refused) <= 1  # at most the first request past the limit, planned again at once
+    assert len(provider.chat_requests()) == 40 + len(refused)
+    assert calibrations[0] == 1.0  # nothing seen yet
+    assert calibrations[-1] == pytest.approx(RATIO, abs=0.02)  # learnt from the reported usage
+    # What the provider accepted filled its window nearly to the end, not to 1/1.3 of it.
+    last = provider.chat_requests()[-1]
+    assert provider_tokens(last.body) + 256 > 0.9 * (WINDOW - 20)
+
+
+async def told(proxy: Proxy, upstream: FakeUpstream, session: str, turns: int) -> openai.AsyncOpenAI:
+    """A session of `turns` exchanges, told while the provider counts as memproxy does (its count
+    unset: usage too small to compare), far past the window; its client."""
+    counting, upstream.tokens = upstream.tokens, None
+    client = proxy.client(session=session, **{"X-Memproxy-History": "new"})
+    for i in range(turns):
+        upstream.enqueue(Reply(content=sentence(100 + i)))
+        await complete(client, [user(sentence(i))])
+    upstream.tokens = counting
+    return client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_for_length_is_planned_again_for_the_providers_count(
+        proxy: Proxy, provider: FakeUpstream, http: Any, stream: bool) -> None:
+    """memproxy's count fits the next turn to the window; the provider counts 30% more and refuses.
+    The turn is planned again with the count the refusal gives, and the client gets the answer,
+    stored once. A stream is refused before its first chunk, so its client sees only the answer."""
+    client = await told(proxy, provider, "refused", 30)
+    before = len(provider.chat_requests())
+    provider.enqueue(Reply(content="first"), Reply(content="answered"))
+    if stream:
+        chunks, headers = await stream_chat(client, [user("and the tides?")])
+        assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]) == "answered"
+    else:
+        completion, headers = await complete(client, [user("and the tides?")])
+        assert completion.choices[0].message.content == "answered"
+    refused, accepted = provider.chat_requests()[before:]
+    assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
+    assert float(headers["X-Memproxy-Token-Calibration"]) > RATIO  # from the refusal's own numbers
+    assert accepted.messages[-1] == user("and the tides?")
+    async with http.get(f"{proxy.url}/sessions/refused", headers={"Authorization": f"Bearer {PROXY_KEY}"}
+                        ) as response:
+        shown = await response.json()
+    assert len(shown["messages"]) == 2 * 30 + 2  # the turn, once
+    registry = proxy.app[METRICS].registry
+    assert registry.get_sample_value("memproxy_refused_for_length_total", {"model": "small"}) == 1
+
+
+async def test_with_calibration_off_the_providers_refusal_reaches_the_client(
+        start_proxy: Any, config: Config, provider: FakeUpstream) -> None:
+    proxy = await start_proxy(replace(config, memory=replace(config.memory, calibrate_tokens=False)))
+    client = await told(proxy, provider, "off", 30)
+    before = len(provider.chat_requests())
+    with pytest.raises(openai.BadRequestError) as refused:
+        await complete(client, [user("and the tides?")])
+    assert refused.value.code == "context_length_exceeded"
+    assert len(provider.chat_requests()) == before + 1
+
+
+# --- the rule, without a proxy ---------------------------------------------------------------------
+
+
+def test_the_factor_rises_to_a_higher_ratio_at_once_and_relaxes_slowly() -> None:
+    calibration, big = Calibration(), observed_from(WINDOW)
+    assert calibration.factor("m") == 1.0
+    assert calibration.observe("m", big - 1, 3 * big, WINDOW) == 1.0  # too small to compare
+    assert calibration.observe("m", big, None, WINDOW) == 1.0  # no usage reported
+    assert calibration.observe("m", 2000, 2600, WINDOW) == pytest.approx(1.3)
+    assert calibration.observe("m", 2000, 2200, WINDOW) == pytest.approx(1.3 - 0.2 * RELAX)
+    assert calibration.factor("other") == 1.0  # per model
+    for _ in range(200):
+        calibration.observe("m", 2000, 1500, WINDOW)  # a provider counting less: never trusted below 1
+    assert calibration.factor("m") == pytest.approx(1.0)
+    assert calibration.observe("m", 2000, 10_000, WINDOW) == MAX_FACTOR
+
+
+def test_a_refusal_raises_the_factor_to_what_the_provider_said_or_by_a_step() -> None:
+    calibration = Calibration()
+    said = "This model's maximum context length is 2000 tokens. However, you requested 2,600 tokens."
+    assert calibration.refused("m", 2000, said, WINDOW) == pytest.approx(1.3 * 1.01)
+    assert calibration.refused("n", 2000, "prompt is too long", WINDOW) == pytest.approx(STEP)
+    assert calibration.refused("n", 2000, "prompt is too long", WINDOW) == pytest.approx(STEP * STEP)
+
+
+def test_calibration_plans_less_history_but_never_refuses_what_fits_by_count() -> None:
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0, recall_tokens=0)
+    history = [m for i in range(40)
+               for m in (user(f"question {i} " * 10), {"role": "assistant", "content": f"answer {i} " * 10})]
+    new = [user("the question")]
+    snapshot = snapshot_of(stored(history, memory), new)
+    plain = fit(snapshot, fixed_of([SYSTEM], new), Budget(WINDOW, 256, 20), "m", COUNTER, memory, use_marker=False)
+    calibrated = fit(snapshot, fixed_of([SYSTEM], new), Budget(WINDOW, 256, 20, 1.5), "m", COUNTER, memory,
+                     use_marker=False)
+    assert calibrated.tokens <= int(1724 / 1.5) < plain.tokens <= 1724
+    assert calibrated.included > 0
+    # New messages that fit the count but not the calibrated budget go, with no history: no 400.
+    long = [user("word " * 1300)]
+    heavy = fixed_of([SYSTEM], long)
+    assert int(1724 / 1.5) < heavy.tokens <= 1724
+    snapshot = snapshot_of(stored(history, memory), long)
+    sent = fit(snapshot, heavy, Budget(WINDOW, 256, 20, 1.5), "m", COUNTER, memory, use_marker=False)
+    assert sent.messages == [SYSTEM, *long] and sent.included == 0
+    with pytest.raises(ContextLengthExceeded):  # beyond the count itself it is refused, as always
+        fit(snapshot, Fixed([SYSTEM], long, 1725), Budget(WINDOW, 256, 20, 1.5), "m", COUNTER, memory,
+            use_marker=False)
