@@ -31,6 +31,8 @@ STEP = 1.15  # the factor's rise on a refusal whose message gives no count
 MAX_FACTOR = 2.0  # beyond this the model's counter is wrong, not merely approximate
 MIN_OBSERVED = 1024  # requests counted at fewer tokens are not compared
 _NUMBER = re.compile(r"\d[\d,]*")
+_IN_MESSAGES = re.compile(r"(\d[\d,]*) in the messages")  # OpenAI: "(8000 in the messages, 1100 in the completion)"
+_PLUS = re.compile(r"(\d[\d,]*)\s*\+\s*\d[\d,]*\s*>")  # Anthropic: "188240 + 21333 > 200000" (input + max_tokens)
 
 
 class Calibration:
@@ -55,15 +57,26 @@ class Calibration:
 
     def refused(self, model: str, counted: int, message: str, window: int) -> float:
         """The provider refused a request memproxy counted at `counted` tokens as too long, saying
-        `message`; the model's factor after it: at least `STEP` higher, or the ratio of the count
-        the message gives (the largest number in it above the window) to `counted`."""
+        `message`; the model's factor after it: at least `STEP` higher, or the ratio of the
+        prompt's count the message gives (`_reported`) to `counted`."""
         factor = self.factor(model)
-        said = [int(n.replace(",", "")) for n in _NUMBER.findall(message)]
-        above = [n for n in said if n > window]
-        ratio = max(above) / counted if above and counted > 0 else 0.0
+        reported = _reported(message, window)
+        ratio = reported / counted if reported is not None and counted > 0 else 0.0
         factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)
         self._factors[model] = factor
         return factor
+
+
+def _reported(message: str, window: int) -> int | None:
+    """The prompt's tokens as a refusal states them: OpenAI's "N in the messages", Anthropic's
+    "input + max_tokens > limit", else the largest number above the window ("prompt is too long:
+    N tokens > M maximum"); None where it states none."""
+    for pattern in (_IN_MESSAGES, _PLUS):
+        found = pattern.search(message)
+        if found:
+            return int(found.group(1).replace(",", ""))
+    above = [n for n in (int(n.replace(",", "")) for n in _NUMBER.findall(message)) if n > window]
+    return max(above) if above else None
 
 
 def observed_from(window: int) -> int:

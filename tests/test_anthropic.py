@@ -223,9 +223,9 @@ async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_it
     config = claude_config(storage, anthropic, context_window=2000, overflow="marker")
     proxy: Proxy = await start_proxy(config)
     client = proxy.client("long")
-    for i in range(4):
-        anthropic.enqueue(Reply(text=f"answer {i} " * 60))
-        await ask(client, user(f"question {i} " * 60))
+    for i in range(6):  # short questions, long answers: a cut falls before a question
+        anthropic.enqueue(Reply(text=f"answer {i} " * 80))
+        await ask(client, user(f"question {i}?"))
     anthropic.enqueue(Reply(status=400, error_type="invalid_request_error",
                             error_message="prompt is too long: 2600 tokens > 2000 maximum"),
                       Reply(text="short enough"))
@@ -236,7 +236,9 @@ async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_it
     refused, answered = anthropic.chat_requests()[-2:]
     assert len(answered.messages) < len(refused.messages)  # less history, the new message still last
     assert answered.messages[-1] == {"role": "user", "content": text("and now?")}
-    assert stored(config)[-2:] == [user("and now?"), {"role": "assistant", "content": "short enough"}]
+    turns = stored(config, "long")
+    assert len(turns) == 2 * 6 + 2
+    assert turns[-2:] == [user("and now?"), {"role": "assistant", "content": "short enough"}]
 
 
 # --- streaming -----------------------------------------------------------------------------------

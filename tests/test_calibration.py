@@ -137,6 +137,12 @@ def test_a_refusal_raises_the_factor_to_what_the_provider_said_or_by_a_step() ->
     calibration = Calibration()
     said = "This model's maximum context length is 2000 tokens. However, you requested 2,600 tokens."
     assert calibration.refused("m", 2000, said, WINDOW) == pytest.approx(1.3 * 1.01)
+    openai_said = "However, you requested 2856 tokens (2600 in the messages, 256 in the completion)."
+    assert Calibration().refused("m", 2000, openai_said, WINDOW) == pytest.approx(1.3 * 1.01)
+    anthropic_said = "input length and `max_tokens` exceed context limit: 1,800 + 256 > 2000"
+    assert Calibration().refused("m", 1500, anthropic_said, WINDOW) == pytest.approx(1.2 * 1.01)
+    assert Calibration().refused("m", 2000, "prompt is too long: 2400 tokens > 2000 maximum",
+                                 WINDOW) == pytest.approx(1.2 * 1.01)
     assert calibration.refused("n", 2000, "prompt is too long", WINDOW) == pytest.approx(STEP)
     assert calibration.refused("n", 2000, "prompt is too long", WINDOW) == pytest.approx(STEP * STEP)
 
