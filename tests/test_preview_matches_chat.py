@@ -72,7 +72,8 @@ async def test_preview_and_chat_agree_on_reserve_budget_and_messages(
     raw.parse()
     assert reserve is not None and preview_status == 200, f"{case}: the preview refused it: {preview}"
     assert preview["budget"] == {"window": WINDOW, "output_reserve": reserve, "safety_margin": MARGIN,
-                                 "input_tokens": WINDOW - reserve - MARGIN}
+                                 "input_tokens": WINDOW - reserve - MARGIN, "calibration": 1.0,
+                                 "planned_tokens": WINDOW - reserve - MARGIN}
     assert int(raw.headers["X-Memproxy-Input-Budget"]) == preview["budget"]["input_tokens"]
     assert int(raw.headers["X-Memproxy-Context-Tokens"]) == preview["tokens"]
     assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
