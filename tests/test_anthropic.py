@@ -218,12 +218,10 @@ async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_it
     """Claude counts a request higher than memproxy's estimate and refuses it as Anthropic does
     ("prompt is too long"); litellm says so for any provider, and the turn is planned again for the
     count Claude gave and sent once more: the client gets the answer (`memory.calibrate_tokens`)."""
-    # A marker where history is left out: Anthropic wants a user message first (`overflow: drop`
-    # may cut before an assistant message).
-    config = claude_config(storage, anthropic, context_window=2000, overflow="marker")
+    config = claude_config(storage, anthropic, context_window=2000)
     proxy: Proxy = await start_proxy(config)
     client = proxy.client("long")
-    for i in range(6):  # short questions, long answers: a cut falls before a question
+    for i in range(6):
         anthropic.enqueue(Reply(text=f"answer {i} " * 80))
         await ask(client, user(f"question {i}?"))
     anthropic.enqueue(Reply(status=400, error_type="invalid_request_error",
@@ -239,6 +237,25 @@ async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_it
     turns = stored(config, "long")
     assert len(turns) == 2 * 6 + 2
     assert turns[-2:] == [user("and now?"), {"role": "assistant", "content": "short enough"}]
+
+
+@pytest.mark.parametrize("overflow", ["drop", "marker"])
+async def test_a_conversation_past_claudes_window_always_opens_with_the_user(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic, overflow: str
+) -> None:
+    """Turns of every length past a 2,000-token window: wherever older history is cut, what Claude
+    gets opens with a user message (summary and marker go to the top-level system prompt), as the
+    Messages API requires; the fake refuses anything else."""
+    config = claude_config(storage, anthropic, context_window=2000, overflow=overflow, calibrate_tokens=False)
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("past")
+    for i in range(12):
+        anthropic.enqueue(Reply(text=f"answer {i} " * (40 + 7 * i)))
+        await ask(client, user(f"question {i} " * (30 + 11 * i)))  # raises on a refusal
+    sent = anthropic.chat_requests()
+    assert len(sent) == 12
+    assert len(sent[-1].messages) < 2 * 12 - 1  # older history was left out
+    assert all(r.messages[0]["role"] == "user" for r in sent)
 
 
 # --- streaming -----------------------------------------------------------------------------------

@@ -82,7 +82,9 @@ def mandatory_tail(history: Sequence[Message], new: Sequence[Message]) -> int:
 
 
 def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int = 0) -> int:
-    """The oracle: the longest suffix of `history` starting at a unit boundary that fits."""
+    """The oracle: the longest suffix of `history` starting at a unit boundary that fits; where
+    that leaves history out, from the first user message in it before the newest exchange (the
+    client's new user message, or with `must`, the latest stored user message), if there is one."""
     kept, total = 0, 0
     for i in range(len(history) - 1, -1, -1):
         total += COUNTER.message(history[i])
@@ -91,7 +93,14 @@ def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int
         if fixed + total > budget and len(history) - i > must:
             break
         kept = len(history) - i
-    return max(kept, must)
+    kept = max(kept, must)
+    if 0 < kept < len(history):
+        users = [i for i, m in enumerate(history) if m["role"] == "user"]
+        newest = len(history) if not must else max([u for u in users], default=len(history))
+        opening = [u for u in users if len(history) - kept <= u < newest]
+        if opening:
+            return len(history) - opening[0]
+    return kept
 
 
 def assert_tool_units_whole(conversation: Sequence[Message]) -> None:

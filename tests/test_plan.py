@@ -121,9 +121,11 @@ def test_fit_cuts_at_a_unit_and_marks_what_it_left_out() -> None:
     new = [user("next")]
     context = fit(snapshot_of(stored(history, memory), new), fixed_of([], new), Budget(400, 100, 20),
                   "small", COUNTER, memory, use_marker=True)
-    assert context.first_sent == 3 and context.marker  # the tool output does not fit, nor its call
-    assert context.messages[0]["content"].startswith("[3 earlier messages")
-    assert context.messages[1:] == [*history[3:], *new]
+    # The tool output does not fit, nor its call; nor the answer after them without its question:
+    # what is kept opens with the user's next message.
+    assert context.first_sent == 4 and context.marker
+    assert context.messages[0]["content"].startswith("[4 earlier messages")
+    assert context.messages[1:] == [*history[4:], *new]
 
 
 def test_fit_refuses_what_cannot_fit_whatever_is_stored() -> None:

@@ -312,9 +312,14 @@ class Client:
             event("agent loop: its own tool outputs sent in full")
 
         # No whole unit that would still have fit was left out (compact forms counted, before
-        # deduplication, with the room the largest marker would take).
-        if start > covers:
-            unit = max(j for j in range(start) if self.history[j]["role"] != "tool")
+        # deduplication, with the room the largest marker would take). Kept history that opens
+        # with a user message may leave out units that would open it with the assistant: from the
+        # nearest user message left out, nothing would have fit.
+        opens_with_user = start < base and self.history[start]["role"] == "user"
+        users_out = [j for j in range(covers, start) if self.history[j]["role"] == "user"]
+        if start > covers and (users_out or not opens_with_user):
+            unit = users_out[-1] if opens_with_user else \
+                max(j for j in range(start) if self.history[j]["role"] != "tool")
             cost = sum(COUNTER.message(self.history[j] if j >= exchange_start else self.compact(self.history[j]))
                        for j in range(unit, start))
             slack = saved + (COUNTER.message(_marker(base)) - COUNTER.message(messages[i - 1]) if marker else 0)

@@ -285,9 +285,22 @@ def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool
         verbatim = base_totals.full - newest_totals.full
         older = newest_totals.compact if trim else newest_totals.full
         found = _first_fitting_unit_start(snapshot, floor, older - (available - verbatim), trim)
-        return newest if found is None or found > newest else found
+        if found is None or found >= newest:
+            return newest
+        # History is left out: what is kept opens with a user message where one comes before the
+        # newest exchange. An answer without its question tells little, and Anthropic's and
+        # Gemini's APIs refuse a conversation that opens with the assistant.
+        return _next_user_message(snapshot, found, newest) if found > floor else found
     found = _first_fitting_unit_start(snapshot, max(floor, newest), base_totals.full - available, False)
     return snapshot.must_start if found is None or found > snapshot.must_start else found
+
+
+def _next_user_message(snapshot: Snapshot, start: int, newest: int) -> int:
+    """The first user message from position `start` to before `newest`, else `start`."""
+    for m in itertools.islice(snapshot.messages, snapshot.index(start), snapshot.index(newest)):
+        if m.body.get("role") == "user":
+            return m.seq
+    return start
 
 
 def _first_fitting_unit_start(snapshot: Snapshot, floor: int, min_cum_before: int, compact: bool) -> int | None:
