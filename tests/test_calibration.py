@@ -24,7 +24,7 @@ from memproxy.config import Config, MemoryConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory.fit import Budget, Fixed, fit
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
-from memproxy.typedefs import METRICS
+from memproxy.typedefs import METRICS, SUMMARIZER
 from test_plan import COUNTER, SYSTEM, fixed_of, snapshot_of, stored
 
 pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
@@ -114,6 +114,28 @@ async def test_with_calibration_off_the_providers_refusal_reaches_the_client(
         await complete(client, [user("and the tides?")])
     assert refused.value.code == "context_length_exceeded"
     assert len(provider.chat_requests()) == before + 1
+
+
+async def test_summaries_are_folded_for_the_providers_count(
+        start_proxy: Any, config: Config, provider: FakeUpstream) -> None:
+    """The summariser's requests go to the same provider, here counting 90% more: at a 2,000-token
+    window the summary cap and the answer's reserve leave a transcript room that a 30% higher count
+    still fits (at 200,000 it would not). Its chunks are sized for the provider's count, learnt from
+    the chat turns' usage or its own refusal, so folds apply."""
+    provider.tokens = heavier = lambda body: math.ceil(1.9 / RATIO * provider_tokens(body))
+    memory = replace(config.memory, summaries=True, overflow="summarize", chunk_threshold_tokens=1800, tail_tokens=300)
+    proxy = await start_proxy(replace(config, memory=memory))  # folds of more than one transcript's room
+    provider.summarizer = lambda received: Reply(content="They talked about the lighthouse and its keeper.")
+    client = proxy.client(session="folded", **{"X-Memproxy-History": "new"})
+    for i in range(30):
+        provider.enqueue(Reply(content=sentence(1000 + i)))
+        _, headers = await complete(client, [user(sentence(i))])
+        await proxy.app[SUMMARIZER].wait_idle()
+    folds = provider.summary_requests()
+    refused = [r for r in folds if heavier(r.body) + r.body["max_tokens"] > WINDOW]
+    assert folds and len(refused) <= 1 and refused == folds[: len(refused)]  # one at most, the first
+    assert int(headers["X-Memproxy-Summary-Version"]) > 0  # folds applied
+    assert all(heavier(r.body) + 256 <= WINDOW for r in provider.chat_requests()[-10:])
 
 
 # --- the rule, without a proxy ---------------------------------------------------------------------

@@ -367,7 +367,10 @@ class Summarizer:
         # After the first chunk the previous summary is the one just written: up to `cap` tokens.
         previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
         output = self._output_limit(model, cap)
-        return window - output - self._memory.safety_margin(window) - fixed - previous_tokens
+        available = window - output - self._memory.safety_margin(window)
+        if self._memory.calibrate_tokens:  # for the summariser's provider's own count (`memproxy.calibration`)
+            available = int(available / self._provider.calibration.factor(model.name))
+        return available - fixed - previous_tokens
 
     async def _summarise(
         self, session: SessionState, model: ModelConfig, previous: str | None, transcript: str, cap: int
@@ -375,19 +378,25 @@ class Summarizer:
         """The new summary text, or None and why (None for an empty or cut-off answer). Every
         answered call is accounted to the session, whether its summary is used or not."""
         messages = summarizer_messages(previous, transcript, cap)
+        counter = self._provider.counter(model)
+        counted = sum(counter.message(m) for m in messages)
+        window, calibration = self._provider.window(model), self._provider.calibration
         started = time.perf_counter()
         try:
             response = await self._provider.complete_own(model, messages, self._output_params(model, cap))
         except ProxyError as exc:
+            if exc.code == "context_length_exceeded" and self._memory.calibrate_tokens:
+                calibration.refused(model.name, counted, exc.message, window)  # the next fold's chunks fit
             return None, f"{exc.status} {exc.code}"
         usage = response.get("usage")
+        if self._memory.calibrate_tokens and isinstance(usage, dict):
+            calibration.observe(model.name, counted, usage.get("prompt_tokens"), window)
         if self._metrics is not None:
             reported = Usage.reported(usage)
             self._metrics.usage(model.name, reported.prompt_tokens, reported.completion_tokens, "summary")
-        counter = self._provider.counter(model)
         await self._store.record_summary_call(session, SummaryCall(
             model=model.name,
-            context_tokens=sum(counter.message(m) for m in messages),
+            context_tokens=counted,
             usage=Usage.reported(usage),
             latency_ms=(time.perf_counter() - started) * 1000,
             cost=self._provider.cost(model, usage if isinstance(usage, dict) else None),
