@@ -105,6 +105,20 @@ async def test_a_refusal_for_length_is_planned_again_for_the_providers_count(
     assert registry.get_sample_value("memproxy_refused_for_length_total", {"model": "small"}) == 1
 
 
+async def test_a_responses_turn_refused_for_length_is_planned_again(proxy: Proxy, provider: FakeUpstream) -> None:
+    """The Responses API shares the turn's handling: through litellm's bridge to the chat-only
+    provider, its refusal is planned again and the client gets the answer."""
+    await told(proxy, provider, "responses", 30)
+    before = len(provider.chat_requests())
+    provider.enqueue(Reply(content="first"), Reply(content="answered"))
+    client = proxy.client(session="responses")
+    raw = await client.responses.with_raw_response.create(model="small", input="and the tides?")
+    assert raw.parse().output_text == "answered"
+    assert float(raw.headers["X-Memproxy-Token-Calibration"]) > RATIO
+    refused, accepted = provider.chat_requests()[before:]
+    assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
+
+
 async def test_with_calibration_off_the_providers_refusal_reaches_the_client(
         start_proxy: Any, config: Config, provider: FakeUpstream) -> None:
     proxy = await start_proxy(replace(config, memory=replace(config.memory, calibrate_tokens=False)))
