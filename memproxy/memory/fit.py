@@ -288,8 +288,8 @@ def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool
         if found is None or found >= newest:
             return newest
         # History is left out: what is kept opens with a user message where one comes before the
-        # newest exchange. An answer without its question tells little, and Anthropic's API (and
-        # others that want turns to open with the user) refuses a conversation that opens with the assistant.
+        # newest exchange. An answer without its question tells little, and Gemini's API refuses a
+        # conversation that opens with the model (as Anthropic's did, and as tests/fake_anthropic.py does).
         return _next_user_message(snapshot, found, newest) if found > floor else found
     found = _first_fitting_unit_start(snapshot, max(floor, newest), base_totals.full - available, False)
     return snapshot.must_start if found is None or found > snapshot.must_start else found
