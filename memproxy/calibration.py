@@ -36,9 +36,11 @@ _PLUS = re.compile(r"(\d[\d,]*)\s*\+\s*\d[\d,]*\s*>")  # Anthropic: "188240 + 21
 
 
 class Calibration:
-    """The factor by which each model's provider counts more tokens than memproxy does."""
+    """The factor by which each model's provider counts more tokens than memproxy does; 1 for
+    every model when not `enabled` (`memory.calibrate_tokens: false`), and nothing is learnt."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._factors: dict[str, float] = {}
 
     def factor(self, model: str) -> float:
@@ -48,7 +50,8 @@ class Calibration:
         """A request memproxy counted at `counted` tokens, which the provider reported as
         `reported` prompt tokens; the model's factor after it."""
         factor = self.factor(model)
-        if not isinstance(reported, int) or isinstance(reported, bool) or counted < observed_from(window):
+        if not self.enabled or not isinstance(reported, int) or isinstance(reported, bool) \
+                or counted < observed_from(window):
             return factor
         ratio = min(max(reported / counted, 1.0), MAX_FACTOR)
         factor = ratio if ratio > factor else factor - (factor - ratio) * RELAX
@@ -60,6 +63,8 @@ class Calibration:
         `message`; the model's factor after it: at least `STEP` higher, or the ratio of the
         prompt's count the message gives (`_reported`) to `counted`."""
         factor = self.factor(model)
+        if not self.enabled:
+            return factor
         reported = _reported(message, window)
         ratio = reported / counted if reported is not None and counted > 0 else 0.0
         factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)

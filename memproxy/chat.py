@@ -246,12 +246,12 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
     is raised by what the refusal says (`memproxy.calibration`)."""
     turn = exchange.turn
     app = request.app
-    if exc.code != "context_length_exceeded" or turn is None or not app[CONFIG].memory.calibrate_tokens:
+    provider = app[PROVIDER]
+    if exc.code != "context_length_exceeded" or turn is None or not provider.calibration.enabled:
         return False
     context = turn.context
     if not (context.included or context.summary is not None or context.recalled):
         return False  # the client's own messages alone: nothing of memory's to leave out
-    provider = app[PROVIDER]
     model = exchange.model
     before = provider.calibration.factor(model.name)
     after = provider.calibration.refused(model.name, context.tokens, exc.message, provider.window(model))
@@ -460,7 +460,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
                                               provider.cost(exchange.model, usage)))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.record = notes(request).record = record
-    if app[CONFIG].memory.calibrate_tokens and usage:
+    if usage:
         provider.calibration.observe(exchange.model.name, turn.context.tokens, usage.get("prompt_tokens"),
                                      provider.window(exchange.model))
     exchange.timings.lap("record")

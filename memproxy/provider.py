@@ -197,7 +197,8 @@ class Provider:
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
-        self.calibration = Calibration()  # how each model's provider counts what memproxy counts
+        # How each model's provider counts what memproxy counts (`memory.calibrate_tokens`).
+        self.calibration = Calibration(config.memory.calibrate_tokens)
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = counter = self._make_counter(model)

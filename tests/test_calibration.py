@@ -167,6 +167,9 @@ def test_the_factor_rises_to_a_higher_ratio_at_once_and_relaxes_slowly() -> None
         calibration.observe("m", 2000, 1500, WINDOW)  # a provider counting less: never trusted below 1
     assert calibration.factor("m") == pytest.approx(1.0)
     assert calibration.observe("m", 2000, 10_000, WINDOW) == MAX_FACTOR
+    off = Calibration(enabled=False)  # `memory.calibrate_tokens: false`: nothing is learnt
+    assert off.observe("m", 2000, 2600, WINDOW) == off.refused("m", 2000, "prompt is too long", WINDOW) == 1.0
+    assert off.factor("m") == 1.0
 
 
 def test_a_refusal_raises_the_factor_to_what_the_provider_said_or_by_a_step() -> None:

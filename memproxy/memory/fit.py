@@ -59,7 +59,7 @@ class Budget:
     @property
     def planned_tokens(self) -> int:
         """What history is planned to fill up to: the input tokens as the provider counts them."""
-        return int(self.input_tokens / self.calibration) if self.calibration > 1 else self.input_tokens
+        return int(self.input_tokens / self.calibration)
 
 
 @dataclass(frozen=True)

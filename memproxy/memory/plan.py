@@ -76,8 +76,7 @@ def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> i
 
 def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig,
                    calibration: float = 1.0) -> Budget:
-    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window),
-                  calibration if memory.calibrate_tokens else 1.0)
+    return Budget(window, output_reserve(params, model, window), memory.safety_margin(window), calibration)
 
 
 def prompt_schemas(params: dict[str, Any]) -> list[Any]:

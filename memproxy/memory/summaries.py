@@ -368,9 +368,8 @@ class Summarizer:
         previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
         output = self._output_limit(model, cap)
         available = window - output - self._memory.safety_margin(window)
-        if self._memory.calibrate_tokens:  # for the summariser's provider's own count (`memproxy.calibration`)
-            available = int(available / self._provider.calibration.factor(model.name))
-        return available - fixed - previous_tokens
+        # As the summariser's provider counts (`memproxy.calibration`).
+        return int(available / self._provider.calibration.factor(model.name)) - fixed - previous_tokens
 
     async def _summarise(
         self, session: SessionState, model: ModelConfig, previous: str | None, transcript: str, cap: int
@@ -385,11 +384,11 @@ class Summarizer:
         try:
             response = await self._provider.complete_own(model, messages, self._output_params(model, cap))
         except ProxyError as exc:
-            if exc.code == "context_length_exceeded" and self._memory.calibrate_tokens:
+            if exc.code == "context_length_exceeded":
                 calibration.refused(model.name, counted, exc.message, window)  # the next fold's chunks fit
             return None, f"{exc.status} {exc.code}"
         usage = response.get("usage")
-        if self._memory.calibrate_tokens and isinstance(usage, dict):
+        if isinstance(usage, dict):
             calibration.observe(model.name, counted, usage.get("prompt_tokens"), window)
         if self._metrics is not None:
             reported = Usage.reported(usage)
