@@ -23,6 +23,7 @@ from .memory.retention import sweep
 from .memory.summaries import Summarizer
 from .metrics import Metrics
 from .observe import log as request_log, notes, observe
+from .origins import add_cors, guard, is_preflight
 from .provider import Provider
 from .responses import add_routes as add_responses_routes
 from .routes import healthz, metrics, model, models, readyz
@@ -39,7 +40,7 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def create_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[observe, _errors, read_deadlines, _auth],
+        middlewares=[observe, _errors, guard(config), read_deadlines, _auth],
         client_max_size=config.server.max_body_bytes,
     )
     app[CONFIG] = config
@@ -57,6 +58,7 @@ def create_app(config: Config) -> web.Application:
     add_responses_routes(app)
     add_session_routes(app)
     add_inspector_routes(app)
+    add_cors(app, config)
     return app
 
 
@@ -148,7 +150,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/v1/") or request.path == "/chat/completions":
+    if (request.path.startswith("/v1/") or request.path == "/chat/completions") and not is_preflight(request):
         request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
     return await handler(request)
 

@@ -95,6 +95,17 @@ Secret = Annotated[str, BeforeValidator(_text), Field(strict=True, min_length=8)
 _SECTION = ConfigDict(extra="forbid")
 
 
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# A web origin as browsers send it (scheme, host and port, nothing after), or "*" for any.
+Origin = Annotated[str, BeforeValidator(_lower),
+                   Field(strict=True, pattern=r"^(\*|[a-z][a-z0-9+.-]*://[^/\s?#@]+)$")]
+# A host name a request may name in its Host header (no port).
+HostName = Annotated[str, BeforeValidator(_lower), Field(strict=True, pattern=r"^[^\s/:@]+$")]
+
+
 @dataclass(frozen=True, config=_SECTION)
 class ServerConfig:
     host: Text = "127.0.0.1"
@@ -106,6 +117,8 @@ class ServerConfig:
     body_timeout_seconds: Positive = 60.0  # end of the headers to the end of the body
     keepalive_timeout_seconds: Positive = 75.0  # an idle connection (also: before its first request)
     workers: Annotated[Int, Field(ge=1, le=256)] = 1  # server processes sharing the port (`memproxy.workers`)
+    cors_origins: tuple[Origin, ...] = ()  # web pages that may call memproxy from a browser (`memproxy.origins`)
+    allowed_hosts: tuple[HostName, ...] = ()  # with no auth.keys: Host names beyond IPs and localhost
 
     @property
     def is_loopback(self) -> bool:
@@ -392,6 +405,9 @@ def _cross_check(config: Config) -> None:
     every = [k.key for k in config.auth.keys] + list(config.auth.admin_keys)
     if len(set(every)) != len(every):
         raise ConfigError("auth.keys", "the same key is listed twice")
+    if "*" in config.server.cors_origins and not every:
+        raise ConfigError("server.cors_origins", "'*' with no auth.keys would let any web page read and change "
+                                                 "every conversation: list the origins, or configure keys")
     summarizer = config.memory.summarizer_model
     if summarizer is not None and config.model(summarizer) is None:
         raise ConfigError("memory.summarizer_model", f"{summarizer!r} is not a name in models")
