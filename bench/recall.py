@@ -19,7 +19,6 @@ word list is drawn from them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Sequence

@@ -353,7 +353,7 @@ class Report:
             self.add("> **Quick run**: one round of a handful of requests each, for the CI smoke test. "
                      "These numbers are not meaningful; run `python bench/run.py` for real ones.", "")
         if meta.get("only") == "recall":
-            self.add(f"> **Recall phases only** (`--only recall`): sections 8 and 9; no saved run of the same kind "
+            self.add("> **Recall phases only** (`--only recall`): sections 8 and 9; no saved run of the same kind "
                      "was beside this page to complete it.", "")
         if "recall_run" in meta:
             run = meta["recall_run"]

@@ -19,8 +19,6 @@ from dataclasses import replace
 from typing import Any, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from aiohttp import web
-
 from . import __version__, sessions_cli, workers
 from .app import runner as app_runner
 from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config

@@ -13,8 +13,14 @@ litellm keeps one HTTP client per provider configuration and reuses it; nothing 
 litellm's callbacks (observability), off unless configured, are installed here and removed on close
 (`memproxy.observability`).
 
-Every client parameter goes through: litellm is told to allow each one it would otherwise refuse for
-an unknown model, and the few names litellm keeps for itself (`metadata`) travel in `extra_body`.
+Every client parameter goes through, and none configures litellm. litellm takes its own settings as
+keyword arguments beside the request's (where to send it, with which key, which other models to try
+if it fails, a canned answer, a provider's credentials): a client able to set them could send the
+operator's upstream key to a server of its own. So a parameter is a keyword argument only where
+litellm names it as a request parameter (`request_parameters`: the call's signature and, for chat,
+what litellm translates for the model's provider), and is allowed even where litellm would refuse
+it for an unknown model; every other one travels in `extra_body`, which litellm puts in the
+provider's request as it is and never reads.
 One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
 litellm would ask for the model's whole output, so memproxy asks for the output its budget reserved.
 memproxy's own requests (summaries) always go through litellm, translated for the model
@@ -24,7 +30,6 @@ memproxy's own requests (summaries) always go through litellm, translated for th
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import inspect
 import json
@@ -48,10 +53,13 @@ from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
 
-# Client parameters that litellm would take as its own settings; they go upstream in extra_body.
-_RESERVED = frozenset({"metadata", "api_key", "api_base", "base_url", "timeout", "num_retries",
-                       "max_retries", "mock_response", "custom_llm_provider", "litellm_params",
-                       "client", "allowed_openai_params", "drop_params"})
+# What a litellm call's signature names that configures the call rather than the request (beside
+# litellm's own settings, `litellm.types.utils.all_litellm_params`): where it goes, with which key,
+# client and headers, how long it may take. A client's parameter of these names goes in extra_body.
+_CALL_SETTINGS = frozenset({"api_key", "api_base", "api_version", "api_type", "base_url", "organization", "project",
+                            "default_headers", "extra_headers", "extra_query", "extra_body", "deployment_id",
+                            "custom_llm_provider", "timeout", "request_timeout", "max_retries", "client",
+                            "shared_session", "model", "args", "kwargs", "aspeech"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
@@ -64,6 +72,10 @@ PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "comple
 _LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
                                        "moderations": "amoderation", "images": "aimage_generation",
                                        "transcriptions": "atranscription", "speech": "aspeech"}
+# Each call's synchronous twin, whose signature names its request parameters (the async ones take **kwargs).
+_SIGNATURES: dict[Endpoint, str] = {"embeddings": "embedding", "completions": "text_completion",
+                                    "moderations": "moderation", "images": "image_generation",
+                                    "transcriptions": "transcription", "speech": "speech"}
 _SLOW_TOKENIZER_SECONDS = 2.0  # a tokenizer that took this long to load is said so (`LitellmCounter.load`)
 TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
 # Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
@@ -197,6 +209,7 @@ class Provider:
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
+        self._chat_parameters: dict[str, frozenset[str]] = {}  # `chat_parameters`
         # How each model's provider counts what memproxy counts (`memory.calibrate_tokens`).
         self.calibration = Calibration(config.memory.calibrate_tokens)
         for index, model in enumerate(config.models):
@@ -209,6 +222,10 @@ class Provider:
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
             self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
+            self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
+        self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
+                                     for endpoint, name in _SIGNATURES.items()}
+        self._responses_parameters = request_parameters(self._litellm, self._litellm.aresponses)
         native = [name for name, own in self._native.items() if own]
         self._callbacks = observability.Callbacks.install(self._litellm, config.litellm, unseen=native)
 
@@ -264,7 +281,7 @@ class Provider:
 
     def _kwargs(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
         """A chat call's arguments for litellm (`_litellm_kwargs`), its messages included."""
-        kwargs = _litellm_kwargs(model, params)
+        kwargs = _litellm_kwargs(model, params, self._chat_parameters[model.name])
         kwargs["messages"] = [detached(m) for m in messages]  # litellm may rewrite them; they are shared
         if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
                 and params.get("max_completion_tokens") is None:
@@ -282,6 +299,9 @@ class Provider:
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
+        for choice in result.get("choices") or ():
+            if isinstance(choice, dict) and not choice.get("provider_specific_fields"):
+                choice.pop("provider_specific_fields", None)  # litellm's, empty: no provider sent it
         return result
 
     async def complete_own(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
@@ -375,7 +395,7 @@ class Provider:
 
     async def _call_litellm(self, endpoint: Endpoint, model: ModelConfig, params: dict[str, Any]) -> Any:
         # `max_retries: 0` as for chat; litellm's OpenAI image and moderation calls retry regardless.
-        kwargs = _litellm_kwargs(model, params)
+        kwargs = _litellm_kwargs(model, params, self._endpoint_parameters[endpoint])
         if endpoint != "images" and self._sdk_route[model.name]:
             # For an OpenAI-compatible provider litellm calls the OpenAI SDK, with a client of its
             # own that retries moderations whatever `max_retries` says, and for a plain legacy
@@ -453,7 +473,7 @@ class Provider:
                           ) -> dict[str, Any]:
         """`litellm.aresponses`'s arguments: the parameters it names, the others in `extra_body`;
         the model's provider name, endpoint, key and timeout."""
-        named = _responses_parameters(self._litellm)
+        named = self._responses_parameters
         kwargs: dict[str, Any] = {k: v for k, v in params.items() if k in named and k not in ("model", "input")}
         extra = {k: v for k, v in params.items() if k not in named and k != "model"}
         if extra:
@@ -467,6 +487,9 @@ class Provider:
         # litellm prefixes the provider's words with its own class names; keep the provider's.
         message = str(getattr(exc, "message", None) or exc).split("Exception - ", 1)[-1].strip()
         message = _LITELLM_PREFIX.sub("", message)  # "litellm.ContextWindowExceededError: ... AnthropicError - "
+        # An error litellm met in its own code carries the traceback in its text: the server's paths
+        # and code are nobody's business but the operator's (who sees them at DEBUG).
+        message = message.split("Traceback (most recent call last)", 1)[0].strip() or "upstream call failed"
         code = getattr(exc, "code", None)
         # litellm's own HTTP handler hands on the provider's error body as it came: its message.
         body_message, body_code = _error_body(message)
@@ -517,13 +540,33 @@ def _error_body(text: str) -> tuple[str | None, str | None]:
     return error["message"], code if isinstance(code, str) else None
 
 
-def _litellm_kwargs(model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments for litellm: the client's parameters (each allowed, as litellm would
-    refuse some for a model it does not know; its own names in `extra_body`), the model's provider
-    name, endpoint, key and timeout, and no retries (the client retries; a proxy that retries too
-    multiplies the wait). The body's own `model` is the client's name for it, replaced here."""
-    native = {k: v for k, v in params.items() if k not in _RESERVED and k != "model"}
-    extra = {k: v for k, v in params.items() if k in _RESERVED}
+def request_parameters(litellm: Any, call: Callable[..., Any], supported: Sequence[str] = ()) -> frozenset[str]:
+    """The request parameters litellm takes as keyword arguments for `call` (whose signature names
+    them) and `supported` (those it translates for a provider), less its own settings and the
+    call's (`_CALL_SETTINGS`): the names a client's parameter may have to be passed as one."""
+    own = importlib.import_module("litellm.types.utils").all_litellm_params
+    named = set(inspect.signature(call).parameters) | set(supported)
+    return frozenset(named - set(own) - _CALL_SETTINGS)
+
+
+def chat_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
+    """A chat call's request parameters for `model`: OpenAI's, and what litellm translates for the
+    model's provider (`thinking`, `reasoning_effort`, ...)."""
+    try:
+        supported = litellm.get_supported_openai_params(model=model.model) or []
+    except Exception:  # a provider litellm has no list for: OpenAI's parameters
+        supported = []
+    return request_parameters(litellm, litellm.completion, [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported])
+
+
+def _litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[str]) -> dict[str, Any]:
+    """A call's arguments for litellm: the client's parameters (those litellm names as request
+    parameters, `named`, as keyword arguments, each allowed, as litellm would refuse some for a model
+    it does not know; every other one in `extra_body`), the model's provider name, endpoint, key and
+    timeout, and no retries (the client retries; a proxy that retries too multiplies the wait). The
+    body's own `model` is the client's name for it, replaced here."""
+    native = {k: v for k, v in params.items() if k in named}
+    extra = {k: v for k, v in params.items() if k not in named and k != "model"}
     kwargs: dict[str, Any] = {**native, **_target(model), "max_retries": 0, "allowed_openai_params": list(native)}
     if extra:
         kwargs["extra_body"] = extra
@@ -676,12 +719,6 @@ def _responses_bridge() -> Any:
     """litellm's Responses <-> chat completions bridge (loaded with litellm, by `Provider`)."""
     module = importlib.import_module("litellm.responses.litellm_completion_transformation.transformation")
     return module.LiteLLMCompletionResponsesConfig
-
-
-@functools.cache
-def _responses_parameters(litellm: Any) -> frozenset[str]:
-    """The parameters `litellm.aresponses` names (the rest go in `extra_body`)."""
-    return frozenset(inspect.signature(litellm.aresponses).parameters) - {"kwargs", "extra_body"}
 
 
 def _plain_message(message: Any) -> Message:

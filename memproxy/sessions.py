@@ -11,8 +11,6 @@ The work is done by `memproxy.admin`, which the CLI shares; this module only spe
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from . import admin, exports

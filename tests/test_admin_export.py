@@ -221,7 +221,7 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     """A session "active tomorrow" would outlive every prune and idle TTL: its times become now. An
     export written before turns kept what their requests were made of imports too."""
     proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
-    api, config = api_for(http, proxy), config_of(proxy)
+    api = api_for(http, proxy)
     exported = await exported_session(proxy, upstream, api)
     records = [json.loads(line) for line in exported.splitlines()]
     later = time.time() + 30 * 86400

@@ -129,6 +129,17 @@ async def test_every_parameter_reaches_upstream_unchanged(
     assert sent["messages"] == [{"role": "user", "content": "weather in Paris?"}]
 
 
+async def test_an_answer_has_only_what_the_provider_sent(proxy: Proxy, upstream: FakeUpstream,
+                                                         http: aiohttp.ClientSession) -> None:
+    upstream.enqueue(Reply(content="Hello."))
+    async with http.post(f"{proxy.url}/chat/completions", json={"model": "small", "messages": [{"role": "user", "content": "hi"}]},
+                         headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+        body = await response.json()
+    [choice] = body["choices"]
+    assert set(choice) <= {"index", "message", "finish_reason", "logprobs"}, choice
+    assert choice["message"] == {"role": "assistant", "content": "Hello."}
+
+
 async def test_stream_parameters_reach_upstream_unchanged(proxy: Proxy, upstream: FakeUpstream) -> None:
     upstream.enqueue(Reply(content="streamed answer"))
     client = proxy.client()

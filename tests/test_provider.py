@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from memproxy.config import Config, ConfigError, ModelConfig, parse_config
-from memproxy.provider import _SLOW_TOKENIZER_SECONDS, LitellmCounter, Provider, check_provider, transport
+from memproxy.provider import (_SLOW_TOKENIZER_SECONDS, LitellmCounter, Provider, check_provider, load_litellm,
+                               transport)
 from memproxy.tokens import TiktokenCounter
 from threaded_server import ThreadedServer
 
@@ -174,3 +175,15 @@ def test_litellm_skips_copying_messages_for_its_logs_only_when_nothing_reads_the
         env={**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert (int(loaded.stdout.strip()) > 0) is observed
+
+
+def test_an_error_litellm_met_in_its_own_code_does_not_show_its_traceback() -> None:
+    provider = provider_for(ModelConfig(name="a", model="openai/gpt-4o-mini"))
+    litellm = load_litellm()
+    text = ("max_workers must be greater than 0\nTraceback (most recent call last):\n"
+            '  File "/srv/memproxy/.venv/lib/python3.11/site-packages/litellm/main.py", line 5277, in completion\n'
+            "ValueError: max_workers must be greater than 0\n")
+    error = provider.upstream_error(litellm.APIConnectionError(message=text, llm_provider="openai", model="gpt-4o-mini"))
+    assert error.status == 502 and error.code == "upstream_unreachable"
+    assert "max_workers must be greater than 0" in error.message
+    assert "Traceback" not in error.message and "site-packages" not in error.message

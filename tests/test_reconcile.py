@@ -14,7 +14,6 @@ import json
 import logging
 from typing import Any
 
-import openai
 import pytest
 
 from conftest import Proxy

@@ -362,7 +362,7 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     said: dict[tuple[int, ...], tuple[str, ...]] = {}  # the matched words, by word indices
     previous_sid, previous_seq = None, -2
     shown = ""  # the time last shown: a run shows its time unless it is that one
-    for sid, seq, role, _, line_text, line_tokens, _, created_at in messages:
+    for sid, seq, role, _, text_line, line_tokens, _, created_at in messages:
         when = ""
         if seq != previous_seq + 1 or sid != previous_sid:  # a run starts: after a gap, with its time
             if previous_sid is not None:
@@ -372,7 +372,7 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
             when, shown = ("" if when == shown else f" {when}"), when
         plain = f"[#{seq} {role}]" if mine or sid == session_id else f"[session {sid} #{seq} {role}]"
         label = f"{plain[:-len(role) - 2]}{when} {role}]" if when else plain
-        line = f" {line_text}\n"
+        line = f" {text_line}\n"
         parts += (label, line)
         if sums:
             # No piece spans a number and the space after it either: a label with its time counts
