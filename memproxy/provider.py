@@ -48,7 +48,7 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
-from .tokens import TiktokenCounter, TokenCounter, encoding_name_for
+from .tokens import TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
@@ -132,7 +132,19 @@ class LitellmCounter:
         return int(self._litellm.token_counter(model=self._model, text=text))
 
     def message(self, message: Message) -> int:
-        return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3
+        content = message.get("content")
+        attached = 0
+        if isinstance(content, list):  # audio and documents: litellm cannot count them (`attachment_tokens`)
+            kept = []
+            for part in content:
+                tokens = attachment_tokens(part)
+                if tokens is None:
+                    kept.append(part)
+                else:
+                    attached += tokens
+            if attached:
+                message = {**message, "content": kept or ""}
+        return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
 
     def tools(self, tools: Sequence[Any]) -> int:
         if not tools:

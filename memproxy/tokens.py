@@ -6,6 +6,11 @@ count their id, name and arguments; tool schemas count as their compact JSON, wh
 than the form the provider renders, so the budget errs on the safe side. A message's count is computed
 once, when it first arrives, and stored with it.
 
+Audio and documents are not text: their base64 data counted as text would be hundreds of thousands
+of tokens for a few seconds of speech or a few pages (and a request the provider takes would be
+refused as too long). `attachment_tokens` estimates them as providers bill them, audio by its
+duration and a document by its pages, and both counters use it; litellm's counter cannot count them.
+
 tiktoken downloads encodings on first use, which fails offline. litellm ships `cl100k_base` and
 `o200k_base`; `load_encoding` points tiktoken at that copy (found without importing litellm) unless
 the user has set `TIKTOKEN_CACHE_DIR`, so counting works whatever was imported first.
@@ -13,9 +18,13 @@ the user has set `TIKTOKEN_CACHE_DIR`, so counting works whatever was imported f
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib.util
 import json
+import math
 import os
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +39,14 @@ TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
 TOKENS_PER_TOOL_CALL = 3
 TOKENS_PER_IMAGE = 765  # a high-detail 512px tile set; images are never cut, so err high
+TOKENS_PER_AUDIO_SECOND = 32  # Gemini's published rate, the highest (OpenAI's is about 17)
+_AUDIO_BYTES_PER_SECOND = 4000  # 32 kbit/s: speech is rarely compressed below, so a duration errs long
+# A document page as providers send it to the model (Anthropic: 1,500 to 3,000 tokens a page; OpenAI
+# a page's text and its image). The low end: a page count errs high already where pages hide in
+# compressed streams, and a count above the window would refuse what the provider accepts.
+TOKENS_PER_DOCUMENT_PAGE = 1500
+_DOCUMENT_BYTES_PER_PAGE = 50_000  # where no page can be counted: a page of text and some graphics
+_PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
 
 
 class TokenCounter(Protocol):
@@ -139,7 +156,8 @@ class TiktokenCounter:
             elif kind in ("image_url", "input_image"):
                 total += TOKENS_PER_IMAGE
             else:
-                total += self.text(json.dumps(part, separators=(",", ":")))
+                attached = attachment_tokens(part)
+                total += attached if attached is not None else self.text(json.dumps(part, separators=(",", ":")))
         return total
 
     def _tool_call(self, call: Any) -> int:
@@ -149,6 +167,51 @@ class TiktokenCounter:
             if isinstance(value, str):
                 total += self.text(value)
         return total
+
+
+def attachment_tokens(part: Any) -> int | None:
+    """What an audio or document content part costs the model, estimated (None for any other part):
+    `input_audio` by its duration (a WAV header's byte rate, else a low bit rate), a `file` or
+    `input_file` holding its data by its pages (a PDF's page objects, else its size). A file named
+    by id only is counted as its JSON: its size is the provider's to know."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        data = _decoded(audio.get("data") if isinstance(audio, dict) else None)
+        if data is None:
+            return None
+        return math.ceil(_audio_seconds(data) * TOKENS_PER_AUDIO_SECOND)
+    if kind in ("file", "input_file"):
+        holder = part.get("file") if kind == "file" else part
+        data = _decoded(holder.get("file_data") if isinstance(holder, dict) else None)
+        if data is None:
+            return None
+        pages = len(_PDF_PAGE.findall(data)) or math.ceil(len(data) / _DOCUMENT_BYTES_PER_PAGE)
+        return max(pages, 1) * TOKENS_PER_DOCUMENT_PAGE
+    return None
+
+
+def _decoded(value: Any) -> bytes | None:
+    """The bytes of base64 data, bare or as a data URL (`data:application/pdf;base64,...`)."""
+    if not isinstance(value, str) or not value:
+        return None
+    if value.startswith("data:"):
+        value = value.partition(",")[2]
+    try:
+        return base64.b64decode(value, validate=False)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _audio_seconds(data: bytes) -> float:
+    """A clip's duration: from a WAV header's byte rate where it has one, else at a low bit rate."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 44:
+        byte_rate = int.from_bytes(data[28:32], "little")
+        if byte_rate > 0:
+            return (len(data) - 44) / byte_rate
+    return len(data) / _AUDIO_BYTES_PER_SECOND
 
 
 def request_tokens(counter: TokenCounter, messages: Sequence[Message], tools: Sequence[Any]) -> int:

@@ -3,6 +3,7 @@ tokenizers, and counts computed once per stored message."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -23,7 +24,8 @@ from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 from memproxy.messages import Message
 from memproxy.provider import LitellmCounter, load_litellm
-from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
+from memproxy.tokens import (TOKENS_PER_AUDIO_SECOND, TOKENS_PER_DOCUMENT_PAGE, TiktokenCounter, attachment_tokens,
+                             encoding_name_for, request_tokens)
 from memproxy.typedefs import PROVIDER
 from test_budget import TOOLS, db_path, tool_call, words
 
@@ -286,3 +288,65 @@ async def test_building_a_request_never_retokenizes_stored_history(
             history += [user, reply]
     assert int(raw.headers["x-memproxy-stored-omitted"]) > 0  # the cut was searched for, too
     assert upstream.last().messages[-1] == user
+
+
+# --- audio and documents: estimated as providers bill them, not as base64 text ---------------------
+
+
+def wav(seconds: float, rate: int = 16_000) -> str:
+    """A mono 16-bit WAV clip of noise (as incompressible as speech), base64."""
+    data = os.urandom(int(seconds * rate) * 2)
+    header = (b"RIFF" + (36 + len(data)).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+              + (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + rate.to_bytes(4, "little")
+              + (rate * 2).to_bytes(4, "little") + (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
+              + b"data" + len(data).to_bytes(4, "little"))
+    return base64.b64encode(header + data).decode()
+
+
+def pdf(pages: int) -> str:
+    """A data URL of a PDF with `pages` page objects (and the page tree, which is not a page), and a
+    compressed stream of 40 KB."""
+    stream = b"9 0 obj << /Length 40000 /Filter /FlateDecode >> stream\n" + os.urandom(40_000) + b"\nendstream endobj"
+    objects = [b"1 0 obj << /Type /Catalog /Pages 2 0 R >> endobj", stream,
+               b"2 0 obj << /Type /Pages /Count %d >> endobj" % pages]
+    objects += [b"%d 0 obj << /Type /Page /Parent 2 0 R >> endobj" % (3 + i) for i in range(pages)]
+    return "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.4\n" + b"\n".join(objects) + b"\n%%EOF").decode()
+
+
+def audio_part(data: str) -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+def file_part(data: str) -> dict[str, Any]:
+    return {"type": "file", "file": {"filename": "report.pdf", "file_data": data}}
+
+
+def test_audio_and_documents_cost_their_length_not_their_bytes() -> None:
+    assert attachment_tokens(audio_part(wav(10))) == 10 * TOKENS_PER_AUDIO_SECOND  # the header's byte rate
+    assert attachment_tokens(audio_part(wav(10, rate=48_000))) == 10 * TOKENS_PER_AUDIO_SECOND
+    # No header (an mp3): a duration at 32 kbit/s, longer than any real clip of that size.
+    assert attachment_tokens(audio_part(base64.b64encode(os.urandom(40_000)).decode())) == 10 * TOKENS_PER_AUDIO_SECOND
+    assert attachment_tokens(file_part(pdf(3))) == 3 * TOKENS_PER_DOCUMENT_PAGE
+    # Pages in compressed streams: counted from the size, a page per 50 KB.
+    assert attachment_tokens(file_part(base64.b64encode(os.urandom(200_000)).decode())) == 4 * TOKENS_PER_DOCUMENT_PAGE
+    assert attachment_tokens({"type": "input_file", "file_data": pdf(2)}) == 2 * TOKENS_PER_DOCUMENT_PAGE
+    assert attachment_tokens({"type": "file", "file": {"file_id": "file-abc"}}) is None  # the provider knows its size
+    assert attachment_tokens({"type": "text", "text": "hi"}) is None
+
+    message: Message = {"role": "user", "content": [{"type": "text", "text": "What is said?"}, audio_part(wav(10))]}
+    text_only: Message = {"role": "user", "content": [{"type": "text", "text": "What is said?"}]}
+    for counter in (TiktokenCounter("o200k_base"), LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")):
+        assert counter.message(message) == counter.message(text_only) + 10 * TOKENS_PER_AUDIO_SECOND
+        document: Message = {"role": "user", "content": [file_part(pdf(5))]}
+        assert counter.message(document) >= 5 * TOKENS_PER_DOCUMENT_PAGE
+
+
+async def test_a_clip_and_a_document_are_sent(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """Ten seconds of speech and a two-page PDF (some 3,300 tokens) on a 100,000-token window:
+    counted as text they were over 300,000, and memproxy refused what the provider would take."""
+    upstream.enqueue(Reply(content="It says hello."))
+    content: Any = [{"type": "text", "text": "What is said, and what does the report say?"},
+                    audio_part(wav(10)), file_part(pdf(2))]
+    answer = await proxy.client().chat.completions.create(model="big", messages=[{"role": "user", "content": content}])
+    assert answer.choices[0].message.content == "It says hello."
+    assert upstream.chat_requests()[-1].body["messages"][-1]["content"] == content
