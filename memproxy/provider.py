@@ -708,7 +708,14 @@ def transport(model: ModelConfig) -> Route:
 
 
 def _dumped_chunk(chunk: Any) -> dict[str, Any]:
+    """A stream chunk as a dict. litellm gives the usage chunk (`stream_options.include_usage`) a
+    choice with an empty delta; OpenAI's has no choice, and clients tell it by that."""
     result: dict[str, Any] = chunk.model_dump(exclude_none=True)
+    choices = result.get("choices")
+    if "usage" in result and isinstance(choices, list) and all(
+            isinstance(c, dict) and not c.get("delta") and not c.get("text") and c.get("finish_reason") is None
+            and c.get("logprobs") is None for c in choices):
+        result["choices"] = []
     return result
 
 

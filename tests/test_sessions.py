@@ -404,10 +404,10 @@ async def test_a_streamed_turn_records_its_usage_though_the_client_did_not_ask_f
     upstream.enqueue(Reply(content="with usage", usage=usage))
     events = await raw_stream(proxy, {"model": "small", "messages": [user("q2")],
                                       "stream_options": {"include_usage": True}}, **{"X-Session-Id": "s1"})
-    # The last chunk carries it (with what litellm adds: token details) and no content (OpenAI's own
-    # has no choices; litellm's one with an empty delta).
+    # The last chunk carries it (with what litellm adds: token details) and, as OpenAI's, no choice
+    # (litellm gives it one with an empty delta; clients tell the usage chunk by its empty choices).
     assert {k: events[-1]["usage"][k] for k in usage} == usage
-    assert not any(c.get("delta") for c in events[-1]["choices"])
+    assert events[-1]["choices"] == []
     assert all(e.get("usage") is None for e in events[:-1])
     # Without a session nothing is recorded, and nothing is asked for.
     upstream.enqueue(Reply(content="passed through"))
