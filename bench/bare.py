@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load  # noqa: E402
 from memproxy.config import ModelConfig  # noqa: E402
-from memproxy.provider import _litellm_kwargs, chat_parameters, load_litellm  # noqa: E402
+from memproxy.provider import chat_parameters, litellm_kwargs, load_litellm  # noqa: E402
 
 EXCHANGES = 4  # earlier exchanges in each request: a memory-on session's middle (TURN_LENGTH 10)
 
@@ -52,7 +52,7 @@ async def run(api_base: str, requests: int, rounds: int, warmup: int) -> list[di
         cpu = time.process_time()
         for _ in range(warmup if r == 0 else requests):
             question += 1
-            kwargs = {**_litellm_kwargs(model, params, named), "messages": conversation(question)}
+            kwargs = {**litellm_kwargs(model, params, named), "messages": conversation(question)}
             started = time.perf_counter()
             response = await litellm.acompletion(**kwargs)
             response.model_dump(exclude_none=True)

@@ -18,7 +18,7 @@ keyword arguments beside the request's (where to send it, with which key, which 
 if it fails, a canned answer, a provider's credentials): a client able to set them could send the
 operator's upstream key to a server of its own. So a parameter is a keyword argument only where
 litellm names it as a request parameter (`request_parameters`: the call's signature and, for chat,
-what litellm translates for the model's provider), and is allowed even where litellm would refuse
+what litellm translates for the model's provider, `chat_parameters`), and is allowed even where litellm would refuse
 it for an unknown model; every other one travels in `extra_body`, which litellm puts in the
 provider's request as it is and never reads.
 One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
@@ -292,8 +292,8 @@ class Provider:
         return TiktokenCounter(tokenizer)
 
     def _kwargs(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
-        """A chat call's arguments for litellm (`_litellm_kwargs`), its messages included."""
-        kwargs = _litellm_kwargs(model, params, self._chat_parameters[model.name])
+        """A chat call's arguments for litellm (`litellm_kwargs`), its messages included."""
+        kwargs = litellm_kwargs(model, params, self._chat_parameters[model.name])
         kwargs["messages"] = [detached(m) for m in messages]  # litellm may rewrite them; they are shared
         if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
                 and params.get("max_completion_tokens") is None:
@@ -407,7 +407,7 @@ class Provider:
 
     async def _call_litellm(self, endpoint: Endpoint, model: ModelConfig, params: dict[str, Any]) -> Any:
         # `max_retries: 0` as for chat; litellm's OpenAI image and moderation calls retry regardless.
-        kwargs = _litellm_kwargs(model, params, self._endpoint_parameters[endpoint])
+        kwargs = litellm_kwargs(model, params, self._endpoint_parameters[endpoint])
         if endpoint != "images" and self._sdk_route[model.name]:
             # For an OpenAI-compatible provider litellm calls the OpenAI SDK, with a client of its
             # own that retries moderations whatever `max_retries` says, and for a plain legacy
@@ -562,16 +562,32 @@ def request_parameters(litellm: Any, call: Callable[..., Any], supported: Sequen
 
 
 def chat_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
-    """A chat call's request parameters for `model`: OpenAI's, and what litellm translates for the
-    model's provider (`thinking`, `reasoning_effort`, ...)."""
+    """A chat call's request parameters for `model`: OpenAI's, those litellm translates for the
+    model's provider (`thinking`, `reasoning_effort`, ...), and the provider's own generation
+    parameters that litellm's config for it names (`top_k`, Ollama's `num_ctx`, ...)."""
     try:
         supported = litellm.get_supported_openai_params(model=model.model) or []
     except Exception:  # a provider litellm has no list for: OpenAI's parameters
         supported = []
-    return request_parameters(litellm, litellm.completion, [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported])
+    return request_parameters(litellm, litellm.completion,
+                              [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported, *_provider_parameters(litellm, model)])
 
 
-def _litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[str]) -> dict[str, Any]:
+def _provider_parameters(litellm: Any, model: ModelConfig) -> list[str]:
+    """The parameters litellm's chat config for the model's provider declares (its fields)."""
+    try:
+        _, provider, _, _ = litellm.get_llm_provider(model.model)
+        config = litellm.utils.ProviderConfigManager.get_provider_chat_config(
+            model=model.model, provider=litellm.LlmProviders(provider))
+    except Exception:  # a provider litellm has no config for
+        return []
+    fields: dict[str, Any] = {}
+    for klass in type(config).__mro__:
+        fields.update(getattr(klass, "__annotations__", {}))
+    return [name for name in fields if not name.startswith("_")]
+
+
+def litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[str]) -> dict[str, Any]:
     """A call's arguments for litellm: the client's parameters (those litellm names as request
     parameters, `named`, as keyword arguments, each allowed, as litellm would refuse some for a model
     it does not know; every other one in `extra_body`), the model's provider name, endpoint, key and

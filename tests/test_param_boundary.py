@@ -21,6 +21,8 @@ import pytest
 
 from conftest import Proxy
 from fake_upstream import FakeUpstream, Reply
+from memproxy.config import ModelConfig
+from memproxy.provider import chat_parameters, litellm_kwargs, load_litellm
 
 pytestmark = pytest.mark.both_transports
 
@@ -32,9 +34,9 @@ def attacker() -> Iterator[FakeUpstream]:
     fake.stop()
 
 
-def settings(attacker: FakeUpstream) -> dict[str, Any]:
-    """litellm's settings, each pointing at the attacker."""
-    elsewhere = f"{attacker.url}/v1"
+def settings(attacker: str) -> dict[str, Any]:
+    """litellm's settings, each pointing at the attacker's server (its URL)."""
+    elsewhere = f"{attacker}/v1"
     return {
         "api_base": elsewhere, "base_url": elsewhere, "api_key": "attacker-key",
         "fallbacks": [{"model": "openai/gpt-4o", "api_base": elsewhere}, "openai/gpt-4o"],
@@ -49,7 +51,7 @@ async def test_a_clients_settings_for_litellm_go_to_the_provider_as_fields(
         proxy: Proxy, upstream: FakeUpstream, attacker: FakeUpstream) -> None:
     attacker.reset()
     upstream.enqueue(Reply(content="Hello."))
-    extra = settings(attacker)
+    extra = settings(attacker.url)
     answer = await proxy.client().chat.completions.create(
         model="small", messages=[{"role": "user", "content": "hi"}], extra_body=extra)
     assert answer.choices[0].message.content == "Hello."  # the provider's, not the canned one
@@ -69,7 +71,7 @@ async def test_a_refused_request_falls_back_to_nothing(proxy: Proxy, upstream: F
     with pytest.raises(openai.BadRequestError):
         await proxy.client().chat.completions.create(
             model="small", messages=[{"role": "user", "content": "hi"}], temperature=99,
-            extra_body={"fallbacks": settings(attacker)["fallbacks"]})
+            extra_body={"fallbacks": settings(attacker.url)["fallbacks"]})
     assert attacker.received == []
     assert len(upstream.chat_requests()) == 1  # once: not retried either
 
@@ -78,8 +80,39 @@ async def test_the_other_endpoints_take_no_settings_either(proxy: Proxy, upstrea
                                                            attacker: FakeUpstream) -> None:
     attacker.reset()
     client = proxy.client(session=None)
-    await client.embeddings.create(model="small", input="hello", extra_body=settings(attacker))
-    await client.completions.create(model="small", prompt="hello", extra_body=settings(attacker))
-    await client.moderations.create(model="small", input="hello", extra_body=settings(attacker))
+    await client.embeddings.create(model="small", input="hello", extra_body=settings(attacker.url))
+    await client.completions.create(model="small", prompt="hello", extra_body=settings(attacker.url))
+    await client.moderations.create(model="small", input="hello", extra_body=settings(attacker.url))
     assert attacker.received == []
     assert {r.headers["Authorization"] for r in upstream.received} == {"Bearer upstream-secret"}
+
+
+# Names litellm reads from a call's keyword arguments as its own (beyond its list of them,
+# `all_litellm_params`): callbacks with the operator's credentials, TLS checks, batch calls to other
+# models, internal switches.
+UNLISTED = {"callbacks": ["langfuse"], "success_callback": ["langfuse"], "failure_callback": ["langfuse"],
+            "ssl_verify": False, "batch_models": "openai/gpt-4o", "drop_params": True,
+            "_litellm_internal_model_credentials": {"api_key": "x"}, "mock_tool_calls": [],
+            "vertex_credentials": "{}", "aws_bedrock_runtime_endpoint": "http://elsewhere", "azure_ad_token": "t"}
+
+
+@pytest.mark.parametrize("name", ["gemini/gemini-1.5-pro", "anthropic/claude-3-5-sonnet-20240620",
+                                  "ollama_chat/llama3", "openai/gpt-4o-mini", "hosted_vllm/my-model"])
+def test_only_request_parameters_are_litellm_arguments(name: str) -> None:
+    litellm = load_litellm()
+    model = ModelConfig(name="m", model=name, api_base="http://127.0.0.1:9/v1", api_key="upstream-secret")
+    params = {**settings("http://elsewhere"), **UNLISTED, "temperature": 0.2, "max_tokens": 5, "tools": [],
+              "reasoning_effort": "low", "top_k": 3, "model": "m"}
+    kwargs = litellm_kwargs(model, params, chat_parameters(litellm, model))
+    for key in ("temperature", "max_tokens", "tools", "reasoning_effort"):
+        assert kwargs[key] == params[key], key
+    assert kwargs["model"] == name and kwargs["api_base"] == "http://127.0.0.1:9/v1" and kwargs["api_key"] == "upstream-secret"
+    for key in {**settings("http://elsewhere"), **UNLISTED}:
+        assert kwargs["extra_body"][key] == params[key], key
+        assert key not in kwargs or key in ("api_base", "api_key"), key  # those two are the model's own
+    # The provider's own generation parameters stay litellm's to translate where it knows the
+    # provider's (Gemini's top_k goes in generationConfig); elsewhere they travel as body fields.
+    if name.startswith(("gemini/", "anthropic/", "ollama_chat/")):
+        assert kwargs["top_k"] == 3 and "top_k" not in kwargs["extra_body"]
+    else:
+        assert kwargs["extra_body"]["top_k"] == 3 and "top_k" not in kwargs
