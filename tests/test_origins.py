@@ -127,9 +127,10 @@ async def test_an_allowed_origin_gets_cors_on_every_kind_of_answer(
     async with http.post(f"{proxy.url}/chat/completions", json={**CHAT, "stream": True}, headers=headers) as response:
         assert response.status == 200 and response.headers["Access-Control-Allow-Origin"] == APP
         assert (await response.text()).rstrip().endswith("data: [DONE]")
-    async with http.post(f"{proxy.url}/chat/completions", json={"model": "nope", "messages": []},
+    async with http.post(f"{proxy.url}/chat/completions", json={**CHAT, "model": "nope"},
                          headers=headers) as response:  # an error a page must be able to read
-        assert response.status in (400, 404) and response.headers["Access-Control-Allow-Origin"] == APP
+        assert response.status == 404 and response.headers["Access-Control-Allow-Origin"] == APP
+        assert (await response.json())["error"]["code"] == "model_not_found"
     async with http.get(f"{proxy.url}/models", headers={"Origin": APP}) as response:  # no key: a 401 it can read
         assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == APP
 
