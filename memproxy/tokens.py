@@ -179,39 +179,45 @@ def attachment_tokens(part: Any) -> int | None:
     kind = part.get("type")
     if kind == "input_audio":
         audio = part.get("input_audio")
-        data = _decoded(audio.get("data") if isinstance(audio, dict) else None)
-        if data is None:
+        encoded = _base64(audio.get("data") if isinstance(audio, dict) else None)
+        header = _decoded(encoded[:64]) if encoded is not None else None  # 48 bytes: a WAV header
+        if encoded is None or header is None:
             return None
-        return math.ceil(_audio_seconds(data) * TOKENS_PER_AUDIO_SECOND)
+        size = len(encoded.rstrip("=")) * 3 // 4  # the clip itself is never decoded
+        return math.ceil(_audio_seconds(header, size) * TOKENS_PER_AUDIO_SECOND)
     if kind in ("file", "input_file"):
         holder = part.get("file") if kind == "file" else part
-        data = _decoded(holder.get("file_data") if isinstance(holder, dict) else None)
+        encoded = _base64(holder.get("file_data") if isinstance(holder, dict) else None)
+        data = _decoded(encoded) if encoded is not None else None
         if data is None:
             return None
-        pages = len(_PDF_PAGE.findall(data)) or math.ceil(len(data) / _DOCUMENT_BYTES_PER_PAGE)
+        pages = sum(1 for _ in _PDF_PAGE.finditer(data)) or math.ceil(len(data) / _DOCUMENT_BYTES_PER_PAGE)
         return max(pages, 1) * TOKENS_PER_DOCUMENT_PAGE
     return None
 
 
-def _decoded(value: Any) -> bytes | None:
-    """The bytes of base64 data, bare or as a data URL (`data:application/pdf;base64,...`)."""
+def _base64(value: Any) -> str | None:
+    """Base64 data, bare or from a data URL (`data:application/pdf;base64,...`); None for none."""
     if not isinstance(value, str) or not value:
         return None
-    if value.startswith("data:"):
-        value = value.partition(",")[2]
+    return value.partition(",")[2] if value.startswith("data:") else value
+
+
+def _decoded(encoded: str) -> bytes | None:
     try:
-        return base64.b64decode(value, validate=False)
+        return base64.b64decode(encoded, validate=False)
     except (binascii.Error, ValueError):
         return None
 
 
-def _audio_seconds(data: bytes) -> float:
-    """A clip's duration: from a WAV header's byte rate where it has one, else at a low bit rate."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 44:
-        byte_rate = int.from_bytes(data[28:32], "little")
+def _audio_seconds(header: bytes, size: int) -> float:
+    """A clip of `size` bytes: its duration from a WAV header's byte rate where it has one, else at
+    a low bit rate."""
+    if header[:4] == b"RIFF" and header[8:12] == b"WAVE" and len(header) >= 32:
+        byte_rate = int.from_bytes(header[28:32], "little")
         if byte_rate > 0:
-            return (len(data) - 44) / byte_rate
-    return len(data) / _AUDIO_BYTES_PER_SECOND
+            return (size - 44) / byte_rate
+    return size / _AUDIO_BYTES_PER_SECOND
 
 
 def request_tokens(counter: TokenCounter, messages: Sequence[Message], tools: Sequence[Any]) -> int:

@@ -135,6 +135,17 @@ async def test_an_allowed_origin_gets_cors_on_every_kind_of_answer(
         assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == APP
 
 
+async def test_any_origin_where_star_is_listed(start_proxy: Any, config: Config, upstream: FakeUpstream,
+                                               http: aiohttp.ClientSession) -> None:
+    proxy = await start_proxy(with_origins(config, "*"))  # with keys: a page still needs one
+    headers = {"Origin": EVIL, "Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
+    upstream.enqueue(Reply(content="Noted."))
+    async with http.post(f"{proxy.url}/chat/completions", json=CHAT, headers=headers) as response:
+        assert response.status == 200 and response.headers["Access-Control-Allow-Origin"] == EVIL
+    async with http.post(f"{proxy.url}/chat/completions", json=CHAT, headers={"Origin": EVIL}) as response:
+        assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == EVIL
+
+
 # --- hosts ----------------------------------------------------------------------------------------
 
 
