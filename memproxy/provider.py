@@ -62,6 +62,7 @@ _CALL_SETTINGS = frozenset({"api_key", "api_base", "api_version", "api_type", "b
                             "shared_session", "model", "args", "kwargs", "aspeech"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
+_REGISTERED: set[str] = set()  # the models `_made_known` added to litellm's map, in this process
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
 JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
@@ -170,8 +171,8 @@ def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     """`models[index]`'s context window: as configured, else litellm's local model info."""
     if model.context_window is not None:
         return model.context_window
-    try:
-        info = litellm.get_model_info(model.model)
+    try:  # not from a window memproxy registered itself (`_made_known`): that was another config's
+        info = {} if model.model in _REGISTERED else litellm.get_model_info(model.model)
     except Exception:
         info = {}
     window = info.get("max_input_tokens") or info.get("max_tokens")
@@ -235,6 +236,7 @@ class Provider:
                 self._litellm, model.model)
             self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
             self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
+            _made_known(self._litellm, model, self._windows[model.name])
         self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
                                      for endpoint, name in _SIGNATURES.items()}
         self._responses_parameters = request_parameters(self._litellm, self._litellm.aresponses)
@@ -273,7 +275,8 @@ class Provider:
     def cost(self, model: ModelConfig, usage: dict[str, Any] | None) -> float | None:
         """What a call cost upstream, where litellm knows the model's price."""
         prompt, completion = (usage or {}).get("prompt_tokens"), (usage or {}).get("completion_tokens")
-        if not isinstance(prompt, int) or not isinstance(completion, int) or model.model in self._unpriced:
+        if not isinstance(prompt, int) or not isinstance(completion, int) or model.model in self._unpriced \
+                or model.model in _REGISTERED:  # known to litellm by its window alone
             return None
         try:
             prompt_cost, completion_cost = self._litellm.cost_per_token(
@@ -623,6 +626,29 @@ def _sdk_route(litellm: Any, name: str) -> bool:
 def _provider_of(model: ModelConfig) -> str:
     """litellm's provider prefix of a model string (`openai` where there is none)."""
     return model.model.split("/", 1)[0] if "/" in model.model else "openai"
+
+
+def _made_known(litellm: Any, model: ModelConfig, window: int) -> None:
+    """Register a model litellm's model map lacks (a local server's, a custom name) with its window
+    and output limit, and no price (`Provider.cost` still says it is unknown). litellm looks each
+    call's model up in that map twice, for the call's cost and for its logging payload, and caches
+    only a model it finds: one it lacks is searched for again each time, under every name and
+    provider it might be mapped by (measured: 70 us a lookup, 0.5 us once registered). A mapped
+    model is left as litellm has it; one registered before (by another provider in this process)
+    is registered again, with this window."""
+    if model.model not in _REGISTERED:
+        try:
+            litellm.get_model_info(model.model)
+            return
+        except Exception:
+            pass
+    try:
+        provider = litellm.get_llm_provider(model.model)[1]
+    except Exception:  # not a model litellm can call: nothing to look up either
+        return
+    litellm.register_model({model.model: {"max_input_tokens": window, "max_output_tokens": model.max_output_tokens,
+                                          "litellm_provider": provider, "mode": "chat"}})
+    _REGISTERED.add(model.model)
 
 
 def _reasons(litellm: Any, name: str) -> bool:

@@ -187,3 +187,23 @@ def test_an_error_litellm_met_in_its_own_code_does_not_show_its_traceback() -> N
     assert error.status == 502 and error.code == "upstream_unreachable"
     assert "max_workers must be greater than 0" in error.message
     assert "Traceback" not in error.message and "site-packages" not in error.message
+
+
+def test_a_model_litellm_does_not_know_is_registered_with_its_window_and_no_price() -> None:
+    litellm = load_litellm()
+    local = ModelConfig(name="local", model="openai/registered-by-memproxy", context_window=6000,
+                        max_output_tokens=300)
+    known = ModelConfig(name="known", model="openai/gpt-4o-mini", context_window=5000)
+    mapped_before = litellm.get_model_info(known.model)
+    provider = provider_for(local, known)
+    info = litellm.get_model_info(local.model)  # it raised before: litellm's map had no such model
+    assert (info["max_input_tokens"], info["max_output_tokens"]) == (6000, 300)
+    assert provider.cost(local, {"prompt_tokens": 1000, "completion_tokens": 10}) is None  # unknown, not free
+    assert litellm.get_model_info(known.model) == mapped_before  # a mapped model is left as it is
+    assert provider.cost(known, {"prompt_tokens": 1000, "completion_tokens": 10}) > 0
+    # Another config in the same process: registered again with its window; its window must be set.
+    again = provider_for(ModelConfig(name="local", model=local.model, context_window=7000))
+    assert litellm.get_model_info(local.model)["max_input_tokens"] == 7000
+    assert again.cost(local, {"prompt_tokens": 1000, "completion_tokens": 10}) is None
+    with pytest.raises(ConfigError):
+        provider_for(ModelConfig(name="local", model=local.model))
