@@ -650,10 +650,14 @@ async def phase_recall(processes: servers.Processes, upstream: servers.Server, w
                 "context_tokens_max": max((t for c in counts for t in c.context_tokens), default=0),
             }
         started = time.perf_counter()
+        # One memproxy a mode, all on the replayed file and started side by side: the context
+        # endpoint only reads, so they may share it.
+        configs = []
         for mode, memory in modes.items():
             config = workdir / f"memproxy-recall-{mode}.yaml"
             config.write_text(memproxy_config(upstream.url, db, memory, WINDOW, models))
-            server = servers.start_memproxy(processes, f"memproxy-recall-{mode}", config)
+            configs.append((f"memproxy-recall-{mode}", config))
+        for (mode, _), server in zip(modes.items(), servers.start_memproxies(processes, configs)):
             asked = await asyncio.gather(*(recall.ask(session, server.url, headers, f"recall-{window}", sid, script)
                                            for window, script, sid in runs))
             server.stop()
@@ -699,8 +703,7 @@ async def phase_recall_speed(processes: servers.Processes, upstream: servers.Ser
                            "other_session_size": plan.recall_other_size, "modes_missing": missing,
                            "texts": "LoCoMo turns and questions" if data.exists() else "random words (no LoCoMo data)",
                            "seed_s": {}, "results": {}}
-    names: list[str] = []
-    live: dict[str, servers.Server] = {}
+    configs: dict[str, Path] = {}
     for store, size in stores.items():
         db = workdir / f"recall-speed-{store}.db"
         print(f"bench: seeding {size:,} messages for the recall speed phase", flush=True)
@@ -713,9 +716,10 @@ async def phase_recall_speed(processes: servers.Processes, upstream: servers.Ser
                 shutil.copyfile(db, copy)  # the seeding store is closed: its WAL is checkpointed away
             config = workdir / f"memproxy-recall-speed-{store}-{mode}.yaml"
             config.write_text(memproxy_config(upstream.url, copy, {**BENCH_MEMORY, **settings}, WINDOW))
-            name = f"{store}-{mode}"
-            live[name] = servers.start_memproxy(processes, f"memproxy-recall-speed-{name}", config)
-            names.append(name)
+            configs[f"{store}-{mode}"] = config
+    names = list(configs)
+    live = dict(zip(names, servers.start_memproxies(
+        processes, [(f"memproxy-recall-speed-{name}", config) for name, config in configs.items()])))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         async with session.post(f"{upstream.url}/_control", json={"delay_ms": 0, "replies": {}}) as response:
             response.raise_for_status()

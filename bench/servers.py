@@ -81,6 +81,18 @@ class Server:
             self.process.wait(5)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A server to start (`Processes.start`)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    ready_line: str | None = None  # ready once it prints a line starting so (its last word: its URL)
+    health_url: str | None = None  # ready once this answers 200
+    url: str = ""
+
+
 @dataclass
 class Processes:
     workdir: Path
@@ -91,24 +103,35 @@ class Processes:
               timeout: float = 120.0) -> Server:
         """Start `argv`; it is ready when it prints a line starting with `ready_line` (whose last
         word is its URL) or when `health_url` answers 200."""
-        log_path = self.workdir / f"{name}.log"
-        log = open(log_path, "ab")
-        process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE if ready_line else log, stderr=log, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True, cwd=self.workdir,
-        )
-        server = Server(name, url, process, log_path)
-        self.servers.append(server)
+        return self.start_all([Launch(name, argv, env, ready_line, health_url, url)], timeout)[0]
+
+    def start_all(self, launches: list[Launch], timeout: float = 120.0) -> list[Server]:
+        """Start every one of `launches` at once, then wait until each is ready: servers that each
+        import litellm (seconds of CPU) start side by side instead of one after another."""
+        started = []
+        for launch in launches:
+            log = open(self.workdir / f"{launch.name}.log", "ab")
+            process = subprocess.Popen(
+                launch.argv, stdout=subprocess.PIPE if launch.ready_line else log, stderr=log,
+                stdin=subprocess.DEVNULL, env={**os.environ, **(launch.env or {})}, start_new_session=True,
+                cwd=self.workdir,
+            )
+            server = Server(launch.name, launch.url, process, self.workdir / f"{launch.name}.log")
+            self.servers.append(server)
+            started.append((launch, server, log))
         try:
-            if ready_line:
-                assert process.stdout is not None
-                server.url = _wait_for_line(name, process, process.stdout, ready_line, timeout, log).split()[-1]
-            if health_url:
-                _wait_for_health(name, process, health_url, timeout)
+            for launch, server, log in started:
+                if launch.ready_line:
+                    assert server.process.stdout is not None
+                    server.url = _wait_for_line(launch.name, server.process, server.process.stdout,
+                                                launch.ready_line, timeout, log).split()[-1]
+                if launch.health_url:
+                    _wait_for_health(launch.name, server.process, launch.health_url, timeout)
         except Exception:
-            server.stop()
+            for _, server, _ in started:
+                server.stop()
             raise
-        return server
+        return [server for _, server, _ in started]
 
     def stop_all(self) -> None:
         for server in reversed(self.servers):
@@ -164,10 +187,15 @@ def start_upstream(processes: Processes) -> Server:
 
 
 def start_memproxy(processes: Processes, name: str, config: Path) -> Server:
-    return processes.start(name, [sys.executable, "-m", "memproxy.cli", "serve", "-c", str(config),
-                                  "--port", "0"],
-                           env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-                           ready_line="memproxy listening on")
+    return start_memproxies(processes, [(name, config)])[0]
+
+
+def start_memproxies(processes: Processes, configs: list[tuple[str, Path]]) -> list[Server]:
+    """memproxies of the given names and configs, started side by side."""
+    return processes.start_all([Launch(name, [sys.executable, "-m", "memproxy.cli", "serve", "-c", str(config),
+                                              "--port", "0"],
+                                       env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                                       ready_line="memproxy listening on") for name, config in configs])
 
 
 def litellm_executable() -> tuple[Path | None, str]:

@@ -88,11 +88,14 @@ def test_quick_bench_writes_report_and_plots(tmp_path: Path) -> None:
     assert {"small-off", "big-off"} <= set(speed)
     assert all(rounds[0]["errors"] == 0 and "memory_p50" in rounds[0] for rounds in speed.values())
 
-    # `--only recall` puts its phases into the saved run and keeps every other section.
+    # `--only recall` puts its phases into the saved run and keeps every other section. Run where the
+    # LoCoMo data is not (half the time: no replay), so that the phases' own fallbacks run too.
     before = results["cpu"]
-    _bench(tmp_path, "--only", "recall")
+    _bench(tmp_path, "--only", "recall", "--locomo", str(tmp_path / "absent" / "locomo5.json"))
     merged = json.loads((tmp_path / "bench-results.json").read_text(encoding="utf-8"))
     assert merged["cpu"] == before and merged["meta"]["recall_run"]["started"] >= results["meta"]["started"]
+    assert "skipped" in merged["recall"] and merged["recall_speed"]["texts"].startswith("random words")
+    assert all(rounds[0]["errors"] == 0 for rounds in merged["recall_speed"]["results"].values())
     report = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
     assert "## 1. Added latency" in report and "Sections 8 and 9 (and their targets) are from" in report
 
