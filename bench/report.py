@@ -805,7 +805,8 @@ class Report:
                  "through the context endpoint (`POST /v1/sessions/{id}/context`: what the chat endpoint would "
                  "send upstream, nothing stored), and scores the share of its evidence ids whose `[Dx:y]` tag "
                  "appears in those messages; the figure is the mean over questions. The settings ask the "
-                 "same replayed store (memproxy restarted on the same database file): "
+                 "same replayed store (a memproxy for each setting, on the same database file, which the context "
+                 "endpoint only reads): "
                  + "; ".join(f"**{MODE_LABELS.get(m, m)}** `{json.dumps(v)}`" for m, v in rec["mode_settings"].items())
                  + ". Odd evidence entries are read for every id they name (`D8:6; D9:17` is two, `D:11:26` is "
                  f"D11:26); entries naming none (a bare `D`) are left out: {sum(c['evidence_dropped'] for c in convs)}. "

@@ -603,8 +603,8 @@ def recall_modes(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, 
 async def phase_recall(processes: servers.Processes, upstream: servers.Server, workdir: Path, plan: Plan,
                        data: Path) -> dict[str, Any]:
     """LoCoMo told to memproxy turn by turn at each window, once, with every memory default; then
-    every question asked through the context endpoint under each mode, on the same store (memproxy
-    restarted with another config on the same database file)."""
+    every question asked through the context endpoint under each mode, on the same store (a memproxy
+    of its own for each mode, all on the same database file)."""
     if not data.exists():
         return {"skipped": f"the LoCoMo data is not at {data}; the recall replay was skipped"}
     scripts = recall.load_scripts(data, plan.recall_conversations, plan.recall_sessions, plan.recall_questions)
