@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load  # noqa: E402
 from memproxy.config import ModelConfig  # noqa: E402
-from memproxy.provider import chat_parameters, litellm_kwargs, load_litellm  # noqa: E402
+from memproxy.provider import chat_parameters, litellm_kwargs, load_litellm, register_unmapped  # noqa: E402
 
+WINDOW = 8192  # the latency phases' model's (`run.WINDOW`)
 EXCHANGES = 4  # earlier exchanges in each request: a memory-on session's middle (TURN_LENGTH 10)
 
 
@@ -45,6 +46,7 @@ async def run(api_base: str, requests: int, rounds: int, warmup: int) -> list[di
     model = ModelConfig(name="bench", model="openai/bench-model", api_base=api_base, api_key="upstream-key")
     params = {"model": "bench", "max_tokens": 64}
     named = chat_parameters(litellm, model)
+    register_unmapped(litellm, model, WINDOW)  # as memproxy's provider does at start
     out = []
     question = 0
     for r in range(rounds + 1):

@@ -62,7 +62,7 @@ _CALL_SETTINGS = frozenset({"api_key", "api_base", "api_version", "api_type", "b
                             "shared_session", "model", "args", "kwargs", "aspeech"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
-_REGISTERED: set[str] = set()  # the models `_made_known` added to litellm's map, in this process
+_REGISTERED: set[str] = set()  # the models `register_unmapped` added to litellm's map, in this process
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
 Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
 JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
@@ -171,7 +171,7 @@ def resolve_window(litellm: Any, index: int, model: ModelConfig) -> int:
     """`models[index]`'s context window: as configured, else litellm's local model info."""
     if model.context_window is not None:
         return model.context_window
-    try:  # not from a window memproxy registered itself (`_made_known`): that was another config's
+    try:  # not from a window memproxy registered itself (`register_unmapped`): that was another config's
         info = {} if model.model in _REGISTERED else litellm.get_model_info(model.model)
     except Exception:
         info = {}
@@ -236,7 +236,7 @@ class Provider:
                 self._litellm, model.model)
             self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
             self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
-            _made_known(self._litellm, model, self._windows[model.name])
+            register_unmapped(self._litellm, model, self._windows[model.name])
         self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
                                      for endpoint, name in _SIGNATURES.items()}
         self._responses_parameters = request_parameters(self._litellm, self._litellm.aresponses)
@@ -572,22 +572,30 @@ def chat_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
         supported = litellm.get_supported_openai_params(model=model.model) or []
     except Exception:  # a provider litellm has no list for: OpenAI's parameters
         supported = []
-    return request_parameters(litellm, litellm.completion,
-                              [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported, *_provider_parameters(litellm, model)])
+    translated = [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported, *_provider_parameters(litellm, model)]
+    return request_parameters(litellm, litellm.completion, translated)
 
 
 def _provider_parameters(litellm: Any, model: ModelConfig) -> list[str]:
     """The parameters litellm's chat config for the model's provider declares (its fields)."""
-    try:
-        _, provider, _, _ = litellm.get_llm_provider(model.model)
-        config = litellm.utils.ProviderConfigManager.get_provider_chat_config(
-            model=model.model, provider=litellm.LlmProviders(provider))
-    except Exception:  # a provider litellm has no config for
+    found = _chat_config(litellm, model.model)
+    if found is None:
         return []
     fields: dict[str, Any] = {}
-    for klass in type(config).__mro__:
+    for klass in type(found[1]).__mro__:
         fields.update(getattr(klass, "__annotations__", {}))
     return [name for name in fields if not name.startswith("_")]
+
+
+def _chat_config(litellm: Any, model: str) -> tuple[str, Any] | None:
+    """litellm's name for `model` without its provider, and its provider's chat config (None: a
+    provider litellm has no chat config for)."""
+    try:
+        name, provider, _, _ = litellm.get_llm_provider(model)
+        return name, litellm.utils.ProviderConfigManager.get_provider_chat_config(
+            model=name, provider=litellm.LlmProviders(provider))
+    except Exception:
+        return None
 
 
 def litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[str]) -> dict[str, Any]:
@@ -628,7 +636,7 @@ def _provider_of(model: ModelConfig) -> str:
     return model.model.split("/", 1)[0] if "/" in model.model else "openai"
 
 
-def _made_known(litellm: Any, model: ModelConfig, window: int) -> None:
+def register_unmapped(litellm: Any, model: ModelConfig, window: int) -> None:
     """Register a model litellm's model map lacks (a local server's, a custom name) with its window
     and output limit, and no price (`Provider.cost` still says it is unknown). litellm looks each
     call's model up in that map twice, for the call's cost and for its logging payload, and caches
@@ -704,16 +712,16 @@ async def _whole(content: bytes) -> AsyncGenerator[bytes, None]:
 def _fills_max_tokens(litellm: Any, model: str) -> bool:
     """Whether litellm sends `model` a `max_tokens` of its own when the request sets none: providers
     whose API requires one (Anthropic's, on its own API or Vertex) get the model's maximum output."""
+    found = _chat_config(litellm, model)
+    if found is None:  # a provider litellm has no chat config for: it adds nothing either
+        return False
+    name, config = found
     try:
-        name, provider, _, _ = litellm.get_llm_provider(model)
-        utils = importlib.import_module("litellm.utils")
-        config = utils.ProviderConfigManager.get_provider_chat_config(
-            model=name, provider=importlib.import_module("litellm.types.utils").LlmProviders(provider))
         try:
             defaults = config.get_config(model=name)
         except TypeError:  # most providers' defaults do not depend on the model
             defaults = config.get_config()
-    except Exception:  # a provider litellm has no chat config for: it adds nothing either
+    except Exception:
         return False
     return defaults.get("max_tokens") is not None
 
