@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import event, given, settings
@@ -41,6 +41,7 @@ from memproxy.store import (
     Summary,
     Totals,
     TurnRecord,
+    TurnStore,
     Usage,
 )
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for
@@ -299,13 +300,26 @@ HISTORY = [user("a"), assistant("1"), user("b"), assistant("2")]
     ([user("c")], "new", "append", 4, [user("c")], 0),
     (HISTORY[2:] + [user("c")], "new", "window", 4, [user("c")], 0),
 ])
+@pytest.mark.parametrize("held_from", [None, 0, 2])
 async def test_reconcile_against_a_real_store(
     store: SQLiteStore, sent: list[Message], mode: str, kind: str, base: int, new: list[Message], superseded: int,
+    held_from: int | None,
 ) -> None:
+    """The same reading whether the stored messages are read here or held from the session's read
+    (`held`, from position 0 or a tail of them); held from the start, nothing is read at all."""
     session = await session_with(store, HISTORY)
-    reconciled = await reconcile(store, session, sent, mode)
+    held = [] if held_from is None else await store.active_range(session, held_from, session.length)
+    reads: TurnStore = cast(TurnStore, _Unreadable()) if held_from == 0 else store
+    reconciled = await reconcile(reads, session, sent, mode, held)
     assert (reconciled.kind, reconciled.base, reconciled.new, reconciled.superseded) == (kind, base, new, superseded)
     assert reconciled.base_hash == chain_hashes(ROOT_HASH, HISTORY)[base - 1]
+
+
+class _Unreadable:
+    """A store that must not be read: every lookup fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"read the store: {name}")
 
 
 async def test_reconcile_of_a_new_session_stores_everything(store: SQLiteStore) -> None:

@@ -26,7 +26,7 @@ from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
                             StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
-from memproxy.store.errors import StoreConflict
+from memproxy.store.errors import StoreConflict, StoreUnavailable
 from memproxy.store.migrations import migrations, statements
 from memproxy.store.sql import QUERIES
 from memproxy.store.sqlite import _CHECKPOINT_EVERY
@@ -852,3 +852,40 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
 def session_hashes(messages: list[StoredMessage]) -> list[str]:
     return [m.chain_hash for m in messages]
 
+
+
+async def test_a_turn_that_fills_the_disk_is_absent_whole_alone_or_written_with_others(tmp_path: Path) -> None:
+    """SQLite: a turn whose write runs out of room halfway (SQLite may roll back the whole
+    transaction then) leaves nothing of itself, written alone or together with others; the turns
+    written with it are stored whole, and once there is room again the same turn is written."""
+    store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'full.db'}")
+    try:
+        for k in range(3):
+            await store.record_turn(turn(None, [user(f"q{k}"), assistant(f"a{k}")], session_id=f"s{k}"))
+        sessions = [await store.get_session("t", f"s{k}") for k in range(3)]
+        before = [await store.export_session(s) for s in sessions if s is not None]
+        writer = store._db._writer  # type: ignore[attr-defined]  # the one connection that writes
+        [(pages,)] = await writer.execute_fetchall("PRAGMA page_count")
+        await writer.execute_fetchall(f"PRAGMA max_page_count = {pages + 16}")  # room for small turns only
+        big = [user("x " * 200_000), assistant("too big")]
+
+        def small(k: int) -> TurnRecord:
+            return turn(sessions[k], [user(f"r{k}"), assistant(f"b{k}")], session_id=f"s{k}")
+
+        with pytest.raises(StoreUnavailable):  # alone: the idle writer takes it at once
+            await store.record_turn(turn(sessions[0], big, session_id="s0"))
+        results = await asyncio.gather(store.record_turn(small(1)), store.record_turn(turn(sessions[0], big, session_id="s0")),
+                                       store.record_turn(small(2)), return_exceptions=True)
+        assert results[0] is None and isinstance(results[1], StoreUnavailable) and results[2] is None, results
+        assert await store.export_session(sessions[0]) == before[0]  # type: ignore[arg-type]
+        for k in (1, 2):
+            session = await store.get_session("t", f"s{k}")
+            assert session is not None
+            assert [m.body for m in await store.active_range(session, 0, session.length)] == [
+                user(f"q{k}"), assistant(f"a{k}"), user(f"r{k}"), assistant(f"b{k}")]
+        await writer.execute_fetchall("PRAGMA max_page_count = 1073741823")
+        await store.record_turn(turn(sessions[0], big, session_id="s0"))
+        s0 = await store.get_session("t", "s0")
+        assert s0 is not None and [m.body for m in await store.active_range(s0, 0, s0.length)][2:] == big
+    finally:
+        await store.close()

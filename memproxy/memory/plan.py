@@ -125,7 +125,8 @@ async def prepare_turn(
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
         system = session.system
-    reconciled = await reconcile(store, session, conversation, requested_history)
+    held = loaded.messages if loaded is not None and session is loaded.session else ()
+    reconciled = await reconcile(store, session, conversation, requested_history, held)
     lap("reconcile")
     hashes = chain_hashes(reconciled.base_hash, reconciled.new)
     new = [new_message(m, h, counter, memory) for m, h in zip(reconciled.new, hashes)]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
-from ..store import ChatKind, SessionState, TurnStore
+from ..store import ChatKind, SessionState, StoredMessage, TurnStore
 
 HistoryMode = Literal["auto", "full", "new"]
 HISTORY_MODES: tuple[HistoryMode, ...] = ("auto", "full", "new")
@@ -56,8 +56,13 @@ class Reconciled:
 
 
 async def reconcile(
-    store: TurnStore, session: SessionState | None, conversation: list[Message], requested: str = "auto"
+    store: TurnStore, session: SessionState | None, conversation: list[Message], requested: str = "auto",
+    held: Sequence[StoredMessage] = (),
 ) -> Reconciled:
+    """`held`: active messages of `session` read with it (`Loaded.messages`: consecutive, up to its
+    head); a lookup they answer reads nothing from the store."""
+    held = held if session is not None and held and held[-1].seq == session.length - 1 \
+        and held[-1].seq - held[0].seq == len(held) - 1 else ()
     if session is None or session.length == 0:
         return Reconciled("new", 0, ROOT_HASH, conversation)
     stored = session.length
@@ -65,24 +70,24 @@ async def reconcile(
     if not conversation:  # a system prompt alone: nothing to match, and nothing to forget
         return Reconciled("append", stored, head, conversation)
     if requested == "new":
-        echoed = await _echoed_tail(store, session, conversation)
+        echoed = await _echoed_tail(store, session, conversation, held)
         return Reconciled("window" if echoed else "append", stored, head, conversation[echoed:])
     hashes = chain_hashes(ROOT_HASH, conversation)
     if len(hashes) >= stored and hashes[stored - 1] == head:
         return Reconciled("continue", stored, head, conversation[stored:])
     # An echoed tail first: where a request reads both as an echo and as an edit, keep the memory.
-    echoed = await _echoed_tail(store, session, conversation)
+    echoed = await _echoed_tail(store, session, conversation, held)
     if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
         return Reconciled("continue", stored, head, conversation[stored:])
     if echoed:
         return Reconciled("window", stored, head, conversation[echoed:])
-    matched = await store.matched_prefix(session, hashes)
+    matched = await _matched_prefix(store, session, hashes, held)
     if matched == 0 and requested != "full":
         return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
     fork, fork_hash = await _loose_fork(store, session, conversation, matched,
-                                        hashes[matched - 1] if matched else ROOT_HASH)
+                                        hashes[matched - 1] if matched else ROOT_HASH, held)
     shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork])
     if not shows_history:
         # A client sending new messages only, whose message happens to equal the session's first
@@ -94,7 +99,25 @@ async def reconcile(
     return Reconciled(kind, fork, fork_hash, conversation[fork:], superseded=stored - fork)
 
 
-async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message]) -> int:
+async def _active_range(store: TurnStore, session: SessionState, held: Sequence[StoredMessage], start: int,
+                        stop: int) -> Sequence[StoredMessage]:
+    """`TurnStore.active_range`, from the held messages where they cover it."""
+    if held and held[0].seq <= start:
+        return held[start - held[0].seq : max(stop - held[0].seq, 0)]
+    return await store.active_range(session, start, stop)
+
+
+async def _matched_prefix(store: TurnStore, session: SessionState, hashes: Sequence[str],
+                          held: Sequence[StoredMessage]) -> int:
+    """`TurnStore.matched_prefix`, from the held messages where they are the whole active history."""
+    if held and held[0].seq == 0:
+        wanted = set(hashes)
+        return max((m.seq + 1 for m in held if m.chain_hash in wanted), default=0)
+    return await store.matched_prefix(session, hashes)
+
+
+async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                       held: Sequence[StoredMessage]) -> int:
     """The longest k such that the client's first k messages repeat the newest k stored ones, up to
     the head (loosely compared); 0 if none.
 
@@ -110,7 +133,7 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
     if not candidates:
         return 0
     tail = [loose_json(m.body) for m in
-            await store.active_range(session, session.length - 1 - candidates[0], session.length)]
+            await _active_range(store, session, held, session.length - 1 - candidates[0], session.length)]
     for j in candidates:  # longest first; a capped session may hold fewer than were asked for
         if j < len(tail) and tail[len(tail) - 1 - j:] == [loose_json(m) for m in conversation[: j + 1]]:
             return j + 1
@@ -118,7 +141,8 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
 
 
 async def _loose_fork(
-    store: TurnStore, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str
+    store: TurnStore, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str,
+    held: Sequence[StoredMessage],
 ) -> tuple[int, str]:
     """Where the client's history really leaves the stored one: past the hash-matched prefix, the
     messages that equal the stored ones loosely (tool arguments spelt differently) still match. The
@@ -127,7 +151,7 @@ async def _loose_fork(
     if matched >= stop:
         return matched, matched_hash
     fork, fork_hash = matched, matched_hash
-    for message in await store.active_range(session, matched, stop):
+    for message in await _active_range(store, session, held, matched, stop):
         if message.seq != fork or loose_json(message.body) != loose_json(conversation[fork]):
             break
         fork, fork_hash = fork + 1, message.chain_hash
