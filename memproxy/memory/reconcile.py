@@ -3,7 +3,8 @@
 Clients differ: some resend the whole conversation every time, some send only the new turn, some trim
 their own history to a window or echo the last answer before their tool results, and people edit and
 regenerate. `reconcile` decides, from a few indexed lookups, which of the client's messages are
-already stored and where the new ones continue:
+already stored and where the new ones continue (lookups that the history read with the session
+answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothing at all):
 
 - `new`: the session has nothing stored yet; everything is new.
 - `continue`: the client resent the stored history (its hash at the stored length is the head's);
