@@ -212,6 +212,38 @@ async def test_migrate_command_applies_every_migration_to_a_fresh_schema(
     assert await postgres.query("SELECT count(*) FROM sessions") == [(0,)]
 
 
+
+async def test_the_search_vector_is_the_one_0009_made_after_0012_replaces_its_function(
+    postgres: StoreUnderTest,
+) -> None:
+    """0012 gives the search vector's function the same statement in PL/pgSQL (its plan kept for
+    the connection instead of made again for every message): every text gets the vector 0009's
+    SQL function gave it, and the trigger stores that vector."""
+    store = await postgres.open()
+    try:
+        await store.record_turn(turn(None, [user("Camping at the lake, then pottery in Rome!"), assistant("Nice")]))
+    finally:
+        await store.close()
+    [(language,)] = await postgres.query(
+        "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang"
+        " JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE p.proname = 'memproxy_search_vector' AND n.nspname = current_schema()")
+    assert language == "plpgsql"
+    version_0009 = re.search(r"CREATE FUNCTION memproxy_search_vector\(words TEXT\).*?\$\$(.*?)\$\$",
+                             dict(migrations("postgres"))["0009_recall"], re.S)
+    assert version_0009 is not None
+    texts = ["", "k1_camping k1_at k1_the k1_lake k1_then k1_pottery k1_in k1_rome", "k1_Été k1_déjà k1_vu k2_über",
+             "k1_running k1_ran k1_runs k1_42 k1_a_b nokey k1_", "k9_the k9_and k9_of"]
+    for text in [*texts, None]:
+        [(mine, theirs)] = await postgres.query(
+            f"SELECT memproxy_search_vector(CAST(? AS TEXT)), (SELECT v FROM (SELECT CAST(? AS TEXT) AS words) w,"
+            f" LATERAL ({version_0009.group(1)}) AS s (v))", text, text)
+        assert mine == theirs, text
+    stored = await postgres.query(
+        "SELECT search = memproxy_search_vector(search_text), search IS NOT NULL FROM messages")
+    assert stored == [(True, True), (True, True)]
+
+
 # --- memproxy migrate-store ----------------------------------------------------------------------
 
 

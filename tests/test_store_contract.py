@@ -874,8 +874,9 @@ async def test_a_turn_that_fills_the_disk_is_absent_whole_alone_or_written_with_
 
         with pytest.raises(StoreUnavailable):  # alone: the idle writer takes it at once
             await store.record_turn(turn(sessions[0], big, session_id="s0"))
-        results = await asyncio.gather(store.record_turn(small(1)), store.record_turn(turn(sessions[0], big, session_id="s0")),
-                                       store.record_turn(small(2)), return_exceptions=True)
+        results = await asyncio.gather(
+            store.record_turn(small(1)), store.record_turn(turn(sessions[0], big, session_id="s0")),
+            store.record_turn(small(2)), return_exceptions=True)
         assert results[0] is None and isinstance(results[1], StoreUnavailable) and results[2] is None, results
         assert await store.export_session(sessions[0]) == before[0]  # type: ignore[arg-type]
         for k in (1, 2):

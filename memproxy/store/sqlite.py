@@ -12,11 +12,12 @@ Three connections, each with its own thread:
   (`_commit_batches`), so a transaction never waits on the event loop between its statements. An
   idle writer gets the batch from the caller's own task at once (`_now`); batches that queue while
   it is busy share one transaction and one commit (`_commit_group`), so under load a turn waits for
-  the writer once, not once per turn ahead of it. The connection is in Python's implicit transaction mode (`isolation_level =
-  "IMMEDIATE"`), so no statement of a write ever commits on its own: a batch's first statement begins
-  the transaction, a script sends `BEGIN IMMEDIATE` with its first statement, and if that `BEGIN`
-  fails (another process held the file past the busy timeout) whatever began is rolled back. In WAL
-  mode with `synchronous = NORMAL` a commit appends to the log without waiting for the disk.
+  the writer once, not once per turn ahead of it. The connection is in Python's implicit
+  transaction mode (`isolation_level = "IMMEDIATE"`), so no statement of a write ever commits on its
+  own: a batch's first statement begins the transaction, a script sends `BEGIN IMMEDIATE` with its
+  first statement, and if that `BEGIN` fails (another process held the file past the busy timeout)
+  whatever began is rolled back. In WAL mode with `synchronous = NORMAL` a commit appends to the log
+  without waiting for the disk.
 - the reader, for every read: it sees committed data only, and waits on its own thread for a busy
   file.
 - the checkpointer, with no busy timeout: the writer does not checkpoint on commit; at least
