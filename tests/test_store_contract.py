@@ -187,6 +187,29 @@ async def test_a_write_waits_for_another_writer_without_holding_up_the_loop(
     assert session is not None and session.length == 2
 
 
+
+async def test_a_write_whose_caller_stops_waiting_is_whole_or_absent_and_the_writer_goes_on(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    """A turn's write whose caller is cancelled (a client gone) while it waits for another writer:
+    on SQLite it is already on the writer's thread and runs to its commit, on PostgreSQL its
+    transaction is rolled back; whole or absent, never half. The store's next write is not held up."""
+    store = await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a")]))
+    session = await store.get_session("t", "s")
+    async with backend.uncommitted("UPDATE sessions SET updated_at = updated_at WHERE session_id = 's'"):
+        recording = asyncio.create_task(store.record_turn(turn(session, [user("2"), assistant("b")])))
+        assert await asyncio.wait_for(store.get_session("t", "other"), 2) is None  # the loop runs on
+        recording.cancel()
+        await asyncio.wait([recording])
+    # Written after the cancelled one, by the same writer: once it is stored, the other has ended.
+    await asyncio.wait_for(store.record_turn(turn(None, [user("x"), assistant("y")], session_id="next")), 10)
+    after = await store.get_session("t", "s")
+    assert after is not None and after.length == (4 if backend.kind == "sqlite" else 2)
+    assert [m.body for m in await store.active_range(after, 0, after.length)] == [
+        user("1"), assistant("a"), user("2"), assistant("b")][:after.length]
+
+
 async def test_sqlite_checkpoints_its_log_off_the_loop(tmp_path: Path) -> None:
     """The loop's connection never checkpoints on commit; the writer thread does, every so many
     writes, so the log stops growing. Measured: the log's growth per write before the first

@@ -272,10 +272,9 @@ class SQLiteBackend:
         an upstream answer: litellm's logging, half a millisecond measured here), while the writer's
         thread sat idle. The call runs whole on that thread even if the caller stops waiting; writes
         that come meanwhile queue behind it (`_in_flight`), on the thread as in `_queued`."""
-        assert write.steps is not None and write.accept is not None
         self._in_flight += 1
         try:
-            [(result, error)] = await _on_thread(self._writer, _commit_batches, [(write.steps, write.accept)])
+            [(result, error)] = await _on_thread(self._writer, _commit_batches, [write.batch()])
         finally:
             self._in_flight -= 1
             self._wrote(1)
@@ -323,7 +322,7 @@ class SQLiteBackend:
     async def _commit_group(self, group: list[_Write]) -> None:
         """Run the batches in one transaction and one trip, and commit them together if each accepts
         its outcomes (`_commit_batches`)."""
-        batches = [(write.steps or (), write.accept) for write in group]
+        batches = [write.batch() for write in group]
         for write, (result, error) in zip(group, await _on_thread(self._writer, _commit_batches, batches)):
             _settle(write, result, error)
 
@@ -376,8 +375,12 @@ class _Write:
     accept: Callable[[list[Outcome]], Any] | None
     done: asyncio.Future[Any] = field(init=False)
 
+    def batch(self) -> Batch:
+        assert self.steps is not None and self.accept is not None, "a script, not a batch"
+        return self.steps, self.accept
 
-Batch = tuple[Sequence[Step], Callable[[list[Outcome]], Any] | None]
+
+Batch = tuple[Sequence[Step], Callable[[list[Outcome]], Any]]
 Settled = tuple[Any, BaseException | None]  # a batch's result, or the error it gets
 
 
@@ -398,7 +401,6 @@ def _commit_batches(conn: sqlite3.Connection, batches: list[Batch]) -> list[Sett
                 steps, accept = batches[i]
                 outcomes = _executed(conn, steps)
                 try:
-                    assert accept is not None
                     results.append((i, accept(outcomes)))
                 except Exception as exc:  # the caller's to handle
                     settled[i] = (None, exc)
