@@ -367,14 +367,15 @@ class Report:
             self.add(f"> **Note**: {note}", "")
 
     def section_targets(self) -> None:
+        workers = (f"Throughput per core is requests per CPU-second of each server's own processes when saturated: "
+                   f"memproxy and LiteLLM's proxy run {self.workers_text()} (section 2). "
+                   if "settings" in self.r["meta"] else "")  # else a recall-only run: no throughput measured
         self.add("## Targets", "",
                  "From issues 6, 14, 15 and 17, all measured in this one run. Ratio = memproxy / reference (below 1 is "
                  "better, except throughput per core, where at least 1 passes; for evidence recall it is "
                  "measured / target, at least 1 passes). \"Memory on\" is memproxy "
                  "with a session header on the default transport (litellm): the product; its pass-through "
-                 "and own-client figures are in section 1. Throughput "
-                 "per core is requests per CPU-second of each server's own processes when saturated: memproxy "
-                 f"and LiteLLM's proxy run {self.workers_text()} (section 2). The verdict is on the "
+                 f"and own-client figures are in section 1. {workers}The verdict is on the "
                  "medians over rounds; beside it, the range the ratio took round by round.", "",
                  "| target | measured | ratio | ratio per round (min–max) | result |", "|---|---|---|---|---|")
         for name, measured, r, per_round, ok in self.targets():
@@ -925,7 +926,8 @@ class Report:
             self.section_replay()
         self.section_recall()
         self.section_recall_speed()
-        self.section_method()
+        if "concurrency" in self.r:  # the paths' method; the recall sections say their own
+            self.section_method()
         path = self.out / "benchmarks.md"
         path.write_text("\n".join(self.lines).rstrip() + "\n", encoding="utf-8")
         (self.out / "bench-results.json").write_text(json.dumps(self.r, separators=(",", ":")) + "\n",

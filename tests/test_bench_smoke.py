@@ -164,16 +164,15 @@ def test_report_compares_with_litellm_proxy_round_by_round(tmp_path: Path) -> No
     assert "Skipped: the LoCoMo data is not at /nowhere/locomo5.json" in report
 
 
-def test_report_judges_recall_targets(tmp_path: Path) -> None:
-    bench_report = _bench_report()
-    results = json.loads((ROOT / "tests" / "data" / "bench-results-small.json").read_text(encoding="utf-8"))
+def _recall_results() -> dict[str, Any]:
+    """What the recall phases (8, 9) measure, as a run saves it: scores and timings made up."""
 
     def scores(overall: float, multi_hop: float, overflows: int = 0) -> dict[str, Any]:
         return {"questions": 10, "overall": overall, "errors": {}, "overflows": overflows,
                 "by_category": {"1": {"questions": 4, "recall": multi_hop}, "4": {"questions": 6, "recall": 0.5}}}
 
     windows = {"4000": 256, "2000": 256, "1000": 128}
-    results["recall"] = {
+    recall = {
         "data": "locomo.json", "licence": None, "windows": {w: {"output_reserve": o} for w, o in windows.items()},
         "conversations": [{"name": "c1", "sessions": 2, "requests": 9, "questions": 10, "opened_by_b": 1,
                            "evidence_dropped": 0}],
@@ -187,12 +186,19 @@ def test_report_judges_recall_targets(tmp_path: Path) -> None:
     }
     timing = {"small-on": [1.9, 2.1, 2.0], "small-off": [1.5, 1.4, 1.5], "big-on": [2.5, 2.4, 2.6],
               "big-off": [1.6, 1.6, 1.5]}
-    results["recall_speed"] = {
+    recall_speed = {
         "session_size": 10_000, "store_sizes": {"small": 10_000, "big": 1_000_000}, "other_session_size": 1_000,
         "modes_missing": None, "texts": "LoCoMo turns", "seed_s": {"small": 0.5, "big": 50.0},
         "results": {name: [{"n": 30, "errors": 0, "p50": 3.0, "memory_p50": value, "recalled_p50": 12}
                            for value in values] for name, values in timing.items()},
     }
+    return {"recall": recall, "recall_speed": recall_speed}
+
+
+def test_report_judges_recall_targets(tmp_path: Path) -> None:
+    bench_report = _bench_report()
+    results = json.loads((ROOT / "tests" / "data" / "bench-results-small.json").read_text(encoding="utf-8"))
+    results.update(_recall_results())
     report = bench_report.write(results, tmp_path).read_text(encoding="utf-8")  # type: ignore[attr-defined]
     targets = {}
     for line in report.split("## Targets", 1)[1].split("## Machine", 1)[0].splitlines():
@@ -212,3 +218,17 @@ def test_report_judges_recall_targets(tmp_path: Path) -> None:
         "2.50 ms vs 2.00 ms", "1.25", "1.14–1.32", "**FAIL**"]
     assert "| 4,000 | plain BM25 | 10 | **80.0%** | 50.0% (4) | - | - | 50.0% (6) | - | 0 (0) |" in report
     assert "| 1,000,000 | recall on | 2.50 |" in report
+
+
+def test_a_recall_only_run_with_no_saved_run_writes_its_sections_alone(tmp_path: Path) -> None:
+    """`--only recall` where no full run was saved: the page holds the recall sections and their
+    targets, and nothing that only a full run measures (its settings, workers, paths)."""
+    bench_report = _bench_report()
+    saved = json.loads((ROOT / "tests" / "data" / "bench-results-small.json").read_text(encoding="utf-8"))
+    meta = {"started": saved["meta"]["started"], "quick": False, "machine": saved["meta"]["machine"], "notes": [],
+            "duration_s": 75.0, "only": "recall", "plan": saved["meta"]["settings"]["plan"]}
+    report = bench_report.write({"meta": meta, **_recall_results()}, tmp_path).read_text(  # type: ignore[attr-defined]
+        encoding="utf-8")
+    assert "| recall replay: evidence recall at 4,000 tokens at least 90% | 92.0%" in report
+    assert "## 8. Recall quality" in report and "## 9. Recall speed" in report
+    assert "## 1. Added latency" not in report and "workers" not in report.split("## 8.", 1)[0]
