@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -222,6 +223,24 @@ def test_rank_is_its_definition(sizes: list[int], reach: int, limit: int, start:
     taken = {(r.session_id, r.seq) for r in ranked}
     least = min(scores, default=0.0)
     assert all(score <= least + 1e-9 for key, (score, _, _) in expected.items() if key not in taken)
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(0, 6000), limit=st.integers(1, 400), levels=st.integers(1, 50), zeros=st.floats(0, 1),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_best_positions_are_the_highest_scores_above_0(size: int, limit: int, levels: int, zeros: float,
+                                                           seed: int) -> None:
+    """`rank`'s selection, on long sessions too (where it partitions only what a bound leaves): the
+    `limit` highest scores above 0, or all of them if fewer, whatever ties and zeros there are."""
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, levels, size) / levels * (rng.random(size) >= zeros)  # few levels: many ties
+    best = recall._best(scores, limit)
+    positive = int(np.count_nonzero(scores > 0))
+    assert best.size == min(limit, positive) == len(set(best.tolist()))
+    if best.size:
+        event("partitioned a bound's share" if size // (4 * limit) >= 2 else "partitioned all")
+        rest = np.delete(scores, best)
+        assert scores[best].min() > 0 and scores[best].min() >= rest.max(initial=0.0)
 
 
 def test_choose_sends_the_best_units_in_order_counted_exactly() -> None:

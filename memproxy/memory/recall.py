@@ -171,11 +171,11 @@ def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int
             if reach > 0:  # the passages (a message and its two neighbours) holding the word
                 inside = np.zeros(live[sid] + 2, dtype=bool)
                 inside[offsets] = inside[offsets + 1] = inside[offsets + 2] = True
-                windows[sid] = np.flatnonzero(inside[1:-1])
+                windows[sid] = inside[1:-1]
         if windows:
-            passage = _idf(total, sum(w.size for w in windows.values())) * scale
+            passage = _idf(total, sum(int(np.count_nonzero(w)) for w in windows.values())) * scale
             for sid, inside in windows.items():
-                base[sid][inside] += passage
+                np.add(base[sid], passage, out=base[sid], where=inside)
     kernel = np.array([DECAY ** abs(d) for d in range(-reach, reach + 1)]) if reach > 0 else None
     question = sum(weights[i] if weights is not None else 1.0 for i, _ in words) or 1.0
     best_of: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -185,11 +185,9 @@ def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int
         scores += mine
         if kernel is not None:
             scores = np.convolve(scores, kernel)[reach : reach + scores.size]
-        best = np.flatnonzero(scores > 0)  # only these can be chosen: a few hundred of thousands
+        best = _best(scores, limit)
         if not best.size:
             continue
-        if best.size > limit:
-            best = best[np.argpartition(-scores[best], limit - 1)[:limit]]
         best_of.append((sid, best + lows[sid], scores[best], mine[best], held[sid][best]))
     if not best_of:
         return []
@@ -209,8 +207,27 @@ def rank(postings: Postings, reach: int, session_id: str, limit: int, start: int
         sids = [names[k] for k in sessions[order].tolist()]
     held_words = bits[order].tolist()
     sets = {b: _bits(b) for b in set(held_words)}
-    return list(map(Ranked._make, zip(sids, seqs[order].tolist(), scores[order].tolist(), hits[order].tolist(),
-                                      [sets[b] for b in held_words])))
+    new = tuple.__new__
+    return [new(Ranked, row) for row in zip(sids, seqs[order].tolist(), scores[order].tolist(),
+                                            hits[order].tolist(), [sets[b] for b in held_words])]
+
+
+def _best(scores: np.ndarray, limit: int) -> np.ndarray:
+    """The positions of the `limit` highest scores above 0 (all above 0 if fewer), in no order.
+    Partitioning all of a long session's scores took a quarter of `rank` (80 us at 10,000
+    positions). So the scores are first cut into groups of `rows` (every `rows`-th position): the
+    `limit`-th highest of the groups' maxima is a score that at least `limit` positions reach, and
+    only the positions that reach it are partitioned (20 us)."""
+    rows = scores.size // (4 * limit)
+    if rows >= 2:  # at least 4 * limit groups, each of `rows` positions
+        tops = scores[: scores.size - scores.size % rows].reshape(rows, -1).max(axis=0)
+        floor = np.partition(tops, tops.size - limit)[tops.size - limit]
+        best = np.flatnonzero(scores >= floor) if floor > 0 else np.flatnonzero(scores > 0)
+    else:
+        best = np.flatnonzero(scores > 0)
+    if best.size > limit:
+        best = best[np.argpartition(-scores[best], limit - 1)[:limit]]
+    return best
 
 
 @lru_cache(maxsize=4096)
