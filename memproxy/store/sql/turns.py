@@ -25,7 +25,7 @@ from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
 from .common import CACHE_HOLDS, CHUNK, SQLBase
-from .script import Backend, Outcome, Row, Script, Step
+from .script import Outcome, Row, Script, Step
 
 # A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
 _SESSION_PK = "(SELECT pk FROM sessions WHERE tenant = ? AND session_id = ?)"
