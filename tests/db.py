@@ -22,6 +22,7 @@ never holds a transaction open between reads, so each read still sees exactly wh
 from __future__ import annotations
 
 import asyncio
+import atexit
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -178,7 +179,24 @@ class _Reader:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=self._loop.run_forever, name="tests-db-reader", daemon=True).start()
+                atexit.register(self.close)
         return asyncio.run_coroutine_threadsafe(self._fetch(storage, queries), self._loop).result(timeout=120)
+
+    def close(self) -> None:
+        """Close the connections kept open, as the tests' process exits: left to the garbage
+        collector, each is reported unclosed (a `ResourceWarning` at the end of every run)."""
+        assert self._loop is not None
+
+        async def close_all() -> None:
+            while self._open:
+                _, (conn, lock) = self._open.popitem(last=False)
+                async with lock:
+                    try:
+                        await conn.close(timeout=5)
+                    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                        conn.terminate()  # the server went away: nothing to say goodbye to
+
+        asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(timeout=30)
 
     async def _fetch(self, storage: StorageConfig, queries: list[tuple[str, tuple[Any, ...]]]) -> list[list[Row]]:
         for attempt in (1, 2):
