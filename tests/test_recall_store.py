@@ -260,6 +260,20 @@ def seqs(messages: list[RecalledMessage]) -> list[int]:
     return [m.seq for m in messages]
 
 
+async def test_the_stemmer_finds_the_words_the_index_holds_and_keeps_none(store: Store) -> None:
+    """The store's stems of a word find it in the store's own index, asked any number of times: on
+    SQLite the probe writes the words into a scratch index and rolls them back, so no call sees
+    another's words."""
+    words = ["running", "visited", "Beaches", "café", "naïve", "children", "organizations"]
+    said = " ".join(words)
+    session = await say(store, "s", [user(said), assistant("ok")])
+    for ask in (words, words[::-1], words[:3], words):
+        stems = await store._db.stems(ask)  # type: ignore[attr-defined]
+        assert len(stems) == len(ask) and all(stems), stems
+        found = await store.recall_postings(session, [w.lower() for w in ask], 2)
+        assert found.words == [{"s": [0]}] * len(ask), (ask, stems)
+
+
 async def test_postings_say_where_each_word_is_and_whole_units_are_read(store: Store) -> None:
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}

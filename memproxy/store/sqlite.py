@@ -152,8 +152,9 @@ _PROBE_KEY = "0" * 12 + "_"  # a session key's shape: the stemmer sees `key_word
 
 class _Stemmer:
     """The index's own tokenizer, asked directly: an in-memory FTS5 table with the same tokenizer,
-    each word written as a row and read back from its vocabulary. Stems are exactly the store's,
-    whatever SQLite's porter stemmer does; microseconds a word, in this thread (no I/O)."""
+    each word written as a row and read back from its vocabulary within the same transaction, which
+    is then rolled back (a commit, and deleting the rows, took 40% of a probe). Stems are exactly
+    the store's, whatever SQLite's porter stemmer does; microseconds a word, in this thread (no I/O)."""
 
     def __init__(self) -> None:
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
@@ -162,13 +163,14 @@ class _Stemmer:
 
     def stems(self, words: Sequence[str]) -> list[tuple[str, ...]]:
         out: list[list[str]] = [[] for _ in words]
-        with self._db:
-            self._db.executemany("INSERT INTO probe (rowid, words) VALUES (?, ?)",
+        try:
+            self._db.executemany("INSERT INTO probe (rowid, words) VALUES (?, ?)",  # opens the transaction
                                  [(i, _PROBE_KEY + word) for i, word in enumerate(words)])
             for doc, term in self._db.execute("SELECT doc, term FROM probe_terms ORDER BY doc, offset"):
                 if term.startswith(_PROBE_KEY):  # a word the tokenizer splits: its first piece is keyed
                     out[doc].append(term[len(_PROBE_KEY):])
-            self._db.execute("DELETE FROM probe")
+        finally:
+            self._db.rollback()
         return [tuple(stems) for stems in out]
 
     def close(self) -> None:
