@@ -218,7 +218,6 @@ async def test_migrate_command_applies_every_migration_to_a_fresh_schema(
     assert await postgres.query("SELECT count(*) FROM sessions") == [(0,)]
 
 
-
 async def test_the_search_vector_is_the_one_0009_made_after_0012_replaces_its_function(
     postgres: StoreUnderTest,
 ) -> None:

@@ -57,7 +57,6 @@ async def open_store(backend: StoreUnderTest) -> AsyncIterator[Opener]:
 
 
 
-
 def turn(
     session: SessionState | None, messages: list[Message], base: int | None = None, tokens: int = 10,
     tenant: str = "t", session_id: str = "s", system: list[Message] | None = None, **extra: Any,
@@ -185,7 +184,6 @@ async def test_a_write_waits_for_another_writer_without_holding_up_the_loop(
     await asyncio.wait_for(recording, 10)
     session = await store.get_session("t", "s")
     assert session is not None and session.length == 2
-
 
 
 async def test_a_write_whose_caller_stops_waiting_is_whole_or_absent_and_the_writer_goes_on(
@@ -874,7 +872,6 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
 
 def session_hashes(messages: list[StoredMessage]) -> list[str]:
     return [m.chain_hash for m in messages]
-
 
 
 async def test_a_turn_that_fills_the_disk_is_absent_whole_alone_or_written_with_others(tmp_path: Path) -> None:

@@ -110,10 +110,11 @@ async def _active_range(store: TurnStore, session: SessionState, held: Sequence[
 
 async def _matched_prefix(store: TurnStore, session: SessionState, hashes: Sequence[str],
                           held: Sequence[StoredMessage]) -> int:
-    """`TurnStore.matched_prefix`, from the held messages where they are the whole active history."""
+    """`TurnStore.matched_prefix`, from the held messages where they are the whole active history:
+    the newest of them whose hash the client's messages make, looked for from the head back."""
     if held and held[0].seq == 0:
         wanted = set(hashes)
-        return max((m.seq + 1 for m in held if m.chain_hash in wanted), default=0)
+        return next((m.seq + 1 for m in reversed(held) if m.chain_hash in wanted), 0)
     return await store.matched_prefix(session, hashes)
 
 
