@@ -27,6 +27,7 @@ from memproxy.config import MemoryConfig, ModelConfig
 from memproxy.errors import BadRequest, ContextLengthExceeded
 from memproxy.memory.fit import Budget, Fixed, fit, must_send_last_unit, room_for_history, summary_message
 from memproxy.memory.plan import PreparedTurn, output_reserve, prepare_turn, request_budget
+from memproxy.memory import reconcile as reconciling
 from memproxy.memory.reconcile import reconcile
 from memproxy.memory.shrink import new_message
 from memproxy.memory.summaries import Summarizer
@@ -313,6 +314,20 @@ async def test_reconcile_against_a_real_store(
     reconciled = await reconcile(reads, session, sent, mode, held)
     assert (reconciled.kind, reconciled.base, reconciled.new, reconciled.superseded) == (kind, base, new, superseded)
     assert reconciled.base_hash == chain_hashes(ROOT_HASH, HISTORY)[base - 1]
+
+
+@pytest.mark.parametrize("sent", [
+    HISTORY, HISTORY[:1], HISTORY[:3] + [user("c")], [user("a"), assistant("1 edited")] + HISTORY[2:],
+    [user("other")], HISTORY[2:], [],
+])
+async def test_the_matched_prefix_held_is_the_stores(store: SQLiteStore, sent: list[Message]) -> None:
+    """How much of the stored history the client's messages repeat, answered from the whole history
+    held with the session (nothing read), is the store's own answer."""
+    session = await session_with(store, HISTORY)
+    held = await store.active_range(session, 0, session.length)
+    hashes = chain_hashes(ROOT_HASH, sent)
+    expected = await store.matched_prefix(session, hashes)
+    assert await reconciling._matched_prefix(cast(TurnStore, _Unreadable()), session, hashes, held) == expected
 
 
 class _Unreadable:
