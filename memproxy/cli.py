@@ -245,6 +245,7 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
             in_target.update(r["type"] for r in copy)
             if copy != records:
                 different.append(f"{tenant}/{session_id}")
+        await target.refresh_statistics()
     finally:
         await source.close()
         await target.close()

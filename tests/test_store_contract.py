@@ -910,3 +910,28 @@ async def test_a_turn_that_fills_the_disk_is_absent_whole_alone_or_written_with_
         assert s0 is not None and [m.body for m in await store.active_range(s0, 0, s0.length)][2:] == big
     finally:
         await store.close()
+
+
+async def test_refreshing_statistics_changes_nothing_stored_and_informs_the_planner_where_it_plans_by_them(
+    backend: StoreUnderTest, open_store: Opener
+) -> None:
+    """`memproxy migrate-store` ends with it: on PostgreSQL the copied tables are analysed (a table
+    never analysed has `reltuples` -1, and a few rows are too few for autovacuum to analyse them);
+    SQLite, whose statements are written for plans made without statistics, gathers none."""
+    writer = await open_store()
+    await writer.record_turn(turn(None, [user("q"), assistant("a")]))
+    session = await writer.get_session("t", "s")
+    assert session is not None
+    before = await writer.export_session(session)
+    if backend.kind == "postgres":
+        assert await backend.query("SELECT reltuples FROM pg_class WHERE oid = to_regclass('messages')") == [(-1,)]
+
+    await writer.refresh_statistics()
+
+    reader = await open_store()
+    session = await reader.get_session("t", "s")
+    assert session is not None and await reader.export_session(session) == before
+    if backend.kind == "postgres":
+        assert await backend.query("SELECT reltuples FROM pg_class WHERE oid = to_regclass('messages')") == [(2,)]
+    else:
+        assert await backend.query("SELECT name FROM sqlite_master WHERE name LIKE 'sqlite_stat%'") == []

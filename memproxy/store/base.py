@@ -660,6 +660,12 @@ class AdminStore(Protocol):
         """Every (tenant, session id), for copying a whole store."""
         ...
 
+    async def refresh_statistics(self) -> None:
+        """After a bulk copy into the store: the database's query planner given fresh statistics of
+        what it now holds, so that the first turns on long copied sessions are planned as later ones
+        will be (PostgreSQL: ANALYZE; SQLite plans without statistics: nothing). Changes nothing stored."""
+        ...
+
 
 class Store(TurnStore, AdminStore, Protocol):
     """A whole store, as `open_store` returns it: what serves turns and what manages sessions."""

@@ -179,6 +179,9 @@ class _Stemmer:
 
 class SQLiteBackend:
     row_lock = ""  # a write transaction holds the whole file
+    # SQLite plans without statistics unless ANALYZE has run, and memproxy's statements are written
+    # for those plans: gathering some could only change them.
+    analyze: str | None = None
 
     def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection,
                  checkpointer: aiosqlite.Connection | None = None) -> None:

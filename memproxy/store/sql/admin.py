@@ -267,3 +267,7 @@ class SQLAdmin(SQLBase):
         """Every (tenant, session id), for copying a whole store."""
         rows = await self._fetch("SELECT tenant, session_id FROM sessions ORDER BY pk")
         return [(r[0], r[1]) for r in rows]
+
+    async def refresh_statistics(self) -> None:
+        if self._db.analyze is not None:
+            await self._write_one(self._db.analyze)

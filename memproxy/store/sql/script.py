@@ -23,6 +23,9 @@ Outcome = list[Row] | BaseException  # what a statement of a batch returned, or 
 
 class Backend(Protocol):
     row_lock: str  # appended to a SELECT that must lock the rows it reads
+    # The statement that refreshes the query planner's statistics after a bulk copy (None: the
+    # database plans without them).
+    analyze: str | None
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """A read outside any transaction: it sees committed data only."""
