@@ -49,13 +49,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("transport", TRANSPORTS)
 
 
-# The slowest modules, slowest first. The suite runs on one worker per core with `--dist loadfile`
-# (pyproject.toml), which hands modules out in collection order: started first, the long ones no
-# longer leave one worker running alone at the end. Measured with `--durations=0`; the rest of the
-# modules keep their order.
+# The slowest modules, slowest first. The suite runs on one worker per core with `--dist loadfile
+# --no-loadscope-reorder` (pyproject.toml), which hands modules out in collection order: started
+# first, the long ones no longer leave one worker running alone at the end. Measured with
+# `--durations=0`; the rest of the modules keep their order.
 SLOW_FIRST = (
-    "test_bench_smoke.py",  # 190 s of the 2,300 s the suite's tests take on two slow workers: alone
-    "test_sessions_cli.py",  # at the end, it kept CI waiting on one worker for three minutes
+    "test_bench_smoke.py",  # the quick bench, run twice: 190 s on a slow machine, the longest module
+    "test_sessions_cli.py",
     "test_readme.py",
     "test_crash.py",
     "test_reconcile_properties.py",
