@@ -52,7 +52,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # The slowest modules, slowest first. The suite runs on one worker per core with `--dist loadfile
 # --no-loadscope-reorder` (pyproject.toml), which hands modules out in collection order: started
 # first, the long ones no longer leave one worker running alone at the end. Measured with
-# `--durations=0`; the rest of the modules keep their order.
+# `--durations`; the rest of the modules keep their order.
 SLOW_FIRST = (
     "test_bench_smoke.py",  # the quick bench, run twice: 190 s on a slow machine, the longest module
     "test_sessions_cli.py",

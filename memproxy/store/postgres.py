@@ -69,7 +69,7 @@ class PostgresBackend:
     # Until autovacuum's first ANALYZE (up to a minute after a bulk copy) the planner has no
     # statistics, and a long session's reads filter all its messages instead of taking the range
     # they need (docs/storage.md measures it).
-    analyze: str | None = "ANALYZE sessions, turns, messages, summaries"
+    analyze: str | None = "ANALYZE sessions, turns, messages, summaries, tenant_usage, endpoint_usage"
 
     def row_count(self, table: str) -> str:
         """Exact up to `COUNT_BOUND` rows; past it the planner's estimate (`pg_class.reltuples`, kept
