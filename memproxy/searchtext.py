@@ -23,6 +23,10 @@ MAX_INDEXED_CHARS = 32_000
 MAX_QUERY_WORDS = 24
 # A store may put the session's key before each word (`key_word`): `_` cannot be part of a word.
 _WORD = re.compile(r"[^\W_]+")
+# The longest word indexed or looked up. PostgreSQL refuses a lexeme of 2,048 bytes or more (a
+# whole message's write would fail on one long hex token or 700 CJK characters without a break),
+# and a run of letters that long (a key, a hash, base64) is nothing anyone searches by.
+MAX_WORD_CHARS = 200
 
 # English function words: they match nearly every message and rank nothing. A generic list (the
 # common core of the usual stop lists), not one built from any data set's questions.
@@ -96,7 +100,8 @@ def date_words(created_at: float) -> str:
 
 def message_words(body: Message, created_at: float) -> list[str]:
     """The words a stored message is indexed by, lower-cased, in order, its date's last."""
-    return _WORD.findall(f"{message_text(body)} {date_words(created_at)}".lower())
+    words = _WORD.findall(f"{message_text(body)} {date_words(created_at)}".lower())
+    return [w for w in words if len(w) <= MAX_WORD_CHARS]
 
 
 def session_key(tenant: str, session_id: str) -> str:
@@ -116,7 +121,7 @@ def query_words(text: str) -> list[str]:
     """The distinct words a question is looked up by, in order, without function words."""
     seen: dict[str, None] = {}
     for word in _WORD.findall(text.lower()):
-        if word not in STOPWORDS and (len(word) > 1 or word.isdigit()):
+        if word not in STOPWORDS and (len(word) > 1 or word.isdigit()) and len(word) <= MAX_WORD_CHARS:
             seen.setdefault(word, None)
     return list(seen)[:MAX_QUERY_WORDS]
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import Message
-from memproxy.searchtext import recall_line
+from memproxy.searchtext import query_words, recall_line
 from memproxy.config import MemoryConfig
 from memproxy.memory.shrink import new_message
 from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
@@ -388,6 +388,19 @@ async def test_search_is_scoped_by_tenant_and_session(store: Store) -> None:
     assert len(await store.search(None, ["lighthouse"], 2)) == 2
     [best, _] = await store.search("t", ["lighthouse", "keeper"], 10)
     assert (best.session_id, best.body) == ("s1", user("the lighthouse keeper"))
+
+
+async def test_a_message_with_a_word_too_long_to_index_is_stored_and_found_by_the_others(store: Store) -> None:
+    # PostgreSQL refuses a lexeme of 2,048 bytes: one hex token or a CJK run without a break
+    # would fail the whole turn's write there. Such words are neither indexed nor looked up.
+    hexes, cjk = "ab12" * 750, "\u6f22" * 800
+    text = f"the lighthouse key {hexes} and {cjk}"
+    one = await say(store, "s1", [user(text), assistant(cjk)])
+    assert [m.body["content"] for m in await store.active_range(one, 0, 2)] == [text, cjk]
+    words = query_words(f"lighthouse {hexes} {cjk}")
+    assert words == ["lighthouse"]
+    [hit] = await store.search("t", words, 10)
+    assert (hit.session_id, hit.seq) == ("s1", 0)
 
 
 def words_of(n: int) -> str:
