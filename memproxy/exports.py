@@ -22,7 +22,7 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .bodies import parse_json
 from .errors import BadRequest
@@ -117,6 +117,12 @@ _SENT = ("summary_version", "first_sent", "included", "omitted", "unsummarised_o
          "deduplicated", "marker")
 
 
+def _pair(value: Any) -> Any:
+    """A JSON array as the tuple a strict model reads (strict mode takes a list for a tuple only
+    from JSON text, and an export's lines are parsed first)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 class TurnRecord(_Record):
     type: Literal["turn"]
     id: Big
@@ -139,7 +145,7 @@ class TurnRecord(_Record):
     deduplicated: Int | None = None
     marker: Flag | None = None
     # The messages recall sent again, as [session id, position] pairs (null: none, or older exports).
-    recalled: list[tuple[Annotated[str, Field(max_length=128)], Int]] | None = None
+    recalled: list[Annotated[tuple[Annotated[str, Field(max_length=128)], Int], BeforeValidator(_pair)]] | None = None
 
     @model_validator(mode="after")
     def _sent_whole(self) -> TurnRecord:

@@ -38,6 +38,15 @@ def test_a_good_export_reads_back_as_written() -> None:
     assert from_jsonl(lines(SESSION, TURN, MESSAGE)) == [SESSION, TURN, MESSAGE]
 
 
+def test_a_turn_that_recalled_reads_back_as_written() -> None:
+    # What a turn sent, recalled messages included: as the store exports it, JSON arrays.
+    sent = {"summary_version": 0, "first_sent": 0, "included": 1, "omitted": 0, "unsummarised_omitted": 0,
+            "trimmed": 0, "deduplicated": 0, "marker": 0, "recalled": [["x", 0], ["other", 12]]}
+    assert from_jsonl(lines(SESSION, {**TURN, **sent}, MESSAGE)) == [SESSION, {**TURN, **sent}, MESSAGE]
+    assert refusal(SESSION, {**TURN, **sent, "recalled": [["x", "0"]]}, MESSAGE).startswith(
+        "line 2: turn field 'recalled'")
+
+
 @pytest.mark.parametrize(("line", "record", "expected"), [
     (1, {**SESSION, "length": "1"}, "line 1: session field 'length' must be an integer"),
     (1, {**SESSION, "length": 1.0}, "line 1: session field 'length' must be an integer"),

@@ -83,6 +83,11 @@ async def test_an_old_fact_left_out_comes_back_when_asked_about(
     assert {"session_id": "s1", "position": 0} in last["recalled"]
     assert len(last["recalled"]) == recalled["messages"]
 
+    # An export of a session that recalled imports back whole, what each turn recalled included.
+    exported = await api.get("/sessions/s1/export")
+    await api.post("/sessions/import?session_id=s1copy", data=exported.encode(), status=201)
+    assert (await api.get("/sessions/s1copy"))["turns"][-1]["sent"]["recalled"] == last["recalled"]
+
 
 async def test_recall_off_sends_the_plain_window(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
