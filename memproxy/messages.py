@@ -157,9 +157,16 @@ def canonical_json(message: Message) -> str:
 
 
 def loose_json(message: Message) -> str:
-    """The canonical form with tool-call arguments that parse as JSON re-serialised canonically: two
-    messages that differ only in how their arguments are spelt have the same loose form."""
+    """The canonical form with the text's surrounding whitespace left out and tool-call arguments
+    that parse as JSON re-serialised canonically: two messages that differ only in how their
+    arguments are spelt, or in the blank lines around their text (chat UIs trim an answer's final
+    newline before they resend it), have the same loose form."""
     form = canonical(message)
+    content = _content_key(message)
+    if content is None:
+        form.pop("content", None)
+    else:
+        form["content"] = content
     for call in form.get("tool_calls") or ():
         call["arguments"] = _loose_arguments(call["arguments"])
     return json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -175,6 +182,8 @@ def loosely_equal(a: Message, b: Message) -> bool:
 
 def _content_key(message: Message) -> Any:
     content = _canonical_content(message.get("content"))
+    if isinstance(content, str):
+        content = content.strip()
     return None if content in (None, "") else content
 
 

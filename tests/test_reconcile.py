@@ -175,6 +175,43 @@ async def test_edit_behind_reserialised_arguments_forks_where_the_text_changed(
     assert_chain_consistent(config)
 
 
+async def test_answers_resent_with_their_whitespace_trimmed_are_the_stored_ones(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Chat UIs trim the final newline of an answer before they resend the history: the same
+    answer, not an edit, and never the whole history again."""
+    client = proxy.client()
+    history = [user("q1")]
+    for n in range(1, 4):
+        upstream.enqueue(Reply(content=f"Answer {n}\n\n"))
+        reply, headers = await chat(client, history)
+        assert headers["X-Memproxy-Reconcile"] == ("new" if n == 1 else "continue")
+        sent = upstream.last().messages  # the stored forms, each message once
+        assert [(m["role"], m["content"].strip()) for m in sent] == [(m["role"], m["content"]) for m in history]
+        history += [assistant(reply.strip()), user(f"q{n + 1}")]
+    assert stored(config, active=0) == []
+    assert [m["content"] for m in stored(config)] == ["q1", "Answer 1\n\n", "q2", "Answer 2\n\n", "q3",
+                                                      "Answer 3\n\n"]
+    assert_chain_consistent(config)
+
+
+async def test_the_clients_own_version_of_the_first_answer_is_an_edit_of_it(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A resent history that leaves the stored one at the first answer: the assistant message there
+    proves it is the history, the client's version of it (its UI reformatted the answer)."""
+    client = proxy.client()
+    upstream.enqueue(Reply(content="**Paris.**"))
+    await chat(client, [user("capital of France?")])
+    history = [user("capital of France?"), assistant("Paris."), user("and of Italy?")]
+    reply, headers = await chat(client, history)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("edit", "1")
+    assert upstream.last().messages == history
+    assert stored(config) == [*history, assistant(reply)]
+    assert stored(config, active=0) == [assistant("**Paris.**")]
+    assert_chain_consistent(config)
+
+
 # --- ambiguity keeps the memory ---------------------------------------------------------------------
 
 

@@ -20,16 +20,18 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 
 Forgetting is the worst failure, so superseding needs proof, and where a request reads two ways the
 one that forgets nothing wins: an echoed tail is looked for before a prefix that diverges, and a
-prefix supersedes only if it holds an assistant message (the client is resending its history, not
-repeating a first "hi") or the client says `X-Memproxy-History: full` (then a request that matches
+prefix supersedes only if it, or the client's message where it diverges, is or holds an assistant
+message (the client is resending its history, not repeating a first "hi") or the client says
+`X-Memproxy-History: full` (then a request that matches
 nothing stored is an edit from the start). Anything else is appended. Each request is read on its
 own: no earlier request changes how a later one is read, so no single odd request (a window, a tool
 echo) can make a later one wipe the history. `X-Memproxy-History: new` says the client never resends
 history: an echoed stored tail is stripped and the rest appended.
 
 Messages are compared loosely (`loose_json`) when recognising an echo, a resent tail or where a
-resent history leaves the stored one, so a client that re-serialises tool-call arguments is not
-taken for one that edited them; the stored forms and their hashes stay.
+resent history leaves the stored one, so a client that re-serialises tool-call arguments, or trims
+the whitespace around an answer, is not taken for one that edited them; the stored forms and their
+hashes stay.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ async def reconcile(
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
     fork, fork_hash = await _loose_fork(store, session, conversation, matched,
                                         hashes[matched - 1] if matched else ROOT_HASH, held)
-    shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork])
+    # An assistant message up to and at the fork proves a resent history: the client's own version
+    # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, not new.
+    shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork + 1])
     if not shows_history:
         # A client sending new messages only, whose message happens to equal the session's first
         # ("hi", "continue"): nothing proves it resent history, so nothing is superseded.
