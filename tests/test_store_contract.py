@@ -22,6 +22,7 @@ import pytest
 from db import opening_held
 from helpers import assistant, tool, user
 from memproxy import admin
+from memproxy.exports import from_jsonl, to_jsonl
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
                             StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
@@ -755,6 +756,23 @@ async def test_turns_written_together_are_each_whole_and_a_moved_one_goes_its_ow
     for k in range(4):
         session = await store.get_session("t", f"n{k}")
         assert session is not None and session.length == 2
+
+
+async def test_an_export_is_the_session_at_one_moment_while_turns_land(open_store: Opener) -> None:
+    """Exports (and so forks) read by a replica while another writes turns: each holds the session
+    as it was at one moment, never a message of a turn it lacks or a head its messages do not reach."""
+    writer, reader = await open_store(), await open_store()
+    await writer.record_turn(turn(None, [user("q0"), assistant("a0")]))
+    exported = []
+    for i in range(1, 25):  # each export read while a turn is written
+        session, seen = await writer.get_session("t", "s"), await reader.get_session("t", "s")
+        assert seen is not None
+        _, records = await asyncio.gather(writer.record_turn(turn(session, [user(f"q{i}"), assistant(f"a{i}")])),
+                                          reader.export_session(seen))
+        exported.append(records)
+    for records in exported:
+        assert from_jsonl(to_jsonl(records)) == records  # every relation holds
+    assert len({len(records) for records in exported}) > 1  # the turns landed in between
 
 
 async def test_the_snapshot_read_with_the_session_is_the_snapshot_at_its_head(open_store: Opener) -> None:

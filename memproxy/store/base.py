@@ -621,7 +621,8 @@ class AdminStore(Protocol):
         ...
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
-        """Every record of the session as plain JSON-able dicts, ids numbered within the export."""
+        """Every record of the session as plain JSON-able dicts, ids numbered within the export, as of
+        one moment: turns written meanwhile are wholly in it or wholly not."""
         ...
 
     async def import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> None:

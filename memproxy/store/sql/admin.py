@@ -205,25 +205,30 @@ class SQLAdmin(SQLBase):
                               None if row[5] is None else float(row[5])) for row in rows]
 
     async def export_session(self, session: SessionState) -> list[dict[str, Any]]:
-        head = await self._one(f"SELECT {SESSION_COLUMNS} FROM sessions WHERE pk = ?", (session.pk,))
-        assert head is not None
+        return await self._db.write(self._export_session(session))
+
+    def _export_session(self, session: SessionState) -> Script[list[dict[str, Any]]]:
+        """The session's records as of one moment: its row is locked first, so no turn, summary or
+        cap lands between the reads (four reads outside a transaction each saw a later session:
+        a message of a turn not read yet)."""
+        heads = yield f"SELECT {SESSION_COLUMNS} FROM sessions WHERE pk = ?" + self._db.row_lock, (session.pk,)
+        if not heads:
+            raise StoreConflict(f"the session '{session.session_id}' was deleted while it was read")
         records: list[dict[str, Any]] = [{"type": "session", "format": 1, "session_id": session.session_id,
-                                          **as_record(SESSION_COLUMNS, head)}]
+                                          **as_record(SESSION_COLUMNS, heads[0])}]
         turn_ids: dict[int, int] = {}
-        for row in await self._fetch(
-                f"SELECT id, {TURN_COLUMNS} FROM turns WHERE session_pk = ? ORDER BY id", (session.pk,)):
+        for row in (yield f"SELECT id, {TURN_COLUMNS} FROM turns WHERE session_pk = ? ORDER BY id", (session.pk,)):
             turn_ids[row[0]] = len(turn_ids) + 1
             records.append({"type": "turn", "id": turn_ids[row[0]], **as_record(TURN_COLUMNS, row[1:])})
         message_ids: dict[int, int] = {}
-        for row in await self._fetch(
-                f"SELECT id, turn_id, parent_id, {MESSAGE_COLUMNS} FROM messages WHERE session_pk = ?"
-                " ORDER BY id", (session.pk,)):
+        for row in (yield (f"SELECT id, turn_id, parent_id, {MESSAGE_COLUMNS} FROM messages WHERE session_pk = ?"
+                           " ORDER BY id", (session.pk,))):
             message_ids[row[0]] = len(message_ids) + 1
             records.append({"type": "message", "id": message_ids[row[0]], "turn": turn_ids[row[1]],
                             "parent": message_ids.get(row[2]) if row[2] is not None else None,
                             **as_record(MESSAGE_COLUMNS, row[3:])})
-        for row in await self._fetch(
-                f"SELECT {SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version", (session.pk,)):
+        for row in (yield (f"SELECT {SUMMARY_COLUMNS} FROM summaries WHERE session_pk = ? ORDER BY version",
+                           (session.pk,))):
             records.append({"type": "summary", **as_record(SUMMARY_COLUMNS, row)})
         return records
 
