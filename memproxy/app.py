@@ -15,7 +15,7 @@ from .auth import authenticate
 from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
-from .deadlines import read_deadlines
+from .deadlines import body_deadline, header_deadline
 from .endpoints import add_routes as add_endpoint_routes, not_found_message
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
@@ -40,7 +40,7 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def create_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[observe, _errors, guard(config), read_deadlines, _auth],
+        middlewares=[observe, _errors, guard(config), header_deadline, _auth, body_deadline],
         client_max_size=config.server.max_body_bytes,
     )
     app[CONFIG] = config

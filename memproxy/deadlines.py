@@ -10,13 +10,14 @@ Three limits, each configurable under `server:`:
   wrapped around aiohttp's (`DeadlinedConnection`, built by `protocols`; the serving code passes it
   to `loop.create_server` in place of aiohttp's `web.Server`, the low-level server's documented use).
   The wrapper forwards every event unchanged; it arms a timer on the first byte received between
-  requests, and `read_deadlines` (the middleware, which a request reaches once its headers are
+  requests, and `header_deadline` (the middleware, which a request reaches once its headers are
   parsed) disarms it. On expiry the client gets a 408 with an OpenAI-shaped body and the connection
   is closed. A request whose headers are parsed before their byte arrives between two requests (a
   pipelined one) is bounded by the keep-alive timer instead.
-- `body_timeout_seconds`: from the end of the headers to the end of the body. The middleware reads
-  the whole body under this deadline (aiohttp keeps it for the handler's own `read()`); on expiry
-  the client gets a 408 and the connection is closed, before anything is stored or sent upstream.
+- `body_timeout_seconds`: from the end of the headers to the end of the body. `body_deadline`, after
+  authentication, reads the whole body under this deadline (aiohttp keeps it for the handler's own
+  `read()`); on expiry the client gets a 408 and the connection is closed, before anything is
+  stored or sent upstream.
   aiohttp reads and drops what the client still sends after the 408 (a "lingering close", so the
   client can read the answer before the socket goes), and the wrapper ends that after
   `_LINGER_SECONDS`, where aiohttp alone would wait 10 s.
@@ -120,30 +121,43 @@ def protocols(server: Callable[[], asyncio.Protocol], header_timeout: float) -> 
     return lambda: DeadlinedConnection(server(), header_timeout)
 
 
-@web.middleware
-async def read_deadlines(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Stops the header deadline (the headers are in), and reads the body within its deadline."""
+def _connection(request: web.Request) -> DeadlinedConnection | None:
+    """The request's connection, where it has a header deadline (not in an in-process test server)."""
     transport = request.transport
     connection = transport.get_protocol() if transport is not None else None
-    if not isinstance(connection, DeadlinedConnection):
-        connection = None  # an in-process test server: no header deadline to stop
+    return connection if isinstance(connection, DeadlinedConnection) else None
+
+
+@web.middleware
+async def header_deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Stops the header deadline: the headers are in."""
+    connection = _connection(request)
     if connection is not None:
         connection.request_started()
     try:
-        if request.body_exists:
-            limit = request.app[CONFIG].server.body_timeout_seconds
-            try:
-                async with asyncio.timeout(limit):
-                    await body_bytes(request)  # a body that fails to decode: a 400, as the handler's would be
-            except TimeoutError:
-                notes(request).error = "request_timeout"
-                response = web.Response(body=_timeout_body("body", limit), status=408,
-                                        content_type="application/json")
-                response.force_close()  # the rest of the body is not worth waiting for
-                if connection is not None:
-                    connection.close_soon()
-                return response
         return await handler(request)
     finally:
         if connection is not None:
             connection.request_finished()
+
+
+@web.middleware
+async def body_deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Reads the body within its deadline. It comes after authentication: a caller without a key
+    is answered before a byte of its body is read, so it cannot make the server hold
+    `server.max_body_bytes` per connection for the body's deadline."""
+    if request.body_exists:
+        limit = request.app[CONFIG].server.body_timeout_seconds
+        try:
+            async with asyncio.timeout(limit):
+                await body_bytes(request)  # a body that fails to decode: a 400, as the handler's would be
+        except TimeoutError:
+            notes(request).error = "request_timeout"
+            response = web.Response(body=_timeout_body("body", limit), status=408,
+                                    content_type="application/json")
+            response.force_close()  # the rest of the body is not worth waiting for
+            connection = _connection(request)
+            if connection is not None:
+                connection.close_soon()
+            return response
+    return await handler(request)

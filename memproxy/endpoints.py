@@ -209,7 +209,7 @@ def _note_error(request: web.Request, exc: ProxyError) -> None:
 
 async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]:
     """A transcription's form: its fields in order (repeated `name[]` fields kept), and the audio.
-    The body is read whole first (`deadlines.read_deadlines`, within `server.max_body_bytes`), so
+    The body is read whole first (`deadlines.body_deadline`, within `server.max_body_bytes`), so
     aiohttp's multipart parser reads it from those bytes."""
     if request.content_type != "multipart/form-data":
         raise BadRequest("a transcription is sent as multipart/form-data, its audio in the field 'file'")

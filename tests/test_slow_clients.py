@@ -108,6 +108,22 @@ async def test_a_trickled_body_is_cut_at_the_body_timeout_and_nothing_is_stored(
     assert upstream.chat_requests() == [] and stored_sessions(db) == 0
 
 
+async def test_a_caller_without_a_key_is_answered_before_its_body_is_read(served: tuple[Served, Path]) -> None:
+    """A body is read only once its caller is known: a 401 at once, where reading first held up to
+    `server.max_body_bytes` a connection for the body's deadline, then answered 408."""
+    proxy, db = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port(proxy))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Session-Id: keyless\r\nContent-Length: 10000000\r\n\r\n{")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BODY + SLACK)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert stored_sessions(db) == 0
+
+
 async def test_an_idle_keepalive_connection_is_closed(served: tuple[Served, Path]) -> None:
     proxy, _ = served
     reader, writer = await asyncio.open_connection("127.0.0.1", port(proxy))
