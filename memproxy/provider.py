@@ -326,8 +326,8 @@ class Provider:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
         for choice in result.get("choices") or ():
-            if isinstance(choice, dict) and not choice.get("provider_specific_fields"):
-                choice.pop("provider_specific_fields", None)  # litellm's, empty: no provider sent it
+            if isinstance(choice, dict):
+                _as_openai_choice(choice)
         return result
 
     async def complete_own(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]
@@ -516,11 +516,11 @@ class Provider:
         # An error litellm met in its own code carries the traceback in its text: the server's paths
         # and code are nobody's business but the operator's (who sees them at DEBUG).
         message = message.split("Traceback (most recent call last)", 1)[0].strip() or "upstream call failed"
-        code = getattr(exc, "code", None)
+        code, param = getattr(exc, "code", None), getattr(exc, "param", None)
         # litellm's own HTTP handler hands on the provider's error body as it came: its message.
-        body_message, body_code = _error_body(message)
+        body_message, body_code, body_param = _error_body(message)
         if body_message is not None:
-            message, code = body_message, body_code or code
+            message, code, param = body_message, body_code or code, body_param or param
         if isinstance(exc, litellm.ContextWindowExceededError):  # each provider says it its own way
             code = "context_length_exceeded"
         if isinstance(exc, litellm.Timeout):
@@ -528,7 +528,7 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \
                 or _caused_by(exc, (ConnectionError, aiohttp.ClientConnectionError)):
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
-        return status_error(getattr(exc, "status_code", None), message, code)
+        return status_error(getattr(exc, "status_code", None), message, code, param)
 
 
 async def _stop_logging_worker() -> None:
@@ -550,20 +550,20 @@ async def _stop_logging_worker() -> None:
         pass
 
 
-def _error_body(text: str) -> tuple[str | None, str | None]:
-    """The message and code of an OpenAI-shaped error body, where `text` is one."""
+def _error_body(text: str) -> tuple[str | None, str | None, str | None]:
+    """The message, code and parameter of an OpenAI-shaped error body, where `text` is one."""
     if not text.startswith("{"):
-        return None, None
+        return None, None, None
     try:
         error = json.loads(text).get("error")
     except (ValueError, AttributeError):
-        return None, None
+        return None, None, None
     if isinstance(error, str):
-        return error, None
+        return error, None, None
     if not isinstance(error, dict) or not isinstance(error.get("message"), str):
-        return None, None
-    code = error.get("code")
-    return error["message"], code if isinstance(code, str) else None
+        return None, None, None
+    code, param = error.get("code"), error.get("param")
+    return error["message"], code if isinstance(code, str) else None, param if isinstance(param, str) else None
 
 
 def request_parameters(litellm: Any, call: Callable[..., Any], supported: Sequence[str] = ()) -> frozenset[str]:
@@ -768,15 +768,48 @@ def transport(model: ModelConfig) -> Route:
     return "openai" if model.model.startswith(PREFIX) else "litellm"
 
 
+def _as_openai_choice(choice: dict[str, Any]) -> None:
+    """A choice of litellm's answer as OpenAI's API gives it. litellm's model has no `refusal`: it
+    puts a provider's refusal among the message's `provider_specific_fields`, where an OpenAI
+    client (structured outputs' `message.refusal`) never looks. Its dump leaves out what is null,
+    and OpenAI's answer says `content: null` beside tool calls and `logprobs: null`: a client may
+    test for null, not for a missing key."""
+    if not choice.get("provider_specific_fields"):
+        choice.pop("provider_specific_fields", None)  # litellm's, empty: no provider sent it
+    choice.setdefault("finish_reason", None)
+    choice.setdefault("logprobs", None)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return
+    extra = message.get("provider_specific_fields")
+    if isinstance(extra, dict):
+        if isinstance(extra.get("refusal"), str) and message.get("refusal") is None:
+            message["refusal"] = extra.pop("refusal")
+        if not extra:
+            del message["provider_specific_fields"]
+    message.setdefault("content", None)
+
+
 def _dumped_chunk(chunk: Any) -> dict[str, Any]:
-    """A stream chunk as a dict. litellm gives the usage chunk (`stream_options.include_usage`) a
-    choice with an empty delta; OpenAI's has no choice, and clients tell it by that."""
+    """A stream chunk as a dict, each choice with the null fields OpenAI's chunks carry (`finish_reason`
+    and `logprobs`, a legacy completion's `text`). litellm gives the usage chunk
+    (`stream_options.include_usage`) a choice with an empty delta; OpenAI's has no choice, and
+    clients tell it by that."""
     result: dict[str, Any] = chunk.model_dump(exclude_none=True)
     choices = result.get("choices")
-    if "usage" in result and isinstance(choices, list) and all(
+    if not isinstance(choices, list):
+        return result
+    if "usage" in result and all(
             isinstance(c, dict) and not c.get("delta") and not c.get("text") and c.get("finish_reason") is None
             and c.get("logprobs") is None for c in choices):
         result["choices"] = []
+    text = result.get("object") == "text_completion"
+    for choice in result["choices"]:
+        if isinstance(choice, dict):
+            choice.setdefault("finish_reason", None)
+            choice.setdefault("logprobs", None)
+            if text:
+                choice.setdefault("text", "")
     return result
 
 

@@ -35,15 +35,17 @@ _CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstr
           404: "upstream_not_found", 429: "rate_limit_exceeded"}
 
 
-def status_error(status: int | None, message: str, code: Any = None) -> UpstreamError:
+def status_error(status: int | None, message: str, code: Any = None, param: Any = None) -> UpstreamError:
     """The error for a provider's HTTP status: its status (502 if it gave none that is an error),
-    an OpenAI error type for it, and its own error code where it sent a meaningful one."""
+    an OpenAI error type for it, and its own error code and the parameter it names where it sent
+    them (`"param": "temperature"`)."""
     answered = status if isinstance(status, int) and 100 <= status <= 599 else None
     if not isinstance(status, int) or not 400 <= status <= 599:
         status = 502
     if not isinstance(code, str) or not code or code.isdigit():
         code = _CODES.get(status, "upstream_error")
-    error = UpstreamError(message, status=status, code=code)  # its type: `errors.error_type(upstream=True)`
+    error = UpstreamError(message, status=status, code=code,  # its type: `errors.error_type(upstream=True)`
+                          param=param if isinstance(param, str) and param else None)
     error.upstream_status = answered  # for the request's log line
     return error
 
@@ -252,7 +254,7 @@ def _error_from(status: int | None, body: dict[str, Any]) -> UpstreamError:
     message = error.get("message")
     return status_error(status if status is not None else error.get("status") or error.get("code"),
                         message if isinstance(message, str) and message else "upstream error",
-                        error.get("code"))
+                        error.get("code"), error.get("param"))
 
 
 def _json(raw: bytes) -> Any:

@@ -32,6 +32,7 @@ class Reply:
     tool_calls: list[dict[str, Any]] | None = None
     status: int = 200
     error_message: str = "upstream failure"
+    error_param: str | None = None  # the parameter the error names, as OpenAI's say which one
     cut_stream: bool = False  # close the connection after the first content chunk
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
@@ -42,6 +43,7 @@ class Reply:
     # `content`. A stream sends it whole, in one chunk.
     raw_content: str | None = None
     reasoning_content: str | None = None  # what the model thought first, as DeepSeek and litellm send it
+    refusal: str | None = None  # not streamed: the message's `refusal` (OpenAI's structured outputs)
 
 
 @dataclass
@@ -171,7 +173,8 @@ class FakeUpstream:
             await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
         if reply.status != 200:
             return web.json_response(
-                {"error": {"message": reply.error_message, "type": "upstream", "code": None, "param": None}},
+                {"error": {"message": reply.error_message, "type": "upstream", "code": None,
+                           "param": reply.error_param}},
                 status=reply.status,
             )
         usage = reply.usage or {"prompt_tokens": 10 * number, "completion_tokens": 5, "total_tokens": 10 * number + 5}
@@ -194,6 +197,8 @@ class FakeUpstream:
             message["tool_calls"] = reply.tool_calls
         if reply.reasoning_content is not None:
             message["reasoning_content"] = reply.reasoning_content
+        if reply.refusal is not None:
+            message["refusal"] = reply.refusal
         extra = reply.choices or []
         choices = [
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},

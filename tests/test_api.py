@@ -16,6 +16,7 @@ import pytest
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from db import rows
 from fake_upstream import FakeUpstream, Reply
+from helpers import complete
 from memproxy.config import Config
 from memproxy.typedefs import STORE
 
@@ -138,6 +139,43 @@ async def test_an_answer_has_only_what_the_provider_sent(proxy: Proxy, upstream:
     [choice] = body["choices"]
     assert set(choice) <= {"index", "message", "finish_reason", "logprobs"}, choice
     assert choice["message"] == {"role": "assistant", "content": "Hello."}
+
+
+async def test_a_refusal_reaches_the_client_and_is_resent_as_a_valid_message(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    """A refusal comes back where OpenAI's clients look for it (`message.refusal`, with `content:
+    null`), and the next turn sends it back with text, as OpenAI requires of an assistant message
+    that calls no tool."""
+    no = "I can't help with that."
+    upstream.enqueue(Reply(content=None, refusal=no))
+    question = {"role": "user", "content": "something forbidden"}
+    async with http.post(f"{proxy.url}/chat/completions", json={"model": "small", "messages": [question]},
+                         headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "refused"}) as response:
+        [choice] = (await response.json())["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "refusal": no}
+    assert choice["logprobs"] is None and choice["finish_reason"] == "stop"
+    history = [question, choice["message"], {"role": "user", "content": "then something else"}]
+    _, headers = await complete(proxy.client(session="refused"), history)
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert upstream.last().messages[:2] == [question, {"role": "assistant", "content": "", "refusal": no}]
+
+
+async def test_answers_and_chunks_carry_the_null_fields_openai_sends(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    """A client may test `content === null` beside tool calls, or `finish_reason !== null` to find
+    the end of a stream: the keys are there, null, as in OpenAI's answers."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    upstream.enqueue(Reply(tool_calls=[call]), Reply(content="streamed answer"))
+    body = {"model": "small", "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+    auth = {"Authorization": f"Bearer {PROXY_KEY}"}
+    async with http.post(f"{proxy.url}/chat/completions", json=body, headers=auth) as response:
+        [choice] = (await response.json())["choices"]
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"][0]["id"] == "call_1"
+    async with http.post(f"{proxy.url}/chat/completions", json={**body, "stream": True}, headers=auth) as response:
+        lines = [line for line in (await response.text()).splitlines() if line.startswith("data: {")]
+    choices = [c for line in lines for c in json.loads(line[6:])["choices"]]
+    assert choices and all("finish_reason" in c for c in choices)
+    assert [c["finish_reason"] for c in choices][-1] == "stop" and choices[0]["finish_reason"] is None
 
 
 async def test_stream_parameters_reach_upstream_unchanged(proxy: Proxy, upstream: FakeUpstream) -> None:

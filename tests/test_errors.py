@@ -280,6 +280,17 @@ async def test_upstream_error_keeps_its_status(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_upstream_error_names_the_parameter_the_provider_named(
+    proxy: Proxy, upstream: FakeUpstream, stream: bool
+) -> None:
+    upstream.enqueue(Reply(status=400, error_message="temperature must be at most 2", error_param="temperature"))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client().chat.completions.create(model="small", messages=[USER], stream=stream, temperature=3)
+    assert caught.value.response.json()["error"]["param"] == "temperature"
+    assert caught.value.param == "temperature"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_upstream_timeout_is_504(
     start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config, stream: bool
 ) -> None:
