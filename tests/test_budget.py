@@ -361,6 +361,38 @@ async def test_new_messages_that_cannot_fit_are_refused_before_upstream_and_not_
     assert huge not in upstream.last().messages
 
 
+async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    """A session that does not hold the conversation (a chat pointed at memproxy for the first
+    time, or one whose session expired or was cleared) is sent all of it, more than fits: its
+    history is stored and left out as memory leaves out any, and the client gets its answer."""
+    history: list[Message] = []
+    for turn in range(12):
+        history += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
+                    {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    question = {"role": "user", "content": "and what came first?"}
+    assert tokens([*history, question]) + REPLY_PRIMING > DEFAULT_BUDGET
+    raw = await proxy.client(session="resent").chat.completions.with_raw_response.create(
+        model="small", messages=[*history, question])  # type: ignore[arg-type]
+    reply = raw.parse().choices[0].message.content
+    assert raw.headers["X-Memproxy-Reconcile"] == "continue"  # the newest exchange, after the stored history
+    assert int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
+    sent = upstream.chat_requests()[-1].messages
+    assert sent[-1] == question and sent[-3:-1] == history[-2:]  # the newest turns verbatim, the oldest out
+    assert tokens(sent) + REPLY_PRIMING <= DEFAULT_BUDGET
+    stored = [json.loads(body) for (body,) in rows(proxy.app[CONFIG], "SELECT body FROM messages ORDER BY seq")]
+    assert stored == [*history, question, {"role": "assistant", "content": reply}]
+
+    # A long prompt of the client's own, with no answer in it, is not history: still refused.
+    calls, state = len(upstream.chat_requests()), db_state(proxy)
+    prompt = [{"role": "user", "content": words(700, k)} for k in range(3)]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client(session="prompt").chat.completions.create(model="small", messages=prompt)  # type: ignore[arg-type]
+    assert_context_length_exceeded(caught.value, "messages")
+    assert len(upstream.chat_requests()) == calls and db_state(proxy) == state
+
+
 async def test_system_prompt_and_tool_schemas_are_part_of_what_must_fit(
     proxy: Proxy, upstream: FakeUpstream
 ) -> None:

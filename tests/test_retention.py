@@ -95,6 +95,27 @@ async def test_an_expired_session_behaves_as_new_and_its_past_is_gone(
     assert upstream.last().messages == [user("still here"), assistant("reply 3"), user("and now?")]
 
 
+async def test_a_long_conversation_resent_to_its_expired_session_is_answered(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
+) -> None:
+    """An expired session is new, and a full-history client resends its whole conversation, more
+    than the window holds: it is stored afresh as history and answered, never refused for good."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    upstream.summarizer = short_summary
+    config = config_of(proxy)
+    history: list[Message] = []
+    for k in range(10):
+        history += [user(f"q{k} " + words(80, "q")), assistant(f"a{k} " + words(40, "a"))]
+    await send_turn(proxy, "long", [*history[:2], user("first")])
+    await age(config, "long", 61)
+    whole = [*history, user("after a pause")]
+    headers = await send_turn(proxy, "long", whole)
+    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert upstream.last().messages[-1] == user("after a pause")
+    stored = stored_bodies(config, "long")
+    assert stored[:-1] == whole and stored[-1]["role"] == "assistant"  # the expired turn's "first" is gone
+
+
 EXPIRED_WRITES: dict[str, tuple[str, str, Any, Any]] = {
     # method, path, body, the metadata after it
     "PATCH metadata": ("PATCH", "/sessions/idle/metadata", {"step": 3}, {"step": 3}),

@@ -6,8 +6,10 @@ output reserve included, `output_reserve`) is decided here by one rule. It recon
 messages with the session, counts the new ones (the only tokenizing a turn does), and fits the
 request under the budget. When unsummarised turns must be left out and the overflow policy is
 `summarize`, it folds them into the summary first (bounded by a timeout; a marker stands in if that
-fails). Nothing is written until the upstream call has succeeded; `memproxy.memory.record` then
-describes the whole turn for the store to write.
+fails). Nothing is written until the upstream call has succeeded (`memproxy.memory.record` then
+describes the whole turn for the store to write), but for one case: a conversation resent to a
+session that does not hold it, too long to send whole, has its history stored first
+(`resent_history`), so that memory can leave out what does not fit instead of refusing it.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from typing import Any
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, split_system
-from ..store import NewMessage, SessionState, Snapshot, StoredMessage, TurnStore
+from ..store import NewMessage, SessionState, Snapshot, StoredMessage, Totals, TurnRecord, TurnStore
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
 from . import recall
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired
-from .shrink import new_message
+from .shrink import content_text, new_message
 from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
@@ -136,6 +138,16 @@ async def prepare_turn(
         tokens=sum(counter.message(m) for m in system) + sum(m.tokens for m in new)
         + tools + REPLY_PRIMING,
     )
+    split = resent_history(reconciled) if fixed.tokens > budget.input_tokens and not preview else 0
+    if split:
+        # A conversation this session does not hold, too long to send whole (an existing chat
+        # pointed at memproxy, or resent after its session expired or was cleared): its history is
+        # stored first, so that what follows is planned as a continuation of it, with a summary or
+        # a marker for what does not fit, and the client gets an answer instead of a 400.
+        await store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
+                                              system_changed, model.name, cutoff, end_user))
+        return await prepare_turn(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
+                                  params, requested_history, idle_ttl, preview, end_user, calibration)
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
     heads: list[list[StoredMessage]] = []  # the opening turns (`memory.head_turns`), once read
@@ -177,6 +189,38 @@ async def prepare_turn(
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
                         end_user=end_user)
+
+
+def resent_history(reconciled: Reconciled) -> int:
+    """Where the newest exchange starts among new messages that hold a conversation's history (an
+    assistant answer before the latest user message), 0 where they hold none: a long prompt of the
+    client's own is never taken for history and left out."""
+    if reconciled.kind not in ("new", "append"):
+        return 0
+    users = [i for i, m in enumerate(reconciled.new) if m.get("role") == "user"]
+    if not users or not any(m.get("role") == "assistant" for m in reconciled.new[: users[-1]]):
+        return 0
+    return users[-1]
+
+
+def _history_turn(tenant: str, session_id: str, session: SessionState | None, reconciled: Reconciled,
+                  history: list[NewMessage], system: list[Message], system_changed: bool, model: str,
+                  expired: float | None, end_user: str | None) -> TurnRecord:
+    """The write of a resent conversation's history (`resent_history`), before its newest exchange
+    is planned: its messages as a turn of their own, which sent nothing and cost nothing."""
+    first = next((m.body for m in history if m.body.get("role") == "user"), None)
+    title = content_text(first) if first is not None else None
+    at_head = session is not None and reconciled.base == session.length
+    return TurnRecord(
+        tenant=tenant, session_id=session_id,
+        expected_length=session.length if session else 0,
+        expected_head_hash=session.head_hash if session else "",
+        base=reconciled.base,
+        base_totals=Totals(session.head_cum, session.head_compact_cum) if at_head and session else Totals(0, 0),
+        base_hash=reconciled.base_hash, messages=history, system=system if system_changed else None,
+        model=model, kind=reconciled.kind, context_tokens=0, latency_ms=0.0,
+        title=title.strip()[:100] if title else None, expired_before=expired, end_user=end_user,
+    )
 
 
 async def opening_turns(store: TurnStore, session: SessionState, base: int, turns: int) -> list[StoredMessage]:
