@@ -66,7 +66,10 @@ def message_text(body: Message) -> str:
 
 def line_text(body: Message) -> str:
     """A stored message as recall shows it, on one line (`memproxy.memory.recall`): its text parts,
-    a tool result's output, `[image]` and the like for parts of other kinds, and what it calls."""
+    a tool result's output, `[image]` and the like for parts of other kinds, and what it calls, each
+    run of whitespace one space. One line a message: a stored text cannot start a line of the block
+    of its own, so it cannot pose as another recalled message (`[#12 system] ...`) or as the end
+    of the block."""
     content = body.get("content")
     parts: list[str] = []
     if isinstance(content, str):
@@ -83,7 +86,7 @@ def line_text(body: Message) -> str:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 parts.append(f"[calls {function.get('name')}({function.get('arguments')})]")
-    return " ".join(p.strip() for p in parts if p.strip())
+    return " ".join(word for part in parts for word in part.split())
 
 
 def recall_line(body: Message) -> str:

@@ -86,12 +86,18 @@ def render_message(message: Message) -> str:
         if len(text) > _TRANSCRIPT_TOOL_CHARS:
             half = _TRANSCRIPT_TOOL_CHARS // 2
             text = head_and_tail(text, half, half, " [... {omitted} characters left out ...] ")
-        return f"Tool result ({message.get('name') or message.get('tool_call_id', '')}): {text}"
+        return _unframed(f"Tool result ({message.get('name') or message.get('tool_call_id', '')}): {text}")
     lines = [f"{str(role).capitalize()}: {text}"] if text else []
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         lines.append(f"Assistant called {function.get('name')}({function.get('arguments', '')})")
-    return "\n".join(lines)
+    return _unframed("\n".join(lines))
+
+
+def _unframed(text: str) -> str:
+    """A transcript's text with `===` broken up: a message cannot close the transcript's frame
+    (`=== END NEW PART ===`) and pose what follows as instructions to the summariser."""
+    return text.replace("===", "= = =")
 
 
 def summarizer_messages(previous: str | None, transcript: str, cap: int) -> list[Message]:
