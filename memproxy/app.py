@@ -201,6 +201,15 @@ class _JsonErrorHandler(web.RequestHandler):
         response.force_close()
         return response
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # A body left unread by its answer (a 401, a 404) or that failed to decode (a 400 said so)
+        # is read and dropped after the answer; one that does not decode then raises there, and
+        # aiohttp would log it as an unhandled error with its traceback, for any client to repeat.
+        if isinstance(kw.get("exc_info"), web.RequestPayloadError):
+            log.debug("a request body that did not decode was dropped after its answer")
+            return
+        super().log_exception(*args, **kw)
+
 
 class _JsonErrorServer(web.Server):
     def __call__(self) -> web.RequestHandler:

@@ -108,6 +108,12 @@ def json_logs(tmp_path: Path, upstream: FakeUpstream) -> tuple[list[dict[str, An
         assert http(served, "GET", "/metrics", key=ADMIN_KEY).status_code == 200
         assert http(served, "GET", "/healthz", key=None).status_code == 200
         assert raw(served, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nbad header: v\r\n\r\n") == 400
+        # A body that is not the gzip it says, read (400) or left unread (401): no error logged
+        # after the answer, whoever sends it.
+        gzipped = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        for key, status in ((PROXY_KEY, 400), (None, 401)):
+            sent = http(served, "POST", "/v1/embeddings", key=key, content=b"not gzip", headers=gzipped)
+            assert sent.status_code == status
     finally:
         assert served.stop() == 0, served.log.read_text()
     text = served.log.read_text()
@@ -124,8 +130,9 @@ def test_one_json_line_per_request_whatever_its_status(json_logs: tuple[list[dic
         ("unmatched", 404): 1, ("unmatched", 405): 1, ("/v1/chat/completions", 413): 1,
         ("/v1/chat/completions", 502): 2, ("/v1/chat/completions", 429): 1,
         ("/v1/sessions/{session_id}/metadata", 200): 1, ("/metrics", 200): 1, ("/healthz", 200): 1,
-        ("-", 400): 1,
+        ("-", 400): 1, ("/v1/embeddings", 400): 1, ("/v1/embeddings", 401): 1,
     })
+    assert [line for line in lines if line["level"] in ("ERROR", "CRITICAL")] == []
     for line in requests:
         assert {"time", "method", "route", "status"} <= line.keys()
         assert line["time"].endswith("Z")
@@ -145,7 +152,7 @@ def test_one_json_line_per_request_whatever_its_status(json_logs: tuple[list[dic
     streamed = one(route="/v1/chat/completions", status=200, stream=True)
     assert streamed["reconcile"] == "append" and streamed["record_ms"] > 0  # the same question again
     assert one(status=400, route="/v1/chat/completions")["error"] == "invalid_request_error"  # no code: its type
-    unauthorised = one(status=401)
+    unauthorised = one(status=401, route="/v1/models")
     assert unauthorised["error"] == "invalid_api_key" and "tenant" not in unauthorised
     assert one(status=404)["error"] == "not_found"
     assert one(status=405)["error"] == "method_not_allowed"
