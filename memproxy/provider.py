@@ -475,10 +475,23 @@ class Provider:
 
     def responses_chat_params(self, model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
         """A Responses request's parameters (`tools`, `tool_choice`, `text`, `reasoning`,
-        `max_output_tokens`, ...) as a chat completion's, translated by litellm's bridge."""
+        `max_output_tokens`, ...) as a chat completion's, translated by litellm's bridge, and those
+        chat completions take too that the bridge leaves out (`_CHAT_TOO`, `text.verbosity`, the
+        logprobs `include` asks for): dropped, they would be ignored without a word."""
         request = _responses_bridge().transform_responses_api_request_to_chat_completion_request(
             model=model.model, input=[], responses_api_request=params)
-        return {k: v for k, v in request.items() if k not in ("messages", "model", "stream", "stream_options")}
+        chat = {k: v for k, v in request.items() if k not in ("messages", "model", "stream", "stream_options")}
+        for name in _CHAT_TOO:
+            if params.get(name) is not None:
+                chat.setdefault(name, params[name])
+        text = params.get("text")
+        if isinstance(text, dict) and text.get("verbosity") is not None:
+            chat.setdefault("verbosity", text["verbosity"])
+        include = params.get("include")
+        if params.get("top_logprobs") is not None or (isinstance(include, list)
+                                                      and "message.output_text.logprobs" in include):
+            chat.setdefault("logprobs", True)
+        return chat
 
     async def respond(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
         """A Response from the provider's own Responses API (`litellm.aresponses`), as a dict."""
@@ -826,6 +839,11 @@ async def _chunks(
         if _caused_by(exc, (aiohttp.ClientPayloadError, ConnectionError)):  # litellm calls it a 500
             raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
         raise provider.upstream_error(exc) from exc
+
+
+# Responses parameters that chat completions take under the same name, which litellm's bridge
+# (1.100) does not carry over.
+_CHAT_TOO = ("service_tier", "prompt_cache_key", "safety_identifier", "top_logprobs")
 
 
 def _responses_bridge() -> Any:

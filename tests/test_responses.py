@@ -142,6 +142,18 @@ async def test_a_session_header_gives_responses_memory(proxy: Proxy, wire: Upstr
         "My name is Ada.", "Hello Ada.", "What is my name?", "You are Ada."]
 
 
+async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """Through the bridge to a chat-completions provider, the Responses parameters that chat
+    completions take as well arrive, under their chat names."""
+    client = proxy.client("resp-params")
+    await client.responses.create(
+        model="small", input="hi", top_logprobs=2, include=["message.output_text.logprobs"], service_tier="flex",
+        prompt_cache_key="k1", safety_identifier="u-9", text={"verbosity": "low"})
+    sent = upstream.last().body
+    assert (sent["top_logprobs"], sent["logprobs"], sent["service_tier"]) == (2, True, "flex")
+    assert (sent["prompt_cache_key"], sent["safety_identifier"], sent["verbosity"]) == ("k1", "u-9", "low")
+
+
 async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     wire.enqueue(Reply(content="Hi Ada."), Reply(content="Ada."), Reply(content="Hi Bob."))
