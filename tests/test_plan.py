@@ -116,6 +116,20 @@ def test_fit_sends_everything_that_fits_and_nothing_else_when_it_all_does() -> N
     assert context.tokens == sum(COUNTER.message(m) for m in context.messages) + REPLY_PRIMING
 
 
+def test_messages_the_cap_deleted_with_no_summary_for_them_are_marked_as_left_out() -> None:
+    """An edit below the newest summary of a capped session: no summary in use stands for the
+    messages the cap deleted, and the rest fits. What is sent says that earlier messages are
+    missing (a marker), never that the history starts where the store's rows do."""
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
+    history = [m for i in range(6) for m in (user(f"q{i}"), assistant(f"a{i}"))]
+    new = [user("next")]
+    context = fit(snapshot_of(stored(history, memory), new, deleted=8), fixed_of([SYSTEM], new),
+                  Budget(2000, 256, 20), "small", COUNTER, memory, use_marker=True)
+    assert context.messages[1]["content"].startswith("[8 earlier messages")
+    assert context.messages[2:] == [*history[8:], *new]
+    assert (context.first_sent, context.omitted, context.unsummarised_omitted, context.marker) == (8, 8, 8, True)
+
+
 def test_fit_cuts_at_a_unit_and_marks_what_it_left_out() -> None:
     memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
     history = [user("read it"), assistant(None, ["c1"]), tool("c1", "word " * 300), assistant("done"),

@@ -190,7 +190,7 @@ def fit(
     # The whole history fits as stored (most sessions): no cut to look for, unless the session opens
     # on a tool result, which no cut may keep without its call.
     whole = floor == 0 and base_totals.full <= available and snapshot.start == 0 and bool(stored) \
-        and stored[0].unit_start
+        and stored[0].seq == 0 and stored[0].unit_start
     opening: list[Message] = []
     opening_tokens = 0
     if head and not whole and len(head) <= must_start:
