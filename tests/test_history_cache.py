@@ -14,7 +14,12 @@ def test_a_message_costs_at_least_its_overhead_and_grows_with_its_text() -> None
 def test_messages_are_handed_on_without_copies_but_detached_for_code_that_changes_them() -> None:
     stored = {"role": "user", "content": [{"type": "image_url", "image_url": "https://example.invalid/i.png"}]}
     assert wire_form(stored) is stored
-    assert wire_form({"role": "assistant", "content": None, "tool_calls": []}) == {"role": "assistant", "tool_calls": []}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert wire_form({"role": "assistant", "content": None, "tool_calls": [call]}) == {"role": "assistant",
+                                                                                     "tool_calls": [call]}
+    # Neither text nor a call (a refusal): OpenAI requires `content`, so it goes with empty text.
+    assert wire_form({"role": "assistant", "content": None, "refusal": "no"}) == {"role": "assistant",
+                                                                                "refusal": "no", "content": ""}
     copy = detached(stored)
     copy["content"][0]["image_url"] = {"url": "changed"}  # as litellm rewrites content parts in place
     copy["content"].append({"type": "text", "text": "more"})
