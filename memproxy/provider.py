@@ -536,7 +536,8 @@ class Provider:
             message, code, param = body_message, body_code or code, body_param or param
         if isinstance(exc, litellm.ContextWindowExceededError):  # each provider says it its own way
             code = "context_length_exceeded"
-        if isinstance(exc, litellm.Timeout):
+        if isinstance(exc, litellm.Timeout) or _caused_by(exc, (asyncio.TimeoutError,)):
+            # aiohttp's read timeout (no chunk for the timeout) is a connection error too: it is a timeout
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \
                 or _caused_by(exc, (ConnectionError, aiohttp.ClientConnectionError)):
@@ -831,14 +832,29 @@ async def _chunks(
 ) -> AsyncGenerator[dict[str, Any], None]:
     if first is None or rest is None:
         return
-    yield dump(first)
+    yield _finished_by_provider(dump(first), rest)
     try:
         async for chunk in rest:
-            yield dump(chunk)
+            yield _finished_by_provider(dump(chunk), rest)
+    except UpstreamError:
+        raise
     except Exception as exc:
         if _caused_by(exc, (aiohttp.ClientPayloadError, ConnectionError)):  # litellm calls it a 500
             raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
         raise provider.upstream_error(exc) from exc
+
+
+def _finished_by_provider(chunk: dict[str, Any], stream: Any) -> dict[str, Any]:
+    """`chunk`, unless it ends a stream its provider never ended. A provider's stream that stops
+    without a finish reason (the connection closed cleanly mid-answer) is ended by litellm's stream
+    wrapper with a finish reason of its own, which would pass a cut answer off as whole and store
+    it. The wrapper notes the finish reason the provider sent (`received_finish_reason`, None if it
+    sent none); a stream that is not litellm's chat stream has no such note and is taken as it comes."""
+    choices = chunk.get("choices")
+    if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices) \
+            and getattr(stream, "received_finish_reason", "") is None:
+        raise UpstreamError("upstream stream ended before its answer did", code="upstream_incomplete")
+    return chunk
 
 
 # Responses parameters that chat completions take under the same name, which litellm's bridge

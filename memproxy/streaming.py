@@ -24,10 +24,18 @@ def hiding_usage(chunk: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class StreamAssembler:
+    """Choice 0's message from its deltas: everything `assistant_message` keeps of a message that
+    came whole. Text fields are concatenated; tool calls and a legacy `function_call` are built from
+    their name and argument pieces; audio from its data and transcript pieces; Anthropic's thinking
+    blocks (through litellm) from their text pieces, each closed by its signature, as litellm's own
+    `stream_chunk_builder` closes them (a block without a signature is of no use to send back)."""
+
     def __init__(self) -> None:
         self._content: list[str] = []
         self._calls: dict[int, dict[str, Any]] = {}
         self._extra: dict[str, Any] = {}
+        self._thinking: list[dict[str, Any]] = []
+        self._thinking_text: list[str] = []
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -44,13 +52,47 @@ class StreamAssembler:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self._content.append(delta["content"])
-            for key in ("refusal", "reasoning_content"):
-                if delta.get(key):
+            for key in ("refusal", "reasoning_content", "reasoning"):
+                if isinstance(delta.get(key), str) and delta[key]:
                     self._extra[key] = self._extra.get(key, "") + delta[key]
             for call in delta.get("tool_calls") or []:
                 self._add_call(call)
+            if isinstance(delta.get("function_call"), dict):
+                self._add_pieces("function_call", delta["function_call"], ("name", "arguments"))
+            if isinstance(delta.get("audio"), dict):
+                self._add_pieces("audio", delta["audio"], ("data", "transcript"))
+            for block in delta.get("thinking_blocks") or []:
+                if isinstance(block, dict):
+                    self._add_thinking(block)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+
+    def _add_pieces(self, key: str, delta: dict[str, Any], pieces: tuple[str, ...]) -> None:
+        """`delta` into the object under `key`: the `pieces` fields concatenated, the others as last sent."""
+        whole = self._extra.setdefault(key, {})
+        for name, value in delta.items():
+            if name in pieces and isinstance(value, str):
+                whole[name] = whole.get(name, "") + value
+            elif value is not None:
+                whole[name] = value
+
+    def _add_thinking(self, block: dict[str, Any]) -> None:
+        if block.get("type") == "redacted_thinking":
+            self._thinking_text = []
+            if block.get("data"):
+                self._thinking.append({"type": "redacted_thinking", "data": block["data"]})
+            return
+        thinking = block.get("thinking")
+        text = thinking if isinstance(thinking, str) else ""
+        if not block.get("signature"):
+            self._thinking_text.append(text)
+            return
+        # The signature's piece holds the block's whole text in litellm 1.100 (its Anthropic
+        # handler repeats what its pieces said), a last piece of it elsewhere.
+        said = "".join(self._thinking_text)
+        whole = text if text.startswith(said) else said + text
+        self._thinking.append({"type": "thinking", "thinking": whole, "signature": block["signature"]})
+        self._thinking_text = []
 
     def _add_call(self, delta: dict[str, Any]) -> None:
         call = self._calls.setdefault(
@@ -71,4 +113,6 @@ class StreamAssembler:
         raw: Message = {"role": "assistant", "content": "".join(self._content) or None, **self._extra}
         if self._calls:
             raw["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
+        if self._thinking:
+            raw["thinking_blocks"] = self._thinking
         return assistant_message(raw)

@@ -34,6 +34,7 @@ class Reply:
     error_message: str = "upstream failure"
     error_param: str | None = None  # the parameter the error names, as OpenAI's say which one
     cut_stream: bool = False  # close the connection after the first content chunk
+    end_stream_early: bool = False  # end the stream cleanly after the first content chunk: no finish, no [DONE]
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
@@ -237,6 +238,9 @@ class FakeUpstream:
             if reply.cut_stream and i == 0:
                 assert request.transport is not None
                 request.transport.close()
+                return response
+            if reply.end_stream_early and i == 0:
+                await response.write_eof()
                 return response
             if reply.gate_after_first_chunk is not None and i == 0:
                 gate = reply.gate_after_first_chunk

@@ -376,7 +376,22 @@ async def test_upstream_stalled_mid_stream_past_the_timeout_stores_nothing(
     assert json.loads(events[1])["choices"][0]["delta"]["content"] == "a long a"
     assert "[DONE]" not in events
     last = json.loads(events[-1])
-    assert_shape(last, type="upstream_error", code=last["error"]["code"], param=None)
+    assert_shape(last, type="upstream_error", code="upstream_timeout", param=None)  # not "unreachable"
+    assert stored_rows(config) == {table: [] for table in TABLES}
+
+
+async def test_a_stream_the_upstream_ends_before_its_answer_is_not_passed_off_as_whole(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The upstream closes its stream cleanly mid-answer (no finish reason, no [DONE]): an error
+    event ends the client's stream and nothing is stored, on litellm's path too, whose stream
+    wrapper ends such a stream with a finish reason of its own."""
+    upstream.enqueue(Reply(content="The capital of France is Paris", end_stream_early=True))
+    status, events = await read_sse(proxy, chat(stream=True))
+    assert status == 200 and "[DONE]" not in events
+    assert not any(c.get("finish_reason") for e in events[:-1] for c in json.loads(e)["choices"])
+    last = json.loads(events[-1])
+    assert_shape(last, type=last["error"]["type"], code="upstream_incomplete", param=None)
     assert stored_rows(config) == {table: [] for table in TABLES}
 
 
