@@ -89,6 +89,26 @@ async def test_an_old_fact_left_out_comes_back_when_asked_about(
     assert (await api.get("/sessions/s1copy"))["turns"][-1]["sent"]["recalled"] == last["recalled"]
 
 
+async def test_the_summary_a_request_folds_for_itself_goes_with_what_recall_finds(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    """With `overflow: summarize` a request that leaves turns out folds them first; recall then
+    plans it again, from the session as the fold left it: the summary just made (and paid for)
+    goes with this very request."""
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL, summaries=True, overflow="summarize",
+                        chunk_threshold_tokens=1_000_000)  # only the request's own fold
+    upstream.summarizer = lambda _: Reply(content="Known facts: several.")
+    talk = Conversation(proxy, upstream, "folded")
+    for turn in range(30):
+        text = " ".join(f"w{(i * 7 + turn) % 997}" for i in range(40))  # each shares words with some others
+        received, headers = await talk.exchange([user(f"FACT-{turn} {text}")], Reply(content=f"noted {text[:60]}"))
+        talk.remember([user(f"FACT-{turn} {text}")], Reply(content=f"noted {text[:60]}"))
+        if upstream.summary_requests():
+            break
+    assert int(headers["x-memproxy-summary-version"]) > 0 and int(headers["x-memproxy-recalled"]) > 0
+    assert any(str(m.get("content")).startswith("Summary of the earlier conversation") for m in received.messages)
+
+
 async def test_recall_off_sends_the_plain_window(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
 ) -> None:

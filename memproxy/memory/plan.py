@@ -178,7 +178,8 @@ async def prepare_turn(
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
-        context = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
+        # Recall plans again from the session as the fold left it: its summary, just saved, stays.
+        context, session = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
     if session is not None and context.omitted and memory.recall_room(window) > 0:
         lap("budget")
         scope = end_user if memory.recall_scope == "user" else None
@@ -272,11 +273,12 @@ async def _recall(
 async def _fold_left_out(
     summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
     memory: MemoryConfig, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
-) -> Context:
+) -> tuple[Context, SessionState]:
     """The overflow policy `summarize`: fold what was left out, and everything older than the
     verbatim tail, then plan again. The room the new summary takes can push more turns out, so
     this repeats while folds apply, all within `sync_summary_timeout_seconds`; past that the fold
-    goes on in the background and this request gets a marker meanwhile."""
+    goes on in the background and this request gets a marker meanwhile. The plan, and the session
+    as it was planned on (its newest summary's version)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + memory.sync_summary_timeout_seconds
     tail = await summarizer.tail_start(session, budget.window)
@@ -295,4 +297,4 @@ async def _fold_left_out(
         context = await build(session, 0)
         if result is None or result.outcome != "applied":
             break
-    return context
+    return context, session
