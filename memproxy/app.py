@@ -86,10 +86,17 @@ async def _summarizer(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _retention(app: web.Application) -> AsyncIterator[None]:
-    """With an idle TTL, a sweep deletes expired sessions every `sweep_interval_seconds`."""
-    retention = app[CONFIG].retention
+    """With an idle TTL, a sweep deletes expired sessions every `sweep_interval_seconds`: those idle
+    for the TTL and as long again as a turn may take (the longest model timeout and the wait for a
+    summary), so that a turn planned just before its session expired is never answered and then
+    refused because the sweep deleted the session meanwhile. An expired session behaves as new
+    from the TTL on whether or not it is deleted yet."""
+    config = app[CONFIG]
+    retention = config.retention
     if retention.idle_ttl_seconds is not None:
-        app[TASKS].spawn(sweep(app[STORE], retention.idle_ttl_seconds, retention.sweep_interval_seconds,
+        turn = max((m.timeout_seconds for m in config.models), default=0.0) \
+            + config.memory.sync_summary_timeout_seconds
+        app[TASKS].spawn(sweep(app[STORE], retention.idle_ttl_seconds + turn, retention.sweep_interval_seconds,
                                app[METRICS]), optional=True)
     yield
 

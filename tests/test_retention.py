@@ -258,6 +258,11 @@ async def test_the_sweep_removes_expired_sessions(
     stale_pk, recent_pk = session_pk(config, "stale"), session_pk(config, "recent")
     assert stale_pk is not None and recent_pk is not None
     recent_rows = rows_of(config, recent_pk)
+    # Expired for a turn, but not yet for the sweep: a turn planned on it just before its TTL may
+    # still be upstream (the longest model timeout and the summary wait), and must find it. Aged
+    # first: the sweep that removes the stale sessions below has seen it.
+    await send_turn(proxy, "just-expired", [user("in flight")])
+    await age(config, "just-expired", 61)
     await age(config, "stale", 3600)
     await age(config, "stale", 3600, tenant="b")
 
@@ -265,7 +270,8 @@ async def test_the_sweep_removes_expired_sessions(
                 "the sweep removed the idle sessions")
     assert rows_of(config, stale_pk) == {table: 0 for table in TABLES}
     assert rows_of(config, recent_pk) == recent_rows
-    assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["recent"]
+    assert session_pk(config, "just-expired") is not None
+    assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["recent", "just-expired"]
     await api.get("/sessions/stale", status=404)
 
 
