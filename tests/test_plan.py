@@ -25,7 +25,8 @@ from helpers import assistant, tool, user
 from memproxy.concurrency import BackgroundTasks
 from memproxy.config import MemoryConfig, ModelConfig
 from memproxy.errors import BadRequest, ContextLengthExceeded
-from memproxy.memory.fit import Budget, Fixed, fit, must_send_last_unit, room_for_history, summary_message
+from memproxy.memory.fit import (Budget, Fixed, fit, marker_message, must_send_last_unit, room_for_history,
+                                 summary_message)
 from memproxy.memory.plan import PreparedTurn, output_reserve, prepare_turn, request_budget
 from memproxy.memory import reconcile as reconciling
 from memproxy.memory.reconcile import reconcile
@@ -142,6 +143,44 @@ def test_fit_cuts_at_a_unit_and_marks_what_it_left_out() -> None:
     assert context.first_sent == 4 and context.marker
     assert context.messages[0]["content"].startswith("[4 earlier messages")
     assert context.messages[1:] == [*history[4:], *new]
+
+
+def budget_with_room(fixed: Fixed, room: int) -> Budget:
+    """A budget that leaves `room` tokens for stored history beside `fixed`."""
+    return Budget(fixed.tokens + room + 276, 256, 20)
+
+
+def test_kept_turns_and_opening_turns_give_way_to_the_marker_in_its_short_form_if_need_be() -> None:
+    """Where history is left out the request says so: kept turns make room for the marker, the
+    opening turns never take its room, and where the sentence does not fit its short form does."""
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
+    history = [m for i in range(6) for m in (user(f"q{i} " + "word " * 20), assistant(f"a{i}"))]
+    messages, new = stored(history, memory), [user("next")]
+    fixed = fixed_of([], new)
+    long, short = (COUNTER.message(marker_message(12, short=s)) for s in (False, True))
+    last = messages[-2].tokens + messages[-1].tokens
+    # Room for the short marker, not for the long one.
+    assert short < long - 1
+    context = fit(snapshot_of(messages, new), fixed, budget_with_room(fixed, long - 1), "small", COUNTER, memory,
+                  use_marker=True)
+    assert context.marker and context.messages[0] == marker_message(context.unsummarised_omitted, short=True)
+    # The opening turn fits, and so does the marker, not both: the marker goes, the opening turn not.
+    opening = messages[0].tokens + messages[1].tokens
+    room = max(long, opening + short - 1)
+    context = fit(snapshot_of(messages, new), fixed, budget_with_room(fixed, room), "small", COUNTER,
+                  memory, use_marker=True, head=messages[:2])
+    assert opening <= room and context.head == 0
+    assert context.messages[0] == marker_message(context.unsummarised_omitted)
+
+
+def test_a_marker_beside_the_summary_says_its_messages_are_not_summarised() -> None:
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
+    history = [m for i in range(8) for m in (user(f"q{i} " + "word " * 30), assistant(f"a{i}"))]
+    new = [user("next")]
+    snapshot = snapshot_of(stored(history, memory), new, summary_covers=4)
+    context = fit(snapshot, fixed_of([], new), Budget(450, 256, 20), "small", COUNTER, memory, use_marker=True)
+    assert context.summary is not None and context.marker
+    assert context.messages[1]["content"].endswith("and have not been summarised yet.]")
 
 
 def test_fit_refuses_what_cannot_fit_whatever_is_stored() -> None:

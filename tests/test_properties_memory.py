@@ -64,7 +64,7 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 SUMMARY = "Earlier: the user asked for several files and tools; " + words(20, 9)
 SUMMARY_OPENING = "Summary of the earlier conversation, for background only"
-MARKER = re.compile(r"\[(\d+) earlier messages of this conversation are not shown here: [^\]]*\]")
+MARKER = re.compile(r"\[(\d+) earlier messages (?:of this conversation are not shown here: [^\]]*|are not shown here\.)\]")
 FILES = [f"file {k}.txt:\n{words(n, 11 + k)}" for k, n in enumerate((20, 40, 150, 500))]
 SAME_ANSWER = f"Done. {words(60, 5)}"  # an answer given more than once (never deduplicated)
 
@@ -282,8 +282,8 @@ class Client:
             i += 1
             event("a marker was sent")
         elif unsummarised:
-            # Unsummarised messages left out without a marker only when not even the marker fits.
-            marker_tokens = COUNTER.message(_marker(base))
+            # Unsummarised messages left out without a marker only when not even the short one fits.
+            marker_tokens = COUNTER.message(_marker(base, short=True))
             assert self.mandatory(new) + summary_tokens + marker_tokens > budget
             event("left out without a marker: not even the marker fits")
 
@@ -322,7 +322,9 @@ class Client:
                 max(j for j in range(start) if self.history[j]["role"] != "tool")
             cost = sum(COUNTER.message(self.history[j] if j >= exchange_start else self.compact(self.history[j]))
                        for j in range(unit, start))
-            slack = saved + (COUNTER.message(_marker(base)) - COUNTER.message(messages[i - 1]) if marker else 0)
+            # The room the fit held for the marker it sent: its estimate, the long form or the short one.
+            held = _marker(base, short=marker is not None and "of this conversation" not in marker[0])
+            slack = saved + (COUNTER.message(held) - COUNTER.message(messages[i - 1]) if marker else 0)
             assert counted + slack + cost > budget, "an older unit that fits was left out"
             event("older history left out")
 
@@ -336,7 +338,9 @@ class Client:
         self.summaries_checked = len(requests)
 
 
-def _marker(left_out: int) -> Message:
+def _marker(left_out: int, short: bool = False) -> Message:
+    if short:
+        return {"role": "system", "content": f"[{left_out} earlier messages are not shown here.]"}
     return {"role": "system", "content": f"[{left_out} earlier messages of this conversation are not shown "
                                          "here: they did not fit in the context window and have not been "
                                          "summarised yet.]"}

@@ -115,8 +115,11 @@ def summary_message(text: str) -> Message:
     return {"role": "system", "content": SUMMARY_PREFIX + text}
 
 
-def marker_message(left_out: int, summarised: bool = False) -> Message:
-    """`summarised`: some of them are in a summary that did not fit either."""
+def marker_message(left_out: int, summarised: bool = False, short: bool = False) -> Message:
+    """`summarised`: some of them are in a summary that did not fit either. `short`: the fewest
+    words that still say it, where the whole sentence does not fit."""
+    if short:
+        return {"role": "system", "content": f"[{left_out} earlier messages are not shown here.]"}
     why = "" if summarised else " and have not been summarised yet"
     return {
         "role": "system",
@@ -193,11 +196,14 @@ def fit(
         and stored[0].seq == 0 and stored[0].unit_start
     opening: list[Message] = []
     opening_tokens = 0
+    # Where history is left out, what is sent must say so: the opening turns never take the room
+    # of the shortest marker.
+    least_marker = counter.message(marker_message(base, short=True)) if use_marker else 0
     if head and not whole and len(head) <= must_start:
         opening, saved = drop_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
                                               [], counter)
         opening_tokens = sum(m.tokens for m in head) - saved
-        if must_tokens + opening_tokens <= available:
+        if must_tokens + opening_tokens + least_marker <= available:
             available -= opening_tokens
             floor = max(floor, len(head))
         else:
@@ -219,12 +225,16 @@ def fit(
         start = _cut(snapshot, newest, floor, available, trim)
     marker = False
     if start > floor and use_marker:
-        marker_tokens = counter.message(marker_message(base))  # at least the real marker's count
-        if must_tokens + marker_tokens <= available:
-            available -= marker_tokens
-            start = _cut(snapshot, newest, floor, available, trim)
-            extra.append(marker_message(start - floor, summarised=covered > 0))
-            marker = True
+        # The sentence, else its short form; kept turns make room for it, never the other way round.
+        for short in (False, True):
+            marker_tokens = counter.message(marker_message(base, short=short))  # at least the real one's count
+            if must_tokens + marker_tokens <= available:
+                available -= marker_tokens
+                start = _cut(snapshot, newest, floor, available, trim)
+                # "not summarised yet" unless a summary covering some of them was left out too
+                extra.append(marker_message(start - floor, summarised=summary is None and covered > 0, short=short))
+                marker = True
+                break
     if start < snapshot.start:
         raise LookupError(f"position {start} is outside the session snapshot")
     sent = stored[snapshot.index(start) :]
