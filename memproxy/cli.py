@@ -16,6 +16,7 @@ import os
 import sys
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -30,7 +31,8 @@ from .provider import load_litellm
 from .starter import PROVIDERS, ProviderKind, starter_config
 from .stopping import Stopped, stop_signals
 from .store import Store, open_store
-from .store.errors import DRIVER_ERRORS, StoreConflict
+from .store.sqlite import sqlite_path
+from .store.errors import DRIVER_ERRORS, StoreConflict, StoreUnavailable
 from .typedefs import PROVIDER
 
 log = logging.getLogger("memproxy")
@@ -99,7 +101,15 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "migrate-store":
         source = StorageConfig(url=args.source, schema=args.from_schema)
         target = StorageConfig(url=args.target, schema=args.to_schema)
-        return asyncio.run(_migrate_store(source, target, args.resume))
+        try:
+            if not source.is_postgres and sqlite_path(source.url) != ":memory:" \
+                    and not Path(sqlite_path(source.url)).is_file():  # opened, it would be made, empty
+                print(f"memproxy: the source {source.url} does not exist; nothing was copied", file=sys.stderr)
+                return 1
+            return asyncio.run(_migrate_store(source, target, args.resume))
+        except (StoreUnavailable, OSError, ValueError) as exc:  # a store that cannot be opened
+            print(f"memproxy: {sessions_cli.failure(exc)}", file=sys.stderr)
+            return 1
     if args.command == "check-config":
         if found := problems(config):  # what `serve` checks at start besides the file itself
             return _refuse(found, args.config)
@@ -209,7 +219,12 @@ async def _migrate_store(source_config: StorageConfig, target_config: StorageCon
     target that already holds some of the sessions stops the copy before anything is written, unless
     `--resume` says it is the rest of an interrupted copy: those sessions are checked, not copied,
     and the usage rollups, copied before the first session, are not added again."""
-    source, target = await open_store(source_config), await open_store(target_config)
+    source = await open_store(source_config)
+    try:
+        target = await open_store(target_config)
+    except BaseException:
+        await source.close()  # its threads would keep the process from exiting
+        raise
     try:
         sessions = await source.tenants_sessions()
         present = set(await target.tenants_sessions()) & set(sessions)

@@ -295,6 +295,8 @@ def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Conf
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read config file: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"not UTF-8 text (byte {exc.start})") from exc
     try:
         return parse_config(text, environ)
     except ConfigError as exc:

@@ -83,7 +83,10 @@ async def _postgres_problem(url: str) -> str | None:
         conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_SECONDS)
     except Exception as exc:  # whatever it is, `serve` would stop on it
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        password = urlsplit(url).password
+        try:
+            password = urlsplit(url).password
+        except ValueError:  # not a URL at all ("postgresql://[::1"): nothing of it is quoted
+            return "cannot connect to PostgreSQL: the URL is not valid"
         return f"cannot connect to PostgreSQL: {why.replace(password, '***') if password else why}"
     await conn.close()
     return None

@@ -26,7 +26,7 @@ from .memory.summaries import Summarizer
 from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
-from .store.errors import StoreConflict
+from .store.errors import StoreConflict, StoreUnavailable
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -98,6 +98,21 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except (ProxyError, StoreConflict) as exc:
         print(f"memproxy: {exc.message}", file=sys.stderr)
         return 1
+    except (StoreUnavailable, OSError, ValueError) as exc:  # the store cannot be reached, a file read
+        print(f"memproxy: {failure(exc)}", file=sys.stderr)
+        return 1
+
+
+def failure(exc: BaseException) -> str:
+    """One line for a store that cannot be opened or written, or a file that cannot be read: what
+    failed, never a traceback (nor the driver's text, which may quote a URL with its password)."""
+    if isinstance(exc, StoreUnavailable):
+        cause = exc.__cause__
+        return f"the store is unavailable ({type(cause).__name__ if cause else 'no cause given'})"
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or type(exc).__name__}{where}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _run(args: argparse.Namespace, config: Config) -> int:

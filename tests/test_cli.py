@@ -315,3 +315,38 @@ models:
         lines = result.stderr.splitlines()
         assert [line.split(": ")[3] for line in lines] == ["server.host", "storage.url", "models[1].context_window"]
         assert all(line.startswith(f"memproxy: config error: {config}: ") for line in lines)
+
+
+def test_a_store_or_file_the_cli_cannot_open_is_one_line_never_a_traceback(tmp_path: Path) -> None:
+    """Operators' mistakes get a line saying what failed and a non-zero exit, and a command whose
+    target store cannot be reached exits instead of hanging on the source it had opened."""
+    with socket.socket() as held:  # a port bound but not listening: connections to it are refused
+        held.bind(("127.0.0.1", 0))
+        unreachable = f"postgresql://memproxy:hunter2-secret@127.0.0.1:{held.getsockname()[1]}/memproxy"
+        source = f"sqlite:///{tmp_path / 'source.db'}"
+        config = write_config(tmp_path / "sqlite.yaml", "http://127.0.0.1:9/v1", StorageConfig(url=source))
+        assert run_cli("sessions", "-c", str(config), "list", MEMPROXY_TEST_UPSTREAM_KEY="k").returncode == 0
+        pg = write_config(tmp_path / "pg.yaml", "http://127.0.0.1:9/v1", StorageConfig(url=unreachable))
+        missing = tmp_path / "typo" / "source.db"
+        for args, words in [
+            (("migrate-store", "--from", source, "--to", unreachable), "Connect call failed"),
+            (("migrate-store", "--from", f"sqlite:///{missing}", "--to", source), "does not exist"),
+            (("migrate-store", "--from", "mysql://x", "--to", source), "not a sqlite URL"),
+            (("sessions", "-c", str(pg), "list"), "Connect call failed"),
+            (("sessions", "-c", str(config), "import", str(tmp_path / "absent.jsonl")), "No such file"),
+        ]:
+            result = run_cli(*args, MEMPROXY_TEST_UPSTREAM_KEY="k")
+            assert result.returncode == 1 and words in result.stderr, (args, result.stderr)
+            assert "Traceback" not in result.stderr and "hunter2" not in result.stderr, args
+        assert not missing.parent.exists()  # a mistyped source is never made
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    (b'storage:\n  url: "postgresql://[::1"\n', "storage.url: cannot connect to PostgreSQL: the URL is not valid"),
+    (b"models: []\n# caf\xe9\n", "not UTF-8 text"),
+], ids=["url-that-is-not-one", "not-utf-8"])
+def test_check_config_reports_a_file_it_cannot_read_as_a_config_error(tmp_path: Path, text: bytes, why: str) -> None:
+    config = tmp_path / "memproxy.yaml"
+    config.write_bytes(text)
+    result = run_cli("check-config", "-c", str(config))
+    assert result.returncode == 2 and why in result.stderr and "Traceback" not in result.stderr, result.stderr
