@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import admin, exports
+from .bodies import parse_json
 from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
@@ -316,10 +317,13 @@ async def _metadata(args: argparse.Namespace, config: Config, store: Store) -> i
 
 
 def _json_object(text: str, option: str) -> dict[str, Any]:
+    """An option's JSON object, read as a request body is (`bodies.parse_json`): what the HTTP API
+    refuses (NaN, a lone surrogate, nesting past its limit) is refused here too, before anything
+    is written, or it would break the session's metadata reads and exports."""
     try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
+        value = parse_json(text, option)
+    except ProxyError as exc:
+        raise ProxyError(f"{option} takes a JSON object: {exc.message}") from exc
     if not isinstance(value, dict):
         raise ProxyError(f"{option} takes a JSON object")
     return value

@@ -433,6 +433,11 @@ def test_metadata_shown_replaced_and_merged(cli: Setup, upstream: FakeUpstream) 
 
     assert cli.sessions("--tenant", "a", "metadata", "meta-cli", "--set", "[1]", ok=False).stderr == (
         "memproxy: --set takes a JSON object\n")
+    # What the HTTP API refuses is refused here too, and nothing is written: stored, it would break
+    # the session's metadata reads and its exports.
+    for option, text in [("--set", '{"x": NaN}'), ("--merge", '{"x": "\\ud800"}'), ("--set", "[" * 100 + "]" * 100)]:
+        refused = cli.sessions("--tenant", "a", "metadata", "meta-cli", option, text, ok=False).stderr
+        assert refused.startswith(f"memproxy: {option} takes a JSON object") and "Traceback" not in refused
     assert cli.sessions("--tenant", "b", "metadata", "meta-cli", "--merge", '{"k": 1}', ok=False).stderr == (
         "memproxy: no session 'meta-cli' in tenant 'b'\n")
     assert cli.sessions("--tenant", "b", "metadata", "meta-cli", ok=False).stderr == (
