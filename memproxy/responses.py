@@ -40,8 +40,9 @@ from .messages import Message, split_system, validate_messages
 from .observe import notes
 from .params import check_params
 from .provider import Provider
-from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, input_items, new_id, output_items,
-                             parse_request, response_object, responses_usage, sse, status_of)
+from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, input_items,
+                             new_id, output_items, parse_request, response_object, responses_usage, sse,
+                             status_of)
 from .session_ids import SESSION_HEADER, is_session_id
 from .store import NewResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
@@ -72,6 +73,8 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     body = await json_object(request)
     parsed = parse_request(body)
     model = requested_model(app[CONFIG], parsed.model)
+    if model.responses_api != "native":
+        check_bridge_input(parsed)
     check_params({k: v for k, v in body.items() if k in ("temperature", "top_p", "parallel_tool_calls", "user")})
     messages = _messages(provider, parsed)
     try:

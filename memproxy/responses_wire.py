@@ -120,6 +120,11 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
 _ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+# The message content parts memory keeps; any other would be dropped or emptied on the way.
+_PARTS = _TEXT_PARTS | {"refusal", "input_image", "input_file", "input_audio"}
+# Parts a chat-completions provider cannot take as the bridge gives them: an image by file id
+# (it takes images by URL: litellm's bridge sends an empty one) and audio (the bridge drops it).
+_BRIDGE_REFUSES = "an input_image by file_id, or input_audio"
 
 
 def _check_item(item: Any, where: str) -> None:
@@ -142,9 +147,16 @@ def _check_item(item: Any, where: str) -> None:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise BadRequest(f"{where}.content[{j}] must be an object with a 'type'",
                                      param=f"{where}.content[{j}]")
+                if part["type"] not in _PARTS:
+                    raise BadRequest(f"{where}.content[{j}].type must be one of {', '.join(sorted(_PARTS))}",
+                                     param=f"{where}.content[{j}].type")
                 if part["type"] in _TEXT_PARTS and not isinstance(part.get("text"), str):
                     raise BadRequest(f"{where}.content[{j}].text must be a string",
                                      param=f"{where}.content[{j}].text")
+                if part["type"] == "input_image" and not any(isinstance(part.get(k), str) and part[k]
+                                                             for k in ("image_url", "file_id")):
+                    raise BadRequest(f"{where}.content[{j}] needs an image_url or a file_id",
+                                     param=f"{where}.content[{j}]")
         elif not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
     elif kind == "function_call":
@@ -423,3 +435,15 @@ def _input_content(content: Any) -> Any:
         else:
             parts.append(part)
     return parts
+
+
+def check_bridge_input(request: ResponsesRequest) -> None:
+    """A request for a model reached as chat completions (`responses_api: bridge`): parts the
+    bridge would empty or drop are refused, never sent changed and stored so."""
+    for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
+        content = item.get("content") if item.get("type", "message") == "message" else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") == "input_audio" or (part.get("type") == "input_image" and not part.get("image_url")):
+                raise BadRequest(f"input[{i}].content[{j}]: {_BRIDGE_REFUSES} cannot reach this model, which takes "
+                                 "the Responses API as chat completions (responses_api: bridge); send the image "
+                                 "by URL, or use a model with responses_api: native", param=f"input[{i}].content[{j}]")

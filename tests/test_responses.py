@@ -331,6 +331,16 @@ async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
     ({"model": "small", "input": "x", "conversation": "c", "previous_response_id": "resp_x"}, "conversation"),
     ({"model": "small", "input": "x", "tools": [7]}, "tools"),
     ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    # A part memory would drop or empty on the way is refused, never sent changed and stored so:
+    # an unknown kind, an image with neither URL nor file, and on the bridge (model "small") an
+    # image by file id and audio, which a chat-completions provider cannot take as the bridge gives them.
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "bogus_part"}]}]}, "input[0].content[0].type"),
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+    ({"model": "small", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is it?"}, {"type": "input_image", "file_id": "file-abc123"}]}]},
+     "input[0].content[1]"),
+    ({"model": "small", "input": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "input[0].content[0]"),
 ])
 async def test_bad_input_is_an_openai_error_and_stores_nothing(
         proxy: Proxy, upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
