@@ -157,6 +157,11 @@ async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages:
         raise Conflict(f"the history before response '{previous_id}' is no longer stored whole "
                        "(retention.max_messages_per_session); continue from the newest response")
     system, new = split_system(messages)
+    instructions = previous.body.get("instructions")
+    if not system and isinstance(instructions, str) and instructions:
+        # The branch goes on under the instructions of the response it continues, not those a later
+        # turn it supersedes left to the session (as litellm's bridge makes them: a system message).
+        system = [{"role": "system", "content": instructions}]
     return [*system, *(m.body for m in stored), *new], "full"
 
 
@@ -207,9 +212,11 @@ class ResponsesWire:
 
     def _native_body(self, result: dict[str, Any]) -> dict[str, Any]:
         """The provider's Response as memproxy's: its id, the client's model name, what the client
-        asked about keeping it and continuing from which response."""
+        asked about keeping it and continuing from which response, and the client's instructions
+        (the provider got them as a system message among the input, as memory sends them)."""
         body = {**result, "id": self.id, "model": self._model, "store": self._request.store,
-                "previous_response_id": self._request.previous_response_id}
+                "previous_response_id": self._request.previous_response_id,
+                "instructions": self._request.instructions}
         if self._request.conversation is not None:
             body["conversation"] = {"id": self._request.conversation}
         return body

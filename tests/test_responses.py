@@ -157,20 +157,23 @@ async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy:
 async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     wire.enqueue(Reply(content="Hi Ada."), Reply(content="Ada."), Reply(content="Hi Bob."))
-    first = await client.responses.create(model=wire.model, input="I am Ada.")
+    first = await client.responses.create(model=wire.model, input="I am Ada.", instructions="Be brief.")
     raw = await client.responses.with_raw_response.create(model=wire.model, input="Who am I?",
-                                                          previous_response_id=first.id)
+                                                          previous_response_id=first.id, instructions="Be a pirate.")
     second = raw.parse()
     assert raw.headers["X-Session-Id"] == first.id  # the chain's session is named by its first response
     assert second.previous_response_id == first.id
-    assert wire.conversation() == [("user", "I am Ada."), ("assistant", "Hi Ada."), ("user", "Who am I?")]
+    assert wire.conversation() == [("system", "Be a pirate."), ("user", "I am Ada."), ("assistant", "Hi Ada."),
+                                   ("user", "Who am I?")]
 
-    # Continuing from the first response again forks: the provider sees only what led to it.
+    # Continuing from the first response again forks: the provider sees only what led to it, under
+    # its instructions, not those of the branch it supersedes.
     raw = await client.responses.with_raw_response.create(model=wire.model, input="No, I am Bob.",
                                                           previous_response_id=first.id)
     assert raw.parse().output_text == "Hi Bob."
     assert raw.headers["X-Memproxy-Reconcile"] == "edit" and raw.headers["X-Memproxy-Superseded"] == "2"
-    assert wire.conversation() == [("user", "I am Ada."), ("assistant", "Hi Ada."), ("user", "No, I am Bob.")]
+    assert wire.conversation() == [("system", "Be brief."), ("user", "I am Ada."), ("assistant", "Hi Ada."),
+                                   ("user", "No, I am Bob.")]
     # Nothing is forgotten: the superseded branch is kept; continuing from it is refused, not guessed.
     shown = await session_messages(proxy, first.id)
     assert [m["message"]["content"] for branch in shown["superseded"] for m in branch["messages"]] == [
