@@ -64,15 +64,27 @@ class ResponsesRequest:
 
     @property
     def input_list(self) -> list[Item]:
-        """The input as items (a string is one user message), as `input_items` lists them."""
+        """The input as items, as `input_items` lists them (OpenAI's form): a string is one user
+        message, and a message in short form (`{"role", "content": "text"}`) gets its type and its
+        text as a part (`output_text` for an assistant's, `input_text` for the others)."""
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
-        return self.input
+        return [_listed(item) for item in self.input]
 
     @property
     def params(self) -> dict[str, Any]:
         """The model's parameters: everything but what memproxy reads itself."""
         return {k: v for k, v in self.body.items() if k not in REQUEST_KEYS}
+
+
+def _listed(item: Item) -> Item:
+    if item.get("type", "message") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {**item, "type": "message", "content": content}
 
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:

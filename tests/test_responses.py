@@ -280,8 +280,9 @@ async def test_get_delete_and_input_items(proxy: Proxy, wire: Upstream) -> None:
     got = await client.responses.retrieve(created.id)
     assert got.model_dump() == created.model_dump()
     items = await client.responses.input_items.list(created.id, order="asc")
-    assert [item.content[0].text if isinstance(item.content, list) else item.content  # type: ignore[union-attr]
-            for item in items.data] == ["first", "second"]
+    # Listed in OpenAI's form, the short form too: a typed message with its text as a part.
+    assert [(item.type, item.content[0].type, item.content[0].text)  # type: ignore[union-attr]
+            for item in items.data] == [("message", "input_text", "first"), ("message", "input_text", "second")]
     assert all(item.id for item in items.data)
     newest = await client.responses.input_items.list(created.id, limit=1)
     assert len(newest.data) == 1 and newest.has_more
