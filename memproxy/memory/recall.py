@@ -32,9 +32,10 @@ background. Three steps, the first and last pure:
    store reads them, `TurnStore.recall_messages`) while they fit the room, and renders them in
    chronological order, each marked with its position and role, each run of them with its time.
 
-The block is never stored: the next turn recalls afresh. Where it goes keeps the provider's prompt
-cache: the system prompt, the summary and the kept turns before it are what they would have been
-without it. Whatever room it leaves unused goes back to the kept turns (`memory.plan`).
+The block is never stored: the next turn recalls afresh. It goes after the kept turns, so the system
+prompt, the opening turns and the summary before it are what they would have been without it; the
+kept turns start where the room recall leaves them allows: whatever room the block leaves unused
+goes back to them (`memory.plan`).
 """
 
 from __future__ import annotations
