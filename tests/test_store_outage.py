@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from conftest import PROXY_KEY, Proxy, make_config
-from db import rows
+from db import execute, rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config, ConfigError, StorageConfig, StoreFailurePolicy, parse_config
 
@@ -174,6 +174,19 @@ async def test_a_cut_store_is_a_503_before_any_upstream_call_and_recovers(
     assert third.choices[0].message.content
     assert [m["content"] for m in upstream.last().messages] == ["one", answer, "two", reply, "three"]
     assert stored(storage)[:4] == [("user", "one"), ("assistant", answer), ("user", "two"), ("assistant", reply)]
+
+
+async def test_readiness_needs_memproxys_tables_not_only_a_database_that_answers(
+    start_proxy: StartProxy, storage: StorageConfig, relay: Relay, upstream: FakeUpstream,
+) -> None:
+    proxy = await start(start_proxy, storage, relay, upstream)
+    assert await ready(proxy) == 200
+    execute(storage, "ALTER TABLE sessions RENAME TO sessions_away")  # as if the schema were dropped
+    try:
+        assert await ready(proxy) == 503
+    finally:
+        execute(storage, "ALTER TABLE sessions_away RENAME TO sessions")
+    assert await ready(proxy) == 200
 
 
 async def test_passthrough_forwards_without_memory_and_stores_nothing(

@@ -50,7 +50,9 @@ class SQLBase:
         return rows[0] if rows else None
 
     async def ping(self) -> None:
-        await self._fetch("SELECT 1")
+        """The store answers, and holds memproxy's tables (`SELECT 1` alone answers on a
+        PostgreSQL whose memproxy schema was dropped, where every request would fail)."""
+        await self._fetch("SELECT 1 FROM sessions LIMIT 1")
 
     def _locked(self, tenant: str, session_id: str, expired_before: float | None = None) -> Script[Row | None]:
         """The session's row (pk, length, head_hash, head_cum, head_compact_cum), locked for the
