@@ -158,7 +158,6 @@ def test_kept_turns_and_opening_turns_give_way_to_the_marker_in_its_short_form_i
     messages, new = stored(history, memory), [user("next")]
     fixed = fixed_of([], new)
     long, short = (COUNTER.message(marker_message(12, short=s)) for s in (False, True))
-    last = messages[-2].tokens + messages[-1].tokens
     # Room for the short marker, not for the long one.
     assert short < long - 1
     context = fit(snapshot_of(messages, new), fixed, budget_with_room(fixed, long - 1), "small", COUNTER, memory,
