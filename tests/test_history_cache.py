@@ -20,6 +20,11 @@ def test_messages_are_handed_on_without_copies_but_detached_for_code_that_change
     # Neither text nor a call (a refusal): OpenAI requires `content`, so it goes with empty text.
     assert wire_form({"role": "assistant", "content": None, "refusal": "no"}) == {"role": "assistant",
                                                                                 "refusal": "no", "content": ""}
+    # An answer's audio goes back by its id, as OpenAI takes it: not its data, transcript or expiry.
+    spoken = {"role": "assistant", "content": None,
+              "audio": {"id": "audio_1", "data": "AAAA", "transcript": "Hello", "expires_at": 9}}
+    assert wire_form(spoken) == {"role": "assistant", "audio": {"id": "audio_1"}}
+    assert spoken["audio"]["data"] == "AAAA"  # the stored message is not changed
     copy = detached(stored)
     copy["content"][0]["image_url"] = {"url": "changed"}  # as litellm rewrites content parts in place
     copy["content"].append({"type": "text", "text": "more"})
