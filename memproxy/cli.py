@@ -31,8 +31,8 @@ from .provider import load_litellm
 from .starter import PROVIDERS, ProviderKind, starter_config
 from .stopping import Stopped, stop_signals
 from .store import Store, open_store
-from .store.sqlite import sqlite_path
 from .store.errors import DRIVER_ERRORS, StoreConflict, StoreUnavailable
+from .store.sqlite import sqlite_path
 from .typedefs import PROVIDER
 
 log = logging.getLogger("memproxy")
@@ -102,8 +102,8 @@ def _main(argv: Sequence[str] | None) -> int:
         source = StorageConfig(url=args.source, schema=args.from_schema)
         target = StorageConfig(url=args.target, schema=args.to_schema)
         try:
-            if not source.is_postgres and sqlite_path(source.url) != ":memory:" \
-                    and not Path(sqlite_path(source.url)).is_file():  # opened, it would be made, empty
+            path = None if source.is_postgres else sqlite_path(source.url)
+            if path is not None and path != ":memory:" and not Path(path).is_file():  # opened, it would be made
                 print(f"memproxy: the source {source.url} does not exist; nothing was copied", file=sys.stderr)
                 return 1
             return asyncio.run(_migrate_store(source, target, args.resume))

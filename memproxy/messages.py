@@ -94,12 +94,12 @@ def wire_form(message: Message) -> Message:
     fields (an assistant's `content: null` beside its tool calls), so memproxy drops them itself and
     the admin context preview shows the very bytes sent. An assistant message with neither text nor
     a call (a refusal, an empty answer) gets empty text: OpenAI requires `content` unless the
-    message calls a tool; an answer's audio goes by its id alone. A message with none of these is itself, not a copy: messages are never
-    changed once built (stored ones are shared with the store's history cache)."""
+    message calls a tool; an answer's audio goes by its id alone. A message with none of these is
+    itself, not a copy: messages are never changed once built (stored ones are shared with the
+    store's history cache)."""
     if message.get("role") == "assistant":
         audio = message.get("audio")
         if isinstance(audio, dict) and audio.get("id") and set(audio) != {"id"}:
-            # An answer's audio goes back by its id alone, as OpenAI takes it (not its data or transcript).
             message = {**message, "audio": {"id": audio["id"]}}
         if message.get("content") is None \
                 and not any(message.get(key) for key in ("tool_calls", "function_call", "audio")):

@@ -134,9 +134,6 @@ _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # The message content parts memory keeps; any other would be dropped or emptied on the way.
 _PARTS = _TEXT_PARTS | {"refusal", "input_image", "input_file", "input_audio"}
-# Parts a chat-completions provider cannot take as the bridge gives them: an image by file id
-# (it takes images by URL: litellm's bridge sends an empty one) and audio (the bridge drops it).
-_BRIDGE_REFUSES = "an input_image by file_id, or input_audio"
 
 
 def _check_item(item: Any, where: str) -> None:
@@ -451,11 +448,14 @@ def _input_content(content: Any) -> Any:
 
 def check_bridge_input(request: ResponsesRequest) -> None:
     """A request for a model reached as chat completions (`responses_api: bridge`): parts the
-    bridge would empty or drop are refused, never sent changed and stored so."""
+    bridge would empty or drop are refused, never sent changed and stored so: an image by file id
+    (a chat provider takes images by URL; litellm's bridge sends an empty one) and audio (dropped)."""
     for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
         content = item.get("content") if item.get("type", "message") == "message" else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
-            if part.get("type") == "input_audio" or (part.get("type") == "input_image" and not part.get("image_url")):
-                raise BadRequest(f"input[{i}].content[{j}]: {_BRIDGE_REFUSES} cannot reach this model, which takes "
-                                 "the Responses API as chat completions (responses_api: bridge); send the image "
-                                 "by URL, or use a model with responses_api: native", param=f"input[{i}].content[{j}]")
+            kind = part.get("type")
+            if kind == "input_audio" or (kind == "input_image" and not part.get("image_url")):
+                raise BadRequest(f"input[{i}].content[{j}]: an input_image by file_id, or input_audio, cannot "
+                                 "reach this model, which takes the Responses API as chat completions "
+                                 "(responses_api: bridge); send the image by URL, or use a model with "
+                                 "responses_api: native", param=f"input[{i}].content[{j}]")

@@ -58,23 +58,14 @@ class StreamAssembler:
             for call in delta.get("tool_calls") or []:
                 self._add_call(call)
             if isinstance(delta.get("function_call"), dict):
-                self._add_pieces("function_call", delta["function_call"], ("name", "arguments"))
+                _merge(self._extra.setdefault("function_call", {}), delta["function_call"], ("name", "arguments"))
             if isinstance(delta.get("audio"), dict):
-                self._add_pieces("audio", delta["audio"], ("data", "transcript"))
+                _merge(self._extra.setdefault("audio", {}), delta["audio"], ("data", "transcript"))
             for block in delta.get("thinking_blocks") or []:
                 if isinstance(block, dict):
                     self._add_thinking(block)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
-
-    def _add_pieces(self, key: str, delta: dict[str, Any], pieces: tuple[str, ...]) -> None:
-        """`delta` into the object under `key`: the `pieces` fields concatenated, the others as last sent."""
-        whole = self._extra.setdefault(key, {})
-        for name, value in delta.items():
-            if name in pieces and isinstance(value, str):
-                whole[name] = whole.get(name, "") + value
-            elif value is not None:
-                whole[name] = value
 
     def _add_thinking(self, block: dict[str, Any]) -> None:
         if block.get("type") == "redacted_thinking":
@@ -103,11 +94,7 @@ class StreamAssembler:
             call["id"] = delta["id"]
         if delta.get("type"):
             call["type"] = delta["type"]
-        function = delta.get("function") or {}
-        if function.get("name"):
-            call["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            call["function"]["arguments"] += function["arguments"]
+        _merge(call["function"], delta.get("function") or {}, ("name", "arguments"))
 
     def message(self) -> Message:
         raw: Message = {"role": "assistant", "content": "".join(self._content) or None, **self._extra}
@@ -116,3 +103,12 @@ class StreamAssembler:
         if self._thinking:
             raw["thinking_blocks"] = self._thinking
         return assistant_message(raw)
+
+
+def _merge(whole: dict[str, Any], delta: dict[str, Any], pieces: tuple[str, ...]) -> None:
+    """`delta` into `whole`: its `pieces` fields concatenated, the others as last sent."""
+    for name, value in delta.items():
+        if name in pieces and isinstance(value, str):
+            whole[name] = whole.get(name, "") + value
+        elif value is not None:
+            whole[name] = value

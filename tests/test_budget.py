@@ -388,7 +388,8 @@ async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
     calls, state = len(upstream.chat_requests()), db_state(proxy)
     prompt = [{"role": "user", "content": words(700, k)} for k in range(3)]
     with pytest.raises(openai.BadRequestError) as caught:
-        await proxy.client(session="prompt").chat.completions.create(model="small", messages=prompt)  # type: ignore[arg-type]
+        await proxy.client(session="prompt").chat.completions.create(
+            model="small", messages=prompt)  # type: ignore[arg-type]
     assert_context_length_exceeded(caught.value, "messages")
     assert len(upstream.chat_requests()) == calls and db_state(proxy) == state
 

@@ -64,7 +64,8 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 SUMMARY = "Earlier: the user asked for several files and tools; " + words(20, 9)
 SUMMARY_OPENING = "Summary of the earlier conversation, for background only"
-MARKER = re.compile(r"\[(\d+) earlier messages (?:of this conversation are not shown here: [^\]]*|are not shown here\.)\]")
+MARKER = re.compile(r"\[(\d+) earlier messages "
+                    r"(?:of this conversation are not shown here: [^\]]*|are not shown here\.)\]")
 FILES = [f"file {k}.txt:\n{words(n, 11 + k)}" for k, n in enumerate((20, 40, 150, 500))]
 SAME_ANSWER = f"Done. {words(60, 5)}"  # an answer given more than once (never deduplicated)
 

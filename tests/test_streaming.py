@@ -51,7 +51,8 @@ def test_thinking_blocks_are_closed_by_their_signatures(signed: dict[str, Any]) 
     stream = assembled(
         chunk({"role": "assistant", "reasoning_content": "I should ",
                "thinking_blocks": [{"type": "thinking", "thinking": "I should "}]}),
-        chunk({"reasoning_content": "call the tool.", "thinking_blocks": [{"type": "thinking", "thinking": "call the tool."}]}),
+        chunk({"reasoning_content": "call the tool.",
+               "thinking_blocks": [{"type": "thinking", "thinking": "call the tool."}]}),
         chunk({"thinking_blocks": [signed]}),
         chunk({"thinking_blocks": [{"type": "redacted_thinking", "data": "opaque"}]}),
         chunk({"tool_calls": [call]}), chunk({}, "tool_calls"))

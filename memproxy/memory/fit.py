@@ -196,13 +196,13 @@ def fit(
         and stored[0].seq == 0 and stored[0].unit_start
     opening: list[Message] = []
     opening_tokens = 0
-    # Where history is left out, what is sent must say so: the opening turns never take the room
-    # of the shortest marker.
-    least_marker = counter.message(marker_message(base, short=True)) if use_marker else 0
     if head and not whole and len(head) <= must_start:
         opening, saved = drop_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
                                               [], counter)
         opening_tokens = sum(m.tokens for m in head) - saved
+        # Where history is left out, what is sent must say so: the opening turns never take the
+        # room of the shortest marker.
+        least_marker = counter.message(marker_message(base, short=True)) if use_marker else 0
         if must_tokens + opening_tokens + least_marker <= available:
             available -= opening_tokens
             floor = max(floor, len(head))

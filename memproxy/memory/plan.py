@@ -30,7 +30,7 @@ from . import recall
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired
-from .shrink import content_text, new_message
+from .shrink import new_message, title_of
 from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
@@ -209,8 +209,6 @@ def _history_turn(tenant: str, session_id: str, session: SessionState | None, re
                   expired: float | None, end_user: str | None) -> TurnRecord:
     """The write of a resent conversation's history (`resent_history`), before its newest exchange
     is planned: its messages as a turn of their own, which sent nothing and cost nothing."""
-    first = next((m.body for m in history if m.body.get("role") == "user"), None)
-    title = content_text(first) if first is not None else None
     at_head = session is not None and reconciled.base == session.length
     return TurnRecord(
         tenant=tenant, session_id=session_id,
@@ -220,7 +218,7 @@ def _history_turn(tenant: str, session_id: str, session: SessionState | None, re
         base_totals=Totals(session.head_cum, session.head_compact_cum) if at_head and session else Totals(0, 0),
         base_hash=reconciled.base_hash, messages=history, system=system if system_changed else None,
         model=model, kind=reconciled.kind, context_tokens=0, latency_ms=0.0,
-        title=title.strip()[:100] if title else None, expired_before=expired, end_user=end_user,
+        title=title_of(m.body for m in history), expired_before=expired, end_user=end_user,
     )
 
 

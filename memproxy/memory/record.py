@@ -14,7 +14,7 @@ from ..store import SentContext, TurnRecord, Usage
 from ..tokens import TokenCounter
 from .fit import Context
 from .plan import PreparedTurn
-from .shrink import content_text, new_message
+from .shrink import new_message, title_of
 
 
 def turn_record(
@@ -48,7 +48,7 @@ def turn_record(
         usage=Usage.reported(usage),
         full_tokens=turn.full_tokens,
         cost=cost,
-        title=_title(turn),
+        title=title_of(m.body for m in turn.new),
         expired_before=turn.expired_before,
         sent=sent_context(turn.context),
         end_user=turn.end_user,
@@ -69,11 +69,3 @@ def sent_context(context: Context) -> SentContext:
     )
 
 
-def _title(turn: PreparedTurn) -> str | None:
-    """The first user prompt, cut to 100 characters: a session's title when it has none yet."""
-    for message in turn.new:
-        if message.body.get("role") == "user":
-            text = content_text(message.body)
-            if text:
-                return text.strip()[:100]
-    return None

@@ -16,7 +16,7 @@ transcript both cut long texts through it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..config import MemoryConfig
@@ -26,6 +26,16 @@ from ..store import NewMessage
 from ..tokens import TokenCounter
 
 _TRIM_MARKER = "\n[... {omitted} of {total} characters of this tool output left out here ...]\n"
+
+
+def title_of(messages: Iterable[Message]) -> str | None:
+    """A session's title: its first user prompt, cut to 100 characters (None: no prompt yet)."""
+    for message in messages:
+        if message.get("role") == "user":
+            text = content_text(message)
+            if text:
+                return text.strip()[:100]
+    return None
 
 
 def content_text(message: Message) -> str | None:
