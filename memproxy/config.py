@@ -177,6 +177,7 @@ class MemoryConfig:
     tool_output_max_tokens: Count = 1000
     dedupe_min_tokens: Count = 200
     recall_tokens: Count | None = None
+    recall_min_tokens: Count = 4096
     recall_context: Annotated[Int, Field(ge=0, le=5)] = 3
     recall_scope: RecallScope = "session"
     head_turns: Count = 0
@@ -200,10 +201,14 @@ class MemoryConfig:
         return self.tail_tokens or context_window * 3 // 10
 
     def recall_room(self, context_window: int) -> int:
-        """The most tokens recall may take from the room older kept turns would have (0: off); by
-        default all of it: the newest exchanges keep theirs, and what recall leaves unused goes
-        back to the older ones."""
+        """The most tokens the recall block may take (0: off); by default the whole window (what
+        the request leaves, after the newest exchanges, bounds it)."""
         return self.recall_tokens if self.recall_tokens is not None else context_window
+
+    def recall_floor(self, context_window: int) -> int:
+        """The room recall is sure of: where the request leaves less beside the kept turns, older
+        kept turns give way to it up to this many tokens in all (`memproxy.memory.plan`)."""
+        return min(self.recall_room(context_window), self.recall_min_tokens)
 
     def summary_cap(self, context_window: int) -> int:
         return self.summary_max_tokens or min(max(context_window // 16, 256), 4096)

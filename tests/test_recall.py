@@ -23,7 +23,7 @@ from helpers import assistant, tool, user
 from memproxy.config import MemoryConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory import recall
-from memproxy.memory.fit import Budget, drop_unanswered_calls, fit
+from memproxy.memory.fit import Budget, drop_unanswered_calls, fit, room_beside
 from memproxy.memory.shrink import new_message
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.searchtext import line_text, matched_words, message_words
@@ -77,12 +77,15 @@ def recalled_units_whole(messages: list[StoredMessage], chosen: set[int]) -> boo
 
 @settings(max_examples=300, deadline=None)
 @given(conversation=conversations(), window=st.integers(300, 2500), reserve=st.integers(1, 400),
-       room=st.integers(0, 2000), around=st.integers(0, 2), system=st.booleans(), head_turns=st.integers(0, 2),
-       data=st.data())
+       room=st.integers(0, 2000), floor=st.integers(0, 2000), around=st.integers(0, 2), system=st.booleans(),
+       head_turns=st.integers(0, 2), data=st.data())
 def test_recall_keeps_the_budget_properties(
-    conversation: tuple[list[Message], list[Message]], window: int, reserve: int, room: int, around: int,
-    system: bool, head_turns: int, data: st.DataObject,
+    conversation: tuple[list[Message], list[Message]], window: int, reserve: int, room: int, floor: int,
+    around: int, system: bool, head_turns: int, data: st.DataObject,
 ) -> None:
+    """Recall's room as the plan takes it: beside the kept turns where the request leaves at least
+    `floor` (they are then exactly what the fit without recall keeps), else held back from older
+    kept turns."""
     history, new = conversation
     memory = MemoryConfig(tool_output_max_tokens=64, dedupe_min_tokens=0)
     messages = stored(history, memory)
@@ -92,10 +95,17 @@ def test_recall_keeps_the_budget_properties(
     users = [m.seq for m in messages if m.body.get("role") == "user"]
     head = messages[: users[head_turns]] if head_turns and len(users) > head_turns else []
     try:
-        held = fit(snapshot, fixed, budget, "small", COUNTER, memory, use_marker=True, reserve=room, head=head)
+        plain = fit(snapshot, fixed, budget, "small", COUNTER, memory, use_marker=True, head=head)
     except ContextLengthExceeded:
         event("refused")
         return
+    beside = room_beside(plain, budget, room, min(room, floor))
+    if beside is not None:
+        event("room beside the kept turns")
+        held = dataclasses.replace(plain, recall_room=beside)
+    else:
+        held = fit(snapshot, fixed, budget, "small", COUNTER, memory, use_marker=True, reserve=min(room, floor),
+                   head=head)
     assert held.recall_room <= room
     assert held.tokens + held.recall_room <= budget.input_tokens
     assert held.tokens == sum(COUNTER.message(m) for m in held.messages) + REPLY_PRIMING

@@ -109,6 +109,36 @@ async def test_the_summary_a_request_folds_for_itself_goes_with_what_recall_find
     assert any(str(m.get("content")).startswith("Summary of the earlier conversation") for m in received.messages)
 
 
+async def test_kept_turns_stay_put_where_the_room_beside_them_holds_recall(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    """The provider's prompt cache: where a request leaves recall the room it is sure of
+    (`recall_min_tokens`) beside the kept turns, they are what they would be without recall, so
+    each request opens with exactly what the one before sent ahead of its block, then the exchange
+    that one added, however large each block is."""
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL, recall_min_tokens=300)
+    talk = await long_conversation(proxy, upstream)
+    upstream.summarizer = lambda _: Reply(content="Known facts: several.")
+    assert (await api_for(http, proxy).post("/sessions/s1/compact"))["outcome"] == "applied"
+    previous: list[dict[str, Any]] | None = None
+    sizes = set()
+    for text in ("What is the combination of the blue locker?", "Was it weather3x1, weather3x2 or sun7y4?",
+                 "Tell me about weather9x5 and weather12x7 and weather20x1 again."):
+        new, reply = [user(text)], Reply(content="I recall.")
+        received, headers = await talk.exchange(new, reply)
+        talk.remember(new, reply)
+        [block] = block_of(received.messages)
+        sizes.add(len(block["content"]))
+        assert int(headers["x-memproxy-context-tokens"]) <= int(headers["x-memproxy-input-budget"])
+        prefix = received.messages[: received.messages.index(block)]
+        assert any(str(m.get("content")).startswith("Summary of the earlier conversation") for m in prefix)
+        if previous is not None:
+            assert prefix[: len(previous)] == previous
+            assert [m["role"] for m in prefix[len(previous):]] == ["user", "assistant"]
+        previous = prefix
+    assert len(sizes) == 3  # blocks of different sizes moved nothing before them
+
+
 async def test_recall_off_sends_the_plain_window(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
 ) -> None:

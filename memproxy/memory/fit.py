@@ -145,6 +145,14 @@ def room_for_history(fixed: Fixed, budget: Budget) -> int:
     return budget.input_tokens - fixed.tokens
 
 
+def room_beside(context: Context, budget: Budget, most: int, floor: int) -> int | None:
+    """The room recall takes in a request planned as `context`, beside its kept turns: what the
+    request leaves unused, up to `most`, where that is at least `floor` (the room recall is sure
+    of); else None: older kept turns must give way (`fit`'s `reserve`)."""
+    spare = max(0, min(budget.input_tokens, budget.planned_tokens) - context.tokens)
+    return min(most, spare) if spare >= floor else None
+
+
 def fit(
     snapshot: Snapshot | None,
     fixed: Fixed,

@@ -27,7 +27,7 @@ from ..store import NewMessage, SessionState, Snapshot, StoredMessage, Totals, T
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
 from . import recall
-from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_for_history
+from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired
 from .shrink import new_message, title_of
@@ -184,8 +184,9 @@ async def prepare_turn(
         lap("budget")
         scope = end_user if memory.recall_scope == "user" else None
         checked = loaded.recall if loaded is not None and session is loaded.session else None
-        context = await _recall(store, session, fixed, memory.recall_room(window), memory.recall_context, scope,
-                                counter, context, build, checked)
+        beside = room_beside(context, budget, memory.recall_room(window), memory.recall_floor(window))
+        context = await _recall(store, session, fixed, beside, memory.recall_floor(window), memory.recall_context,
+                                scope, counter, context, build, checked)
         lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
@@ -235,14 +236,21 @@ async def opening_turns(store: TurnStore, session: SessionState, base: int, turn
 
 
 async def _recall(
-    store: TurnStore, session: SessionState, fixed: Fixed, room: int, around: int, end_user: str | None,
-    counter: TokenCounter, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
-    checked: object = None,
+    store: TurnStore, session: SessionState, fixed: Fixed, beside: int | None, floor: int, around: int,
+    end_user: str | None, counter: TokenCounter, context: Context,
+    build: Callable[[SessionState, int], Awaitable[Context]], checked: object = None,
 ) -> Context:
-    """The fit with recall (`memory.recall`): room held back from older kept turns, the store's best
-    matches for the question in it, and whatever room they leave unused given back to those turns.
-    `checked`: what the turn's load noted for recall (`Loaded.recall`)."""
-    held = await build(session, room)
+    """The fit with recall (`memory.recall`): the store's best matches for the question, in the
+    room the request leaves beside its kept turns (`beside`, from `room_beside`), or, where that
+    is less than recall is sure of, in `floor` tokens held back from older kept turns, whatever
+    the block then leaves unused given back to them. `checked`: what the turn's load noted for
+    recall (`Loaded.recall`).
+
+    Where the spare room suffices, the kept turns stay as they would be without recall, so the
+    prefix before the block (system prompt, opening turns, summary, kept turns) is the one the
+    previous request sent, grown by its exchange: the provider's prompt cache keeps hitting."""
+    keep = beside is not None
+    held = dataclasses.replace(context, recall_room=beside) if beside is not None else await build(session, floor)
     query = recall.question(fixed.new, context.messages)
     words = query.words
     if held.recall_room <= 0 or not words:
@@ -255,7 +263,7 @@ async def _recall(
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
         return context
-    if block.tokens < held.recall_room:
+    if block.tokens < held.recall_room and not keep:
         refit = await build(session, block.tokens)
         smaller = recall.without(block, ranked, words, session.session_id, refit.first_sent, counter)
         if smaller is None:  # all it found is sent as kept turns

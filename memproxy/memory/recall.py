@@ -33,9 +33,10 @@ background. Three steps, the first and last pure:
    chronological order, each marked with its position and role, each run of them with its time.
 
 The block is never stored: the next turn recalls afresh. It goes after the kept turns, so the system
-prompt, the opening turns and the summary before it are what they would have been without it; the
-kept turns start where the room recall leaves them allows: whatever room the block leaves unused
-goes back to them (`memory.plan`).
+prompt, the opening turns and the summary before it are what they would have been without it; so
+are the kept turns where the request leaves recall the room it is sure of beside them
+(`memory.recall_min_tokens`). Where it does not, older kept turns give way, and whatever room the
+block leaves unused goes back to them (`memory.plan`).
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
 def without(block: Block, ranked: Sequence[Ranked], words: Sequence[str], session_id: str, kept_from: int,
             counter: TokenCounter) -> Block | None:
     """The block less this session's messages from position `kept_from` on: sent as kept turns once
-    the room recall left unused went back to them."""
+    the room recall held back from them but left unused went back to them."""
     kept = [m for m in block.sources if m.session_id != session_id or m.seq < kept_from]
     if len(kept) == len(block.sources):
         return block
