@@ -292,9 +292,6 @@ async def context(
         raise BadRequest("'messages' must be an array of the turn's new messages", param="messages")
     for i, message in enumerate(new):
         validate_message(message, f"messages[{i}]")
-    for key in ("tools", "functions"):
-        if params.get(key) is not None and not isinstance(params[key], list):
-            raise BadRequest(f"'{key}' must be an array", param=key)
     check_params(params)
     counter = provider.counter(model)
     # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).

@@ -120,7 +120,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         noted.error = exc.code or exc.type  # a 400 without a code of its own: its type
         if isinstance(exc, UpstreamError):
             noted.upstream_status = exc.upstream_status
-        response = web.json_response(exc.body(), status=exc.status)
+        response = web.json_response(exc.body(), status=exc.status,
+                                     headers=exc.headers if isinstance(exc, UpstreamError) else None)
         if isinstance(exc.__cause__, web.RequestPayloadError):
             response.force_close()  # the rest of a body that failed to decode cannot be skipped
         return response

@@ -264,11 +264,6 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
 def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
     model = requested_model(config, body.get("model"))
     messages = validate_messages(body.get("messages"))
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    for key in ("tools", "functions"):
-        if key in body and not isinstance(body[key], list):
-            raise BadRequest(f"'{key}' must be an array", param=key)
     check_params(body)
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
     return Exchange(model=model, messages=messages, params=params, timings=timings)

@@ -67,9 +67,10 @@ async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.Stream
     tenant = _tenant(request)
     body = await json_object(request)
     model = _model(request, body.get("model"))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean, or null", param="stream")
+    stream = bool(stream)
     if stream and endpoint == "completions":
         return await _completion_stream(request, tenant, model, body)
     if stream:

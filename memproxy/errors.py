@@ -14,6 +14,8 @@ refusal `StoreConflict` becomes `Conflict`, a 409, through `Conflict.from_store`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the store's error is only named here: the store package imports this module
@@ -119,6 +121,9 @@ class UpstreamError(ProxyError):
     status = 502
     code = "upstream_error"
     upstream_status: int | None = None  # the provider's own HTTP status, where it answered with one
+    # What the provider's error response said a client should back off by (`retry-after`,
+    # `x-ratelimit-*`), relayed with the error (`memproxy.upstream.backoff_headers`).
+    headers: Mapping[str, str] = MappingProxyType({})
 
     @staticmethod
     def _type_of(status: int) -> ErrorType:

@@ -38,6 +38,9 @@ class _Params(BaseModel):
     store: StrictBool | None = None
     user: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
 
 
 _EXPECTED = {
@@ -45,7 +48,7 @@ _EXPECTED = {
     "temperature": "a number", "top_p": "a number", "presence_penalty": "a number", "frequency_penalty": "a number",
     "seed": "an integer", "logprobs": "a boolean", "top_logprobs": "an integer of at least 0",
     "parallel_tool_calls": "a boolean", "store": "a boolean", "user": "a string",
-    "stop": "a string or an array of strings",
+    "stop": "a string or an array of strings", "stream": "a boolean", "tools": "an array", "functions": "an array",
 }
 
 

@@ -38,7 +38,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -542,7 +542,10 @@ class Provider:
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \
                 or _caused_by(exc, (ConnectionError, aiohttp.ClientConnectionError)):
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
-        return status_error(getattr(exc, "status_code", None), message, code, param)
+        headers = getattr(exc, "litellm_response_headers", None) or getattr(getattr(exc, "response", None),
+                                                                            "headers", None)
+        return status_error(getattr(exc, "status_code", None), message, code, param,
+                            headers if isinstance(headers, Mapping) else None)
 
 
 async def _stop_logging_worker() -> None:
@@ -787,7 +790,7 @@ def _as_openai_choice(choice: dict[str, Any]) -> None:
     puts a provider's refusal among the message's `provider_specific_fields`, where an OpenAI
     client (structured outputs' `message.refusal`) never looks. Its dump leaves out what is null,
     and OpenAI's answer says `content: null` beside tool calls and `logprobs: null`: a client may
-    test for null, not for a missing key."""
+    test for null, not for a missing key: a provider's `refusal: null` stays where it was."""
     if not choice.get("provider_specific_fields"):
         choice.pop("provider_specific_fields", None)  # litellm's, empty: no provider sent it
     choice.setdefault("finish_reason", None)
@@ -797,7 +800,7 @@ def _as_openai_choice(choice: dict[str, Any]) -> None:
         return
     extra = message.get("provider_specific_fields")
     if isinstance(extra, dict):
-        if isinstance(extra.get("refusal"), str) and message.get("refusal") is None:
+        if "refusal" in extra and message.get("refusal") is None:
             message["refusal"] = extra.pop("refusal")
         if not extra:
             del message["provider_specific_fields"]

@@ -18,7 +18,7 @@ import json
 import os
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
@@ -35,10 +35,21 @@ _CODES = {400: "upstream_bad_request", 401: "upstream_unauthorized", 403: "upstr
           404: "upstream_not_found", 429: "rate_limit_exceeded"}
 
 
-def status_error(status: int | None, message: str, code: Any = None, param: Any = None) -> UpstreamError:
+def backoff_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """What a provider's error response tells a client to back off by, to relay with the error:
+    `retry-after`, `retry-after-ms` (the openai SDKs time their retries by them) and the
+    `x-ratelimit-*` headers. No other header of the provider's reaches the client."""
+    if not headers:
+        return {}
+    return {name.lower(): value for name, value in headers.items()
+            if name.lower() in ("retry-after", "retry-after-ms") or name.lower().startswith("x-ratelimit-")}
+
+
+def status_error(status: int | None, message: str, code: Any = None, param: Any = None,
+                 headers: Mapping[str, str] | None = None) -> UpstreamError:
     """The error for a provider's HTTP status: its status (502 if it gave none that is an error),
-    an OpenAI error type for it, and its own error code and the parameter it names where it sent
-    them (`"param": "temperature"`)."""
+    an OpenAI error type for it, its own error code and the parameter it names where it sent them
+    (`"param": "temperature"`), and the headers of its response a client backs off by."""
     answered = status if isinstance(status, int) and 100 <= status <= 599 else None
     if not isinstance(status, int) or not 400 <= status <= 599:
         status = 502
@@ -47,6 +58,7 @@ def status_error(status: int | None, message: str, code: Any = None, param: Any 
     error = UpstreamError(message, status=status, code=code,  # its type: `errors.error_type(upstream=True)`
                           param=param if isinstance(param, str) and param else None)
     error.upstream_status = answered  # for the request's log line
+    error.headers = backoff_headers(headers)
     return error
 
 
@@ -244,17 +256,17 @@ async def _http_error(response: aiohttp.ClientResponse) -> UpstreamError:
     except ValueError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return _error_from(response.status, body)
+        return _error_from(response.status, body, response.headers)
     text = raw.decode("utf-8", "replace").strip()[:1000] or response.reason or "no message"
-    return status_error(response.status, text)
+    return status_error(response.status, text, headers=response.headers)
 
 
-def _error_from(status: int | None, body: dict[str, Any]) -> UpstreamError:
+def _error_from(status: int | None, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> UpstreamError:
     error = body["error"]
     message = error.get("message")
     return status_error(status if status is not None else error.get("status") or error.get("code"),
                         message if isinstance(message, str) and message else "upstream error",
-                        error.get("code"), error.get("param"))
+                        error.get("code"), error.get("param"), headers)
 
 
 def _json(raw: bytes) -> Any:

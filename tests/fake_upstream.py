@@ -45,6 +45,8 @@ class Reply:
     raw_content: str | None = None
     reasoning_content: str | None = None  # what the model thought first, as DeepSeek and litellm send it
     refusal: str | None = None  # not streamed: the message's `refusal` (OpenAI's structured outputs)
+    headers: dict[str, str] | None = None  # an error response's headers (`retry-after`...)
+    refusal_null: bool = False  # the message says `refusal: null`, as OpenAI's answers do
 
 
 @dataclass
@@ -176,7 +178,7 @@ class FakeUpstream:
             return web.json_response(
                 {"error": {"message": reply.error_message, "type": "upstream", "code": None,
                            "param": reply.error_param}},
-                status=reply.status,
+                status=reply.status, headers=reply.headers,
             )
         usage = reply.usage or {"prompt_tokens": 10 * number, "completion_tokens": 5, "total_tokens": 10 * number + 5}
         if self.tokens is not None:
@@ -198,7 +200,7 @@ class FakeUpstream:
             message["tool_calls"] = reply.tool_calls
         if reply.reasoning_content is not None:
             message["reasoning_content"] = reply.reasoning_content
-        if reply.refusal is not None:
+        if reply.refusal is not None or reply.refusal_null:
             message["refusal"] = reply.refusal
         extra = reply.choices or []
         choices = [

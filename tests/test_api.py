@@ -141,6 +141,15 @@ async def test_an_answer_has_only_what_the_provider_sent(proxy: Proxy, upstream:
     assert choice["message"] == {"role": "assistant", "content": "Hello."}
 
 
+async def test_an_answer_says_refusal_null_where_the_provider_did(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    upstream.enqueue(Reply(content="Hello.", refusal_null=True))
+    async with http.post(f"{proxy.url}/chat/completions", json={"model": "small", "messages": [{"role": "user", "content": "hi"}]},
+                         headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+        [choice] = (await response.json())["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello.", "refusal": None}
+
+
 async def test_a_refusal_reaches_the_client_and_is_resent_as_a_valid_message(
         proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
     """A refusal comes back where OpenAI's clients look for it (`message.refusal`, with `content:

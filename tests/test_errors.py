@@ -141,7 +141,7 @@ async def test_bad_request_is_openai_shaped_and_stores_nothing(
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "lots"), ("temperature", "hot"), ("n", 0),
-                                          ("stop", {"at": "."})])
+                                          ("stop", {"at": "."}), ("stream", "yes"), ("tools", {"type": "function"})])
 async def test_a_parameter_of_the_wrong_type_is_refused_without_a_session_too(
     proxy: Proxy, upstream: FakeUpstream, field: str, value: Any
 ) -> None:
@@ -155,13 +155,21 @@ async def test_a_parameter_of_the_wrong_type_is_refused_without_a_session_too(
     assert upstream.received == []
 
 
-async def test_parameters_of_the_right_type_or_null_go_upstream_as_sent(proxy: Proxy, upstream: FakeUpstream) -> None:
+@pytest.mark.parametrize("session", [None, "s1"], ids=["without-session", "with-session"])
+async def test_parameters_of_the_right_type_or_null_go_upstream_as_sent(
+    proxy: Proxy, upstream: FakeUpstream, session: str | None
+) -> None:
+    """`null` is the default everywhere: `stream: null` is no stream, `tools: null` no tools (an
+    SDK call with `tools=tools or None` sends them so)."""
     sent = {"max_tokens": None, "temperature": 0, "top_p": 0.5, "n": 1, "seed": 7, "stop": ["."], "user": "u1",
-            "presence_penalty": -1.5, "logprobs": False, "future_parameter": {"any": "shape"}}
+            "presence_penalty": -1.5, "logprobs": False, "future_parameter": {"any": "shape"}, "stream": None,
+            "tools": None, "functions": None}
+    session_header = {"X-Session-Id": session} if session else {}
     async with aiohttp.ClientSession() as http:
         async with http.post(proxy.server.make_url("/v1/chat/completions"), json=chat(**sent),
-                             headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", **session_header}) as response:
             assert response.status == 200
+            assert response.content_type == "application/json"
     received = upstream.last().body
     assert {k: received.get(k) for k in sent} == sent
 
@@ -277,6 +285,22 @@ async def test_upstream_error_keeps_its_status(
     # A retry of the failed turn is stored once.
     await client.chat.completions.create(model="small", messages=[USER])
     assert rows(config, "SELECT role FROM messages WHERE active = 1 ORDER BY seq") == [("user",), ("assistant",)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_rate_limit_says_when_to_retry_as_the_provider_said(
+    proxy: Proxy, upstream: FakeUpstream, stream: bool
+) -> None:
+    """The openai SDKs time a retry by `retry-after`(-ms); the `x-ratelimit-*` headers say what is
+    left. They come with the provider's 429, and no other header of the provider's does."""
+    backoff = {"retry-after": "7", "retry-after-ms": "6500", "x-ratelimit-remaining-requests": "0",
+               "x-ratelimit-reset-tokens": "12ms"}
+    upstream.enqueue(Reply(status=429, headers={**backoff, "set-cookie": "provider=1", "x-request-id": "req_9"}))
+    with pytest.raises(openai.RateLimitError) as caught:
+        await proxy.client().chat.completions.create(model="small", messages=[USER], stream=stream)
+    headers = caught.value.response.headers
+    assert {name: headers.get(name) for name in backoff} == backoff
+    assert "set-cookie" not in headers and "x-request-id" not in headers
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
