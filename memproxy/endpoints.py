@@ -36,6 +36,19 @@ from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS
 
 log = logging.getLogger("memproxy.endpoints")
 
+# What each endpoint cannot do without, as OpenAI's API requires it: refused here, a 400 naming it,
+# rather than litellm's own failure to find it (a 502, which an SDK retries).
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "embeddings": ("input",), "completions": ("prompt",), "moderations": ("input",), "images": ("prompt",),
+    "speech": ("input", "voice"),
+}
+
+
+def _require(endpoint: str, body: dict[str, Any]) -> None:
+    for name in _REQUIRED[endpoint]:
+        if body.get(name) is None:
+            raise BadRequest(f"'{name}' is required", param=name)
+
 
 def add_routes(app: web.Application) -> None:
     r = app.router
@@ -67,6 +80,7 @@ async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.Stream
     tenant = _tenant(request)
     body = await json_object(request)
     model = _model(request, body.get("model"))
+    _require(endpoint, body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean, or null", param="stream")
@@ -98,6 +112,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     tenant = _tenant(request)
     body = await json_object(request)
     model = _model(request, body.get("model"))
+    _require("speech", body)
     content_type, audio = await request.app[PROVIDER].speak(model, body)
     response = web.StreamResponse(headers={"Content-Type": content_type})
     try:

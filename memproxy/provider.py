@@ -29,6 +29,7 @@ memproxy's own requests (summaries) always go through litellm, translated for th
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
 import inspect
@@ -62,6 +63,8 @@ _CALL_SETTINGS = frozenset({"api_key", "api_base", "api_version", "api_type", "b
                             "custom_llm_provider", "timeout", "request_timeout", "max_retries", "client",
                             "shared_session", "model", "args", "kwargs", "aspeech"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
+_SDK_ERROR = re.compile(r"^Error code: \d{3} - (\{.*\})$", re.DOTALL)  # an error as the OpenAI SDK words it
+_MOST_ERROR_TEXT = 65_536  # a longer error text is relayed as it is, not parsed
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _REGISTERED: set[str] = set()  # the models `register_unmapped` added to litellm's map, in this process
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
@@ -395,7 +398,7 @@ class Provider:
         `vtt`). `fields` are the form's other fields, `model` among them, as the client sent them."""
         text_format = dict(fields).get("response_format") in TEXT_FORMATS
         if self._native[model.name]:
-            form = aiohttp.FormData()
+            form = aiohttp.FormData(quote_fields=False)  # the file's name as the client wrote it
             for name, value in fields:
                 form.add_field(name, model_id(model) if name == "model" else value)
             form.add_field("file", audio.content, filename=audio.filename, content_type=audio.content_type)
@@ -404,6 +407,8 @@ class Provider:
                 return raw.decode("utf-8", "replace")
             return _json_object(raw)
         params = {**_form_params(fields), "file": (audio.filename, audio.content, audio.content_type)}
+        # OpenAI's default format, said outright: left unset, litellm asks for `verbose_json`.
+        params.setdefault("response_format", "json")
         response = await self._call_litellm("transcriptions", model, params)
         if text_format:
             return str(response.text)
@@ -568,12 +573,19 @@ async def _stop_logging_worker() -> None:
 
 
 def _error_body(text: str) -> tuple[str | None, str | None, str | None]:
-    """The message, code and parameter of an OpenAI-shaped error body, where `text` is one."""
-    if not text.startswith("{"):
-        return None, None, None
+    """The message, code and parameter of an OpenAI-shaped error body, where `text` is one: as the
+    provider sent it (JSON), or as the OpenAI SDK words it, where litellm calls through the SDK
+    ("Error code: 400 - " and the body as a Python literal)."""
+    sdk = _SDK_ERROR.match(text)
     try:
-        error = json.loads(text).get("error")
-    except (ValueError, AttributeError):
+        if sdk is not None and len(text) <= _MOST_ERROR_TEXT:
+            body = ast.literal_eval(sdk.group(1))  # literals only: nothing of the text is run
+        elif text.startswith("{"):
+            body = json.loads(text)
+        else:
+            return None, None, None
+        error = body.get("error")
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, AttributeError):
         return None, None, None
     if isinstance(error, str):
         return error, None, None

@@ -312,6 +312,9 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return response
+            if reply.end_stream_early:
+                await response.write_eof()
+                return response
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
@@ -384,7 +387,7 @@ def _error(reply: Reply) -> web.Response | None:
     if reply.status == 200:
         return None
     return web.json_response({"error": {"message": reply.error_message, "type": "upstream", "code": None,
-                                        "param": None}}, status=reply.status)
+                                        "param": reply.error_param}}, status=reply.status, headers=reply.headers)
 def _reasoning_model_refusal(body: dict[str, Any]) -> str | None:
     """What OpenAI's reasoning models (o1, o3, o4-mini, GPT-5) refuse that other models take, in the
     API's words; None for anything else."""
