@@ -106,6 +106,40 @@ def fixed_of(system: list[Message], new: list[Message]) -> Fixed:
 # --- fit: examples -------------------------------------------------------------------------------
 
 
+def test_a_summary_ending_inside_a_unit_never_leaves_its_results_without_their_call() -> None:
+    """A summary folded an unanswered call; an edit then answered it right after it. Its results,
+    after the summary's end, cannot go without their call: they are left out, and the marker says
+    so, where the agent loop's next step would otherwise have sent them first."""
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
+    history = [user("deploy it"), assistant(None, ["d1_0", "d1_1"]), tool("d1_0", "ok"), tool("d1_1", "ok"),
+               assistant(None, ["d2_0"])]
+    new = [tool("d2_0", "done")]
+    snapshot = snapshot_of(stored(history, memory), new, summary_covers=2)
+    context = fit(snapshot, fixed_of([], new), Budget(4000, 100, 20), "small", COUNTER, memory, use_marker=True)
+    assert context.summary is not None and context.marker
+    assert context.messages[-2:] == [history[-1], *new]
+    assert not any(m.get("role") == "tool" for m in context.messages[:-1])
+    assert context.unsummarised_omitted == 2 and context.messages[1] == marker_message(2)
+
+
+def test_tool_results_that_do_not_follow_their_call_are_refused_before_anything_is_sent() -> None:
+    """A client sending only its new messages returns a call's results after another request
+    continued the session: sent so, the results would follow no call (a provider's 400, after the
+    call was paid for) and the call would go without them. The client is told instead."""
+    memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
+    history = [user("deploy it"), assistant(None, ["c1"]), user("meanwhile, hi"), assistant("hello")]
+    new = [tool("c1", "deployed")]
+    snapshot = snapshot_of(stored(history, memory), new)
+    with pytest.raises(BadRequest) as refused:
+        fit(snapshot, fixed_of([], new), Budget(4000, 100, 20), "small", COUNTER, memory, use_marker=True)
+    assert refused.value.param == "messages" and "c1" in refused.value.message
+    # Right after their call, the same results go, with it.
+    history = history[:2]
+    context = fit(snapshot_of(stored(history, memory), new), fixed_of([], new), Budget(4000, 100, 20), "small",
+                  COUNTER, memory, use_marker=True)
+    assert context.messages == [*history, *new]
+
+
 def test_fit_sends_everything_that_fits_and_nothing_else_when_it_all_does() -> None:
     memory = MemoryConfig(tool_output_max_tokens=0, dedupe_min_tokens=0)
     history = [user("hi"), assistant("hello"), user("how are you?"), assistant("fine")]
@@ -234,16 +268,18 @@ def conversations(draw: st.DrawFn) -> tuple[list[Message], list[Message]]:
 @settings(max_examples=300, deadline=None)
 @given(conversation=conversations(), window=st.integers(300, 6000), reserve=st.integers(1, 400),
        trim=st.sampled_from([0, 64]), dedupe=st.sampled_from([0, 50]), marker=st.booleans(),
-       system=st.booleans(), summarised=st.integers(0, 30))
+       system=st.booleans(), summarised=st.integers(0, 30), mid_unit=st.booleans())
 def test_fit_properties(
     conversation: tuple[list[Message], list[Message]], window: int, reserve: int, trim: int, dedupe: int,
-    marker: bool, system: bool, summarised: int,
+    marker: bool, system: bool, summarised: int, mid_unit: bool,
 ) -> None:
+    """`mid_unit`: the summary's end falls inside a unit, as after an edit: it folded a call whose
+    results the edited branch then gave right after it."""
     history, new = conversation
     memory = MemoryConfig(tool_output_max_tokens=trim, dedupe_min_tokens=dedupe)
     messages = stored(history, memory)
     units = [m.seq for m in messages if m.unit_start]
-    covers = max([u for u in units if u <= summarised] or [0])  # a summary covers whole units
+    covers = min(summarised, len(messages)) if mid_unit else max([u for u in units if u <= summarised] or [0])
     budget = Budget(window, min(reserve, window - 1), 20)
     fixed = fixed_of([SYSTEM] if system else [], new)
     whole = snapshot_of(messages, new, covers)

@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ..config import MemoryConfig
-from ..errors import ContextLengthExceeded
+from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, starts_unit
 from ..store import Snapshot, StoredMessage, Summary, Totals
 from ..tokens import TokenCounter
@@ -247,6 +247,7 @@ def fit(
         raise LookupError(f"position {start} is outside the session snapshot")
     sent = stored[snapshot.index(start) :]
     history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
+    _check_answered(history, fixed.new)
     return Context(
         messages=fixed.system + opening + extra + history + fixed.new,
         tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent + opening_tokens,
@@ -265,6 +266,42 @@ def fit(
         head=len(opening),
         head_end=len(head) if opening else 0,
     )
+
+
+def _unit_start_from(snapshot: Snapshot, seq: int) -> int:
+    """The first unit start from position `seq` on (`base` if none), where the snapshot holds it."""
+    if seq < snapshot.start or seq >= snapshot.base:
+        return seq
+    for m in itertools.islice(snapshot.messages, snapshot.index(seq), None):
+        if m.unit_start:
+            return m.seq
+    return snapshot.base
+
+
+def _check_answered(history: list[Message], new: list[Message]) -> None:
+    """Refuse new tool results that follow no call of theirs: a client that sends only its new
+    messages returning a call's results after another request continued the session. Sent so,
+    the provider refuses them, after memory would have left their call out."""
+    if not any(m.get("role") == "tool" for m in new):
+        return
+    called: set[str] = set()  # the calls of the assistant message the stored history ends on, with results
+    for message in reversed(history):
+        if message.get("role") != "tool":
+            if message.get("role") == "assistant":
+                called = {c.get("id") for c in message.get("tool_calls") or []}
+            break
+    for message in new:
+        role = message.get("role")
+        if role == "tool" and message.get("tool_call_id") not in called:
+            raise BadRequest(
+                f"A tool result answers call '{message.get('tool_call_id')}', but it does not follow the "
+                "assistant message that made that call: the session's latest message is another one (did "
+                "another request continue the session meanwhile?). Send a call's results right after it, "
+                "or resend the conversation whole.", param="messages")
+        if role == "assistant":
+            called = {c.get("id") for c in message.get("tool_calls") or []}
+        elif role != "tool":
+            called = set()
 
 
 def _verbatim_from(snapshot: Snapshot, seq: int | None, must_tokens: int) -> int:
@@ -288,7 +325,10 @@ def _newest_exchange(snapshot: Snapshot, new: Sequence[Message], floor: int) -> 
     if any(m.get("role") == "user" for m in new):
         return snapshot.base
     newest = floor if snapshot.last_user is None else snapshot.last_user
-    return min(max(newest, floor), snapshot.must_start)
+    # It opens on a unit: a summary made before an edit may end inside one of the edited branch (it
+    # folded a call the branch then answered right after it); the results after its end are left
+    # out (and counted so), never sent without their call.
+    return _unit_start_from(snapshot, min(max(newest, floor), snapshot.must_start))
 
 
 def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool) -> int:
