@@ -394,6 +394,35 @@ async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
     assert len(upstream.chat_requests()) == calls and db_state(proxy) == state
 
 
+async def test_an_edit_early_in_a_long_conversation_is_answered_not_refused(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    """A full-history client edits an early message of a conversation longer than the window (an
+    agent clearing an old tool output): the edited branch from the fork on is more than fits, so
+    it is stored first, as a resent history is, and planned as its continuation."""
+    history: list[Message] = []
+    for turn in range(14):
+        history += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
+                    {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    client = proxy.client(session="edited")
+    first = {"role": "user", "content": "and what came first?"}
+    answer = (await client.chat.completions.create(model="small", messages=[*history, first])).choices[0].message
+    edited = [history[0], {"role": "assistant", "content": "answer 0: [cleared]"}, *history[2:], first,
+              {"role": "assistant", "content": answer.content}]
+    question = {"role": "user", "content": "and then?"}
+    assert tokens([*edited[1:], question]) + REPLY_PRIMING > DEFAULT_BUDGET
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=[*edited, question])  # type: ignore[arg-type]
+    reply = raw.parse().choices[0].message.content
+    sent = upstream.chat_requests()[-1].messages
+    assert sent[-1] == question and tokens(sent) + REPLY_PRIMING <= DEFAULT_BUDGET
+    stored = [json.loads(body) for (body,) in rows(proxy.app[CONFIG], "SELECT body FROM messages WHERE active = 1 "
+                                                                      "ORDER BY seq")]
+    assert stored == [*edited, question, {"role": "assistant", "content": reply}]
+    superseded = rows(proxy.app[CONFIG], "SELECT body FROM messages WHERE active = 0")
+    assert len(superseded) == len(history) + 1  # the old branch from the fork on, kept for audit
+
+
 async def test_system_prompt_and_tool_schemas_are_part_of_what_must_fit(
     proxy: Proxy, upstream: FakeUpstream
 ) -> None:

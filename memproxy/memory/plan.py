@@ -141,11 +141,15 @@ async def prepare_turn(
     split = resent_history(reconciled) if fixed.tokens > budget.input_tokens and not preview else 0
     if split:
         # A conversation this session does not hold, too long to send whole (an existing chat
-        # pointed at memproxy, or resent after its session expired or was cleared): its history is
+        # pointed at memproxy, or resent after its session expired or was cleared, or an edit of
+        # an early message of a long one, such as an old tool output cleared): its history is
         # stored first, so that what follows is planned as a continuation of it, with a summary or
         # a marker for what does not fit, and the client gets an answer instead of a 400.
+        base_totals = None
+        if session is not None and reconciled.kind == "edit":
+            base_totals = (await store.snapshot(session, reconciled.base, False, 0)).base_totals
         await store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
-                                              system_changed, model.name, cutoff, end_user))
+                                              system_changed, model.name, cutoff, end_user, base_totals))
         return await prepare_turn(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
                                   params, requested_history, idle_ttl, preview, end_user, calibration)
 
@@ -196,8 +200,9 @@ async def prepare_turn(
 def resent_history(reconciled: Reconciled) -> int:
     """Where the newest exchange starts among new messages that hold a conversation's history (an
     assistant answer before the latest user message), 0 where they hold none: a long prompt of the
-    client's own is never taken for history and left out."""
-    if reconciled.kind not in ("new", "append"):
+    client's own is never taken for history and left out. An edit's new messages are the edited
+    branch from the fork on."""
+    if reconciled.kind not in ("new", "append", "edit"):
         return 0
     users = [i for i, m in enumerate(reconciled.new) if m.get("role") == "user"]
     if not users or not any(m.get("role") == "assistant" for m in reconciled.new[: users[-1]]):
@@ -207,16 +212,19 @@ def resent_history(reconciled: Reconciled) -> int:
 
 def _history_turn(tenant: str, session_id: str, session: SessionState | None, reconciled: Reconciled,
                   history: list[NewMessage], system: list[Message], system_changed: bool, model: str,
-                  expired: float | None, end_user: str | None) -> TurnRecord:
+                  expired: float | None, end_user: str | None, base_totals: Totals | None = None) -> TurnRecord:
     """The write of a resent conversation's history (`resent_history`), before its newest exchange
-    is planned: its messages as a turn of their own, which sent nothing and cost nothing."""
+    is planned: its messages as a turn of their own, which sent nothing and cost nothing.
+    `base_totals`: the stored history's totals at an edit's fork."""
     at_head = session is not None and reconciled.base == session.length
+    if base_totals is None:
+        base_totals = Totals(session.head_cum, session.head_compact_cum) if at_head and session else Totals(0, 0)
     return TurnRecord(
         tenant=tenant, session_id=session_id,
         expected_length=session.length if session else 0,
         expected_head_hash=session.head_hash if session else "",
         base=reconciled.base,
-        base_totals=Totals(session.head_cum, session.head_compact_cum) if at_head and session else Totals(0, 0),
+        base_totals=base_totals,
         base_hash=reconciled.base_hash, messages=history, system=system if system_changed else None,
         model=model, kind=reconciled.kind, context_tokens=0, latency_ms=0.0,
         title=title_of(m.body for m in history), expired_before=expired, end_user=end_user,
