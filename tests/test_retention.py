@@ -44,7 +44,7 @@ from admin_api import (
 from conftest import OTHER_KEY, Proxy
 from db import rows
 from fake_upstream import FakeUpstream, Reply
-from helpers import assistant, send_turn, until, user
+from helpers import Conversation, assistant, send_turn, until, user
 from memproxy.config import RetentionConfig
 from memproxy.typedefs import SUMMARIZER
 
@@ -294,6 +294,32 @@ async def converse_with_edits(proxy: Proxy, upstream: FakeUpstream, api: Api,
     await turn(3, history[:2] + [user("q2, edited")])  # supersedes q2 and its answer
     await turn(4, history + [user("q3")])
     return await turn(5, history + [user("q4")])
+
+
+async def test_an_edit_of_a_message_the_cap_deleted_is_an_edit_not_an_append(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
+) -> None:
+    """A full-history client edits an early message the cap has deleted: where it forked cannot be
+    told, but its messages are the conversation. They are not appended after the branch they
+    edited away (which the model would then be sent, and the store hold twice)."""
+    upstream.summarizer = short_summary
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(max_messages_per_session=4),
+                        summaries=True, overflow="summarize", tail_turns=1)
+    config = config_of(proxy)
+    talk = Conversation(proxy, upstream, "s1", style="full")
+    for n in range(6):
+        new, reply = [user(f"q{n} " + words(200, str(n)))], Reply(content=f"answer {n}")
+        await talk.exchange(new, reply)
+        talk.remember(new, reply)
+    await proxy.app[SUMMARIZER].wait_idle()
+    await until(lambda: rows(config, "SELECT MIN(seq) FROM messages")[0][0] > 2, "the cap deleted the opening")
+    talk.history = talk.history[:2]
+    edited = user("q1, edited")
+    received, headers = await talk.exchange([edited], Reply(content="answer to the edit"))
+    assert headers["x-memproxy-reconcile"] == "edit"
+    assert [m for m in received.messages if m.get("role") != "system"] == [*talk.history, edited]
+    active = [json.loads(body) for (body,) in rows(config, "SELECT body FROM messages WHERE active = 1 ORDER BY seq")]
+    assert active == [*talk.history, edited, assistant("answer to the edit")]
 
 
 async def test_message_cap_deletes_only_what_can_never_be_sent_again(

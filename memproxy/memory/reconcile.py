@@ -86,6 +86,8 @@ async def reconcile(
         return Reconciled("window", stored, head, conversation[echoed:])
     matched = await _matched_prefix(store, session, hashes, held)
     if matched == 0 and requested != "full":
+        if await _edited_where_capped(store, session, conversation, held):
+            return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
         return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
@@ -102,6 +104,19 @@ async def reconcile(
         return Reconciled("continue", stored, head, conversation[stored:])
     kind: Kind = "regenerate" if fork == len(conversation) else "edit"
     return Reconciled(kind, fork, fork_hash, conversation[fork:], superseded=stored - fork)
+
+
+async def _edited_where_capped(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                               held: Sequence[StoredMessage]) -> bool:
+    """A resent history that matches nothing stored, on a session whose opening the message cap
+    deleted (`retention.max_messages_per_session`): the client edited a message memproxy no longer
+    holds, so where it forked cannot be told. Its messages are the conversation (read as an edit
+    at 0), not new ones after the stored branch it edited away. A history shows by an answer
+    before its latest user message; new messages of a client's own hold none."""
+    users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
+    if not users or not any(m.get("role") == "assistant" for m in conversation[: users[-1]]):
+        return False
+    return not await _active_range(store, session, held, 0, 1)
 
 
 async def _active_range(store: TurnStore, session: SessionState, held: Sequence[StoredMessage], start: int,
