@@ -50,7 +50,7 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
-from .tokens import TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
+from .tokens import TOKENS_PER_IMAGE, TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
@@ -127,15 +127,23 @@ def load_litellm(observed: bool = True) -> Any:
     # call, `max_retries or DEFAULT_MAX_RETRIES`): the client retries, and a proxy that retries too
     # multiplies the wait.
     litellm.DEFAULT_MAX_RETRIES = 0
-    # litellm's loggers write a line per call at INFO (twice: their own handler and the root's) and
-    # request content at DEBUG; memproxy logs what matters itself, and never message content.
-    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # litellm's loggers write a line per call at INFO (twice: their own handler and the root's),
+    # request content at DEBUG, and at ERROR multi-line tracebacks whose text quotes the request (a
+    # host named in a message's image URL); memproxy logs what matters itself, one line a request,
+    # never message content. At memproxy's DEBUG, their warnings and errors are written too.
+    quiet = logging.WARNING if log.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+    for name in LITELLM_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
     return litellm
 
 
+LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+
+
 class LitellmCounter:
-    """litellm's counter, for providers whose tokenizer tiktoken does not know."""
+    """litellm's counter, for providers whose tokenizer tiktoken does not know. Images are counted
+    here, as tiktoken's counter counts them (`TOKENS_PER_IMAGE`): litellm's would fetch an image
+    URL to size it, a host of the client's choosing, synchronously, on the event loop."""
 
     sums_lines = False  # an unknown tokenizer: a recall block is counted whole
 
@@ -152,12 +160,15 @@ class LitellmCounter:
         if isinstance(content, list):  # audio and documents: litellm cannot count them (`attachment_tokens`)
             kept = []
             for part in content:
+                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+                    attached += TOKENS_PER_IMAGE
+                    continue
                 tokens = attachment_tokens(part)
                 if tokens is None:
                     kept.append(part)
                 else:
                     attached += tokens
-            if attached:
+            if len(kept) < len(content):
                 message = {**message, "content": kept or ""}
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
 

@@ -24,8 +24,8 @@ from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 from memproxy.messages import Message
 from memproxy.provider import LitellmCounter, load_litellm
-from memproxy.tokens import (TOKENS_PER_AUDIO_SECOND, TOKENS_PER_DOCUMENT_PAGE, TiktokenCounter, attachment_tokens,
-                             encoding_name_for, request_tokens)
+from memproxy.tokens import (TOKENS_PER_AUDIO_SECOND, TOKENS_PER_DOCUMENT_PAGE, TOKENS_PER_IMAGE, TiktokenCounter,
+                             attachment_tokens, encoding_name_for, request_tokens)
 from memproxy.typedefs import PROVIDER
 from test_budget import TOOLS, db_path, tool_call, words
 
@@ -208,6 +208,20 @@ def test_litellm_counter_agrees_with_litellm() -> None:
                                {"role": "assistant", "content": words(20, 3)}]
     assert request_tokens(counter, messages, []) == litellm.token_counter(model=model, messages=messages)
     assert counter.tools(TOOLS) > 0
+
+
+def test_an_image_url_is_counted_never_fetched() -> None:
+    """litellm's counter sizes a high-detail image by downloading it: a host a client names, looked
+    up and fetched on the event loop (every other request waits), and a URL it cannot fetch raised
+    a 500. Images count as tiktoken's counter counts them, whatever the URL."""
+    counter = LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")
+    text: Message = {"role": "user", "content": [{"type": "text", "text": "What is in it?"}]}
+    for url in ("http://memproxy-test.invalid/cat.png", "not-a-url", "http://127.0.0.1:1/x.png"):
+        for kind in ("image_url", "input_image"):
+            part = {"type": kind, kind: {"url": url, "detail": "high"}} if kind == "image_url" \
+                else {"type": kind, "image_url": url, "detail": "high"}
+            image: Message = {"role": "user", "content": [*text["content"], part]}
+            assert counter.message(image) == counter.message(text) + TOKENS_PER_IMAGE
 
 
 # --- counted once, stored with the message -------------------------------------------------------
