@@ -111,6 +111,7 @@ class SessionRecord(_Record):
     history_mode: Literal["full", "new"] | None = None
     title: str | None = None
     metadata: dict[str, Any] | None = None
+    end_user: str | None = None  # whose sessions recall may search together (`memory.recall_scope: user`)
 
 
 _SENT = ("summary_version", "first_sent", "included", "omitted", "unsummarised_omitted", "trimmed",

@@ -49,7 +49,7 @@ async def test_export_imports_back_exactly(
     api = api_for(http, proxy)
     upstream.summarizer = short_summary
     history = [SYSTEM, user("q1 — with ünïcode " + words(80, "q"))]
-    await send_turn(proxy, "orig", history)
+    await send_turn(proxy, "orig", history, **{"X-Memproxy-User": "alice"})  # recall_scope: user finds it by her
     history += [assistant("reply 1"), user("q2")]
     await send_turn(proxy, "orig", history)
     await send_turn(proxy, "orig", history[:3] + [user("q2, edited")])  # a superseded branch
@@ -75,6 +75,7 @@ async def test_export_imports_back_exactly(
     assert kinds.count("message") == 10  # 8 on the active chain, 2 superseded
     assert records[0]["session_id"] == "orig" and records[0]["metadata"] == {"known": {"city": "Oslo"},
                                                                            "pending": None}
+    assert records[0]["end_user"] == "alice"
 
     body = await api.post("/sessions/import?session_id=copy", data=exported.encode(), status=201)
     assert body == {"id": "copy", "object": "session", "imported": True}
@@ -84,6 +85,12 @@ async def test_export_imports_back_exactly(
 
     original, copy = await api.get("/sessions/orig"), await api.get("/sessions/copy")
     assert {**copy, "id": "orig"} == original
+
+    # A fork is the same conversation, for the same end user; it is no chat turn of the tenant's.
+    turns = (await api.get("/usage"))["turns"]
+    await api.post("/sessions/orig/fork", json={"new_id": "forked"}, status=201)
+    assert json.loads((await api.get("/sessions/forked/export")).splitlines()[0])["end_user"] == "alice"
+    assert (await api.get("/usage"))["turns"] == turns
 
     # The copy goes on as the original would.
     preview = await preview_of(api, "orig", "next")

@@ -21,9 +21,10 @@ from .script import Row
 
 # The columns an export carries, as they are named in the tables and in the export records.
 SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
-                   " title, metadata")
-# Turns of chat, not summariser calls (`turns` rows of kind `summary`), in a LEFT JOIN on turns `t`.
-CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind <> 'summary' THEN 1 ELSE 0 END), 0)"
+                   " title, metadata, end_user")
+# Turns of chat, not summariser calls nor forks (`turns` rows of kind `summary`, `fork`), in a LEFT
+# JOIN on turns `t`.
+CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind NOT IN ('summary', 'fork') THEN 1 ELSE 0 END), 0)"
 # What a chat turn's request was made of (`SentContext`), in the order of its fields.
 SENT_COLUMNS = ("summary_version, first_sent, included, omitted, unsummarised_omitted, marker, trimmed, deduplicated,"
                 " recalled")
@@ -48,7 +49,7 @@ MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, cha
 SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
 _JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body", "recalled"})
 # Free text, kept as it is where it can be (`text_in`); a model name only an import can make odd.
-_TEXT_COLUMNS = frozenset({"title", "text", "model"})
+_TEXT_COLUMNS = frozenset({"title", "text", "model", "end_user"})
 
 
 def column_marks(columns: str) -> str:
