@@ -357,17 +357,18 @@ SEARCH_LIMIT = 100  # the most hits one search returns
 
 
 async def search(store: AdminStore, tenant: str | None, body: dict[str, Any],
-                 session: SessionState | None = None) -> dict[str, Any]:
+                 session: SessionState | None = None, active_since: float | None = None) -> dict[str, Any]:
     """Stored messages matching a query, best first: of one session, or of every session the
-    caller may see (`tenant` None: every tenant, for an admin key). The query is words, as recall
-    looks them up (`memproxy.searchtext.query_words`); `limit` 1-100 (default 20)."""
+    caller may see (`tenant` None: every tenant, for an admin key), of sessions active since
+    `active_since` (the others have expired). The query is words, as recall looks them up
+    (`memproxy.searchtext.query_words`); `limit` 1-100 (default 20)."""
     query, limit = body.get("query"), body.get("limit", 20)
     if not isinstance(query, str) or not query.strip():
         raise BadRequest("'query' must be a non-empty string", param="query")
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SEARCH_LIMIT:
         raise BadRequest(f"'limit' must be an integer from 1 to {SEARCH_LIMIT}", param="limit")
     words = query_words(query)
-    hits = await store.search(tenant, words, limit, session) if words else []
+    hits = await store.search(tenant, words, limit, session, active_since) if words else []
     return {"object": "list", "query": words, "data": [
         {"object": "session.search_hit", "session_id": hit.session_id, "position": hit.seq,
          "role": hit.body.get("role"), "created_at": hit.created_at, "score": round(hit.score, 4),

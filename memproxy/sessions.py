@@ -167,14 +167,17 @@ async def search_session(request: web.Request) -> web.Response:
     _no_query_in_url(request)
     tenant, session = await _session(request)
     body = await json_object(request)
-    return web.json_response(await admin.search(request.app[STORE], tenant, body, session))
+    since = expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
+    return web.json_response(await admin.search(request.app[STORE], tenant, body, session, since))
 
 
 async def search(request: web.Request) -> web.Response:
     """Stored messages of every session the caller may see that match `query`, best first."""
     _no_query_in_url(request)
     body = await json_object(request)
-    return web.json_response(await admin.search(request.app[STORE], _tenant(request, listing=True), body))
+    since = expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
+    return web.json_response(await admin.search(request.app[STORE], _tenant(request, listing=True), body,
+                                                active_since=since))
 
 
 async def compact(request: web.Request) -> web.Response:

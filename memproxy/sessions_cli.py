@@ -332,7 +332,8 @@ def _json_object(text: str, option: str) -> dict[str, Any]:
 async def _search(args: argparse.Namespace, config: Config, store: Store) -> int:
     session = await _session(args, store, args.session) if args.session else None
     found = await admin.search(store, _tenant(args) if session else _tenants(args),
-                               {"query": args.query, "limit": args.limit}, session)
+                               {"query": args.query, "limit": args.limit}, session,
+                               expired_before(config.retention.idle_ttl_seconds))
     if args.json:
         _print_json(found)
         return 0

@@ -14,10 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from admin_api import ADMIN_KEY, MakeStorage, StartProxy, api_for, assert_error, part, preview_of, start
+from admin_api import ADMIN_KEY, MakeStorage, StartProxy, age, api_for, assert_error, config_of, part, preview_of, start
 from conftest import OTHER_KEY, Proxy
 from fake_upstream import FakeUpstream, Reply
 from helpers import Conversation, user
+from memproxy.config import RetentionConfig
 from memproxy.memory.recall import RECALL_PREFIX
 
 pytestmark = pytest.mark.both_stores
@@ -214,6 +215,30 @@ async def test_recall_across_an_end_users_sessions_stays_with_that_user_and_tena
                                    **{"X-Memproxy-User": "alice"})
     received, _ = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
     assert "7281" not in str(received.messages)
+
+
+async def test_an_expired_session_is_neither_recalled_nor_found(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    """A session idle past `retention.idle_ttl_seconds` is new to everything that uses it, before
+    the sweep deletes it: its end user's other sessions recall nothing of it, and search finds
+    nothing in it."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=3600),
+                        recall_scope="user", **RECALL)
+    api = api_for(http, proxy)
+    await long_conversation(proxy, upstream, "alice-1", turns=2, **{"X-Memproxy-User": "alice"})
+    talk = await long_conversation(proxy, upstream, "alice-2", turns=30, fact="Let us plan the regatta.",
+                                   **{"X-Memproxy-User": "alice"})
+    question = [user("What is the combination of the blue locker?")]
+    received, _ = await talk.exchange(question, Reply("?"))
+    assert "7281" in str(received.messages)  # recalled from alice-1 while it lives
+    assert (await api.post("/sessions/alice-1/search", json={"query": "blue locker"}))["data"]
+    await age(config_of(proxy), "alice-1", 3601)
+    received, _ = await talk.exchange(question, Reply("?"))
+    assert "7281" not in str(received.messages)
+    assert (await api.post("/sessions/alice-1/search", json={"query": "blue locker"}))["data"] == []
+    assert not any(hit["session_id"] == "alice-1"
+                   for hit in (await api.post("/search", json={"query": "blue locker"}))["data"])
 
 
 async def test_the_opening_turns_stay_when_head_turns_is_set(

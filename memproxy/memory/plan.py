@@ -190,7 +190,7 @@ async def prepare_turn(
         checked = loaded.recall if loaded is not None and session is loaded.session else None
         beside = room_beside(context, budget, memory.recall_room(window), memory.recall_floor(window))
         context = await _recall(store, session, fixed, beside, memory.recall_floor(window), memory.recall_context,
-                                scope, counter, context, build, checked)
+                                scope, counter, context, build, checked, expired_before(idle_ttl))
         lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
@@ -247,12 +247,14 @@ async def _recall(
     store: TurnStore, session: SessionState, fixed: Fixed, beside: int | None, floor: int, around: int,
     end_user: str | None, counter: TokenCounter, context: Context,
     build: Callable[[SessionState, int], Awaitable[Context]], checked: object = None,
+    active_since: float | None = None,
 ) -> Context:
     """The fit with recall (`memory.recall`): the store's best matches for the question, in the
     room the request leaves beside its kept turns (`beside`, from `room_beside`), or, where that
     is less than recall is sure of, in `floor` tokens held back from older kept turns, whatever
     the block then leaves unused given back to them. `checked`: what the turn's load noted for
-    recall (`Loaded.recall`).
+    recall (`Loaded.recall`); `active_since`: the end user's other sessions idle since before then
+    have expired, and are not searched.
 
     Where the spare room suffices, the kept turns stay as they would be without recall, so the
     prefix before the block (system prompt, opening turns, summary, kept turns) is the one the
@@ -263,7 +265,7 @@ async def _recall(
     words = query.words
     if held.recall_room <= 0 or not words:
         return context
-    postings = await store.recall_postings(session, words, held.first_sent, end_user, checked)
+    postings = await store.recall_postings(session, words, held.first_sent, end_user, checked, active_since)
     limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
     ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end,
                          weights=query.weights)

@@ -471,7 +471,8 @@ class TurnStore(Protocol):
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
-                              end_user: str | None = None, checked: object = None) -> Postings:
+                              end_user: str | None = None, checked: object = None,
+                              active_since: float | None = None) -> Postings:
         """Where each of `words` (`memproxy.searchtext.query_words`) occurs, as the full-text index
         stems it: among the session's active messages before position `before`, and, with
         `end_user`, every active message of the tenant's other sessions made for that end user
@@ -479,7 +480,8 @@ class TurnStore(Protocol):
         a word found at more than `COMMON_WORD_POSITIONS` positions in all is too common to tell
         messages apart, and is returned as found nowhere (SQLite reads no further than one past it;
         a PostgreSQL GIN bitmap is built whole). `checked`: `Loaded.recall` of this turn's
-        `load`, which spares the statement where it holds the index it checked."""
+        `load`, which spares the statement where it holds the index it checked. `active_since`:
+        the other sessions active since then only (the others have expired)."""
         ...
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
@@ -647,9 +649,10 @@ class AdminStore(Protocol):
         ...
 
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,
-                     session: SessionState | None = None) -> list[SearchHit]:
+                     session: SessionState | None = None, active_since: float | None = None) -> list[SearchHit]:
         """The active messages of the tenant's sessions (of `session` alone, if given) that match
-        any of `words`, best `limit` first."""
+        any of `words`, best `limit` first; with `active_since`, of sessions active since then only
+        (the others have expired: `retention.idle_ttl_seconds`)."""
         ...
 
     async def stored_counts(self) -> StoredCounts:

@@ -83,7 +83,8 @@ class SQLRecall(SQLBase):
     _common: dict[tuple[str, str], tuple[float, int, set[str]]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
-                              end_user: str | None = None, checked: object = None) -> Postings:
+                              end_user: str | None = None, checked: object = None,
+                              active_since: float | None = None) -> Postings:
         indexed = None
         if end_user is None and words:
             if isinstance(checked, Checked):
@@ -103,7 +104,8 @@ class SQLRecall(SQLBase):
         if end_user is not None and words:
             rows = await self._fetch(
                 "SELECT pk, session_id, length FROM sessions WHERE tenant = ? AND end_user = ? AND pk <> ?"
-                " ORDER BY updated_at DESC LIMIT ?", (session.tenant, end_user, session.pk, _OTHER_SESSIONS))
+                " AND updated_at >= ? ORDER BY updated_at DESC LIMIT ?",
+                (session.tenant, end_user, session.pk, active_since or 0.0, _OTHER_SESSIONS))
             scope += [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
         names = {pk: name for pk, name, _ in scope}
         found: list[dict[str, list[int]]] = [{} for _ in words]
@@ -298,15 +300,18 @@ class SQLRecall(SQLBase):
         return {w: cache[w] for w in words}
 
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,
-                     session: SessionState | None = None) -> list[SearchHit]:
+                     session: SessionState | None = None, active_since: float | None = None) -> list[SearchHit]:
         if not words or limit <= 0:
             return []
         if session is not None:
+            if session.updated_at < (active_since or 0.0):
+                return []
             sessions = [(session.pk, session.tenant, session.session_id)]
         else:
-            where, params = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
-            rows = await self._fetch(f"SELECT pk, tenant, session_id FROM sessions{where}"
-                                     " ORDER BY updated_at DESC LIMIT ?", (*params, _SEARCHED_SESSIONS))
+            where, params = ("", ()) if tenant is None else (" AND tenant = ?", (tenant,))
+            rows = await self._fetch(f"SELECT pk, tenant, session_id FROM sessions WHERE updated_at >= ?{where}"
+                                     " ORDER BY updated_at DESC LIMIT ?",
+                                     (active_since or 0.0, *params, _SEARCHED_SESSIONS))
             sessions = [(int(r[0]), str(r[1]), str(r[2])) for r in rows]
         found: list[SearchHit] = []
         for i in range(0, len(sessions), _CHUNK):
