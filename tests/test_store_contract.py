@@ -386,8 +386,26 @@ async def test_summariser_calls_count_in_usage_but_not_as_turns(open_store: Open
     [info], _ = await reader.list_sessions("t", 10)
     assert (info.turns, info.prompt_tokens, info.cost) == (1, 187, 0.5)
     await store.delete_session(session)
-    await store.record_summary_call(session, SummaryCall("small", 200, Usage(), 1.0))  # gone: nothing
+    # Paid for while its session was deleted (a compaction racing a delete): counted with the
+    # tenant's deleted sessions.
+    await store.record_summary_call(session, SummaryCall("small", 200, Usage(50, 5), 1.0, cost=0.25))
     assert (await reader.usage("t")).summary_calls == 0
+    deleted = await reader.deleted_usage("t")
+    assert (deleted.sessions, deleted.turns, deleted.summary_calls, deleted.cost) == (1, 1, 2, 0.75)
+    assert (deleted.prompt_tokens, deleted.completion_tokens) == (7 + 180 + 50, 3 + 20 + 5)
+
+
+async def test_a_turn_whose_session_was_deleted_meanwhile_is_refused_and_its_cost_kept(open_store: Opener) -> None:
+    store, other = await open_store(), await open_store()
+    await store.record_turn(turn(None, [user("1"), assistant("a")]))
+    session = await store.get_session("t", "s")
+    assert session is not None
+    await other.delete_session(session)
+    with pytest.raises(StoreConflict):
+        await store.record_turn(turn(session, [user("2"), assistant("b")]))
+    assert await store.get_session("t", "s") is None  # nothing of it is written
+    deleted = await store.deleted_usage("t")
+    assert (deleted.sessions, deleted.turns, deleted.prompt_tokens, deleted.completion_tokens) == (1, 2, 14, 6)
 
 
 async def test_endpoint_usage_adds_up_per_tenant_and_endpoint_and_outlives_sessions(open_store: Opener) -> None:

@@ -23,7 +23,8 @@ from ..errors import StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
-from .codec import TURN_COLUMNS, column_marks, dumps, recall_text, search_text, sent_values, text_in, to_summary
+from .codec import (ADD_TO_ROLLUP, TURN_COLUMNS, USAGE_COLUMNS, column_marks, dumps, recall_text, search_text,
+                    sent_values, text_in, to_summary)
 from .common import CACHE_HOLDS, CHUNK, SQLBase
 from .script import Outcome, Row, Script, Step
 
@@ -284,7 +285,8 @@ class SQLTurns(SQLBase):
                     return await self._db.write_batch(self._planned_turn(turn, now), _head_moved)
                 except _HeadMoved:
                     pass
-            await self._db.write(self._record_turn(turn, now))
+            if not await self._db.write(self._record_turn(turn, now)):
+                raise StoreConflict("the session was deleted while this turn was in flight")
         finally:
             charge_store(started)
 
@@ -296,14 +298,18 @@ class SQLTurns(SQLBase):
         first = self._insert_head(turn, head, now) if turn.expected_length == 0 else self._move_head(turn, head, now)
         return [first, *self._turn_rows(turn, placement, now)]
 
-    def _record_turn(self, turn: TurnRecord, now: float) -> Script[None]:
+    def _record_turn(self, turn: TurnRecord, now: float) -> Script[bool]:
         """A turn whose session moved meanwhile (another writer's turn or its creation), or idled past
         its TTL: its row is locked and read first, and the turn continues it, rebased (`_rebased`),
-        or is refused."""
+        or is refused. False: the session was deleted meanwhile; what the turn cost, paid for, goes
+        to the tenant's usage of deleted sessions, and nothing else is written."""
         row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
         if row is None:
             if turn.expected_length != 0:
-                raise StoreConflict("the session was deleted while this turn was in flight")
+                yield _deleted_usage(turn.tenant, turns=1, prompt_tokens=turn.usage.prompt_tokens,
+                                     completion_tokens=turn.usage.completion_tokens, cost=turn.cost,
+                                     context_tokens=turn.context_tokens, full_tokens=turn.full_tokens)
+                return False
             row = yield from self._new_session(turn.tenant, turn.session_id)
         pk = int(row[0])
         if (row[1], row[2]) != (turn.expected_length, turn.expected_head_hash):
@@ -312,6 +318,7 @@ class SQLTurns(SQLBase):
         yield self._move_head(turn, head, now, pk)
         for step in self._turn_rows(turn, placement, now):
             yield step
+        return True
 
     @staticmethod
     def _turn_rows(turn: TurnRecord, placement: list[Placed], now: float) -> list[Step]:
@@ -420,12 +427,21 @@ class SQLTurns(SQLBase):
             (usage.tenant, usage.endpoint, usage.calls, usage.prompt_tokens, usage.completion_tokens, usage.cost))
 
     async def record_summary_call(self, session: SessionState, call: SummaryCall) -> None:
-        await self._write_one(
+        await self._db.write(self._summary_call(session, call))
+
+    def _summary_call(self, session: SessionState, call: SummaryCall) -> Script[None]:
+        """The call, paid for, as a turn of its session; of a session deleted meanwhile, in the
+        tenant's usage of deleted sessions."""
+        recorded = yield (
             "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
             " completion_tokens, latency_ms, cost, full_tokens)"
-            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ?",
+            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ? RETURNING id",
             (time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
              call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+        if not recorded:
+            yield _deleted_usage(session.tenant, summary_calls=1, prompt_tokens=call.usage.prompt_tokens,
+                                 completion_tokens=call.usage.completion_tokens, cost=call.cost,
+                                 context_tokens=call.context_tokens)
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
         await self._db.write(self._save_summary(session, expected_version, summary, time.time()))
@@ -536,3 +552,14 @@ def _placement(turn: TurnRecord) -> tuple[list[Placed], Head]:
         cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
     return placed, (seq, head_hash, cum, compact_cum)
 
+
+def _deleted_usage(tenant: str, *, turns: int = 0, summary_calls: int = 0, prompt_tokens: int | None = 0,
+                   completion_tokens: int | None = 0, cost: float | None = None, context_tokens: int = 0,
+                   full_tokens: int = 0) -> Step:
+    """Usage added to the tenant's rollup of deleted sessions (`tenant_usage`): a call paid for
+    whose session was deleted while it ran is counted there, as the session's own calls were."""
+    values = {"sessions": 0, "turns": turns, "summary_calls": summary_calls, "prompt_tokens": prompt_tokens or 0,
+              "completion_tokens": completion_tokens or 0, "cost": cost, "context_tokens": context_tokens,
+              "full_tokens": full_tokens or context_tokens}
+    return (f"INSERT INTO tenant_usage (tenant, {USAGE_COLUMNS}) VALUES (?, {column_marks(USAGE_COLUMNS)})"
+            f" {ADD_TO_ROLLUP}", (tenant, *(values[c] for c in USAGE_COLUMNS.split(", "))))
