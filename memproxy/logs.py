@@ -96,7 +96,8 @@ def log_start(config: Config, windows: dict[str, int]) -> None:
         "auth": "keys" if auth.keys or auth.admin_keys else "none",
         "tenant_keys": len(auth.keys),
         "admin_keys": len(auth.admin_keys),
-        "metrics": "public" if config.metrics.public else "admin",
+        # Who may read `/metrics`: anyone where it is public or no key of any kind is configured.
+        "metrics": "public" if config.metrics.public or not (auth.keys or auth.admin_keys) else "admin",
     })
     if not config.models:
         log.warning("no models configured: every chat request will be answered 404 model_not_found")

@@ -99,6 +99,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except (ProxyError, StoreConflict) as exc:
         print(f"memproxy: {exc.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # the reader stopped reading (`| head`): `cli.main` stops quietly
     except (StoreUnavailable, OSError, ValueError) as exc:  # the store cannot be reached, a file read
         print(f"memproxy: {failure(exc)}", file=sys.stderr)
         return 1

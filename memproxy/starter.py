@@ -3,9 +3,9 @@
 Each provider's file names one model with what it needs: the litellm model string, the endpoint, the
 key from the environment, and a context window where litellm's model info has none (a model served
 locally). Everything else is left to its default, as `config.example.yaml` documents it. The local
-servers (Ollama, vLLM) are reached through their OpenAI-compatible APIs with memproxy's own client,
-the fast path; their key and endpoint are set, so that OPENAI_API_KEY and OPENAI_BASE_URL, meant for
-OpenAI, are never sent to them. A test holds every file valid (`memproxy check-config`).
+servers (Ollama, vLLM) are reached through their OpenAI-compatible APIs, by litellm as every model
+is by default (`transport: openai` is memproxy's own client, byte for byte); their key and endpoint
+are set, so that OPENAI_API_KEY and OPENAI_BASE_URL, meant for OpenAI, are never sent to them. A test holds every file valid (`memproxy check-config`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ _MODELS: dict[ProviderKind, str] = {
     "ollama": """\
   - name: llama3.2                    # the model name clients send
     model: openai/llama3.2            # openai/ + the name Ollama knows (`ollama pull llama3.2`): its
-                                      # OpenAI-compatible API through memproxy's own client
+                                      # OpenAI-compatible API, through litellm (the default
+                                      # transport; `transport: openai` for memproxy's own client)
     api_base: http://127.0.0.1:11434/v1 # Ollama's address (from a container: host.docker.internal)
     api_key: ${OLLAMA_API_KEY:-ollama} # Ollama checks none; set so OPENAI_API_KEY is never sent here
     context_window: 8192              # litellm knows no window for a local model. Ollama runs each

@@ -195,6 +195,7 @@ def test_text_lines_the_no_models_warning_and_the_level_flag(tmp_path: Path) -> 
     served = serve_one(config, tmp_path / "stderr.log", "--log-level", "INFO")  # the flag wins
     try:
         assert http(served, "GET", "/healthz", key=None).status_code == 200
+        assert http(served, "GET", "/metrics", key=None).status_code == 200  # as the start line says
         chat = http(served, "POST", "/v1/chat/completions", json={"model": "small", "messages": [
             {"role": "user", "content": "hi"}]})
         assert chat.status_code == 404  # no models
@@ -203,10 +204,11 @@ def test_text_lines_the_no_models_warning_and_the_level_flag(tmp_path: Path) -> 
     lines = served.log.read_text().splitlines()
     [start] = [line for line in lines if " INFO memproxy memproxy starting " in line]
     assert start.endswith(" memproxy starting version=0.1.0 models=[] store=sqlite auth=none tenant_keys=0"
-                          " admin_keys=0 metrics=admin")
+                          " admin_keys=0 metrics=public")  # no key of any kind: anyone may read it
     assert any(" WARNING memproxy no models configured" in line for line in lines)
     requests = [line for line in lines if " INFO memproxy.http request " in line]
-    assert len(requests) == 2
+    assert len(requests) == 3
     assert " request method=GET route=/healthz status=200 duration_ms=" in requests[0]
-    assert (" request method=POST route=/v1/chat/completions status=404 duration_ms=" in requests[1]
-            and " error=model_not_found tenant=default" in requests[1])
+    assert " request method=GET route=/metrics status=200 duration_ms=" in requests[1]
+    assert (" request method=POST route=/v1/chat/completions status=404 duration_ms=" in requests[2]
+            and " error=model_not_found tenant=default" in requests[2])

@@ -223,6 +223,20 @@ def test_show_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None
     assert "Oslo" not in "\n".join(text)
 
 
+def test_output_its_reader_stops_reading_ends_quietly(cli: Setup, upstream: FakeUpstream) -> None:
+    """`memproxy sessions --json show big | head`: more than a pipe holds, and the reader goes."""
+    cli.chat("piped", [user("x " * 40_000)], model="big")
+    process = subprocess.Popen([*memproxy_command(), "sessions", "-c", str(cli.config), "--tenant", "a", "--json",
+                                "show", "piped"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+    assert process.stdout is not None and process.stderr is not None
+    with process.stderr:
+        assert process.stdout.read(10)
+        process.stdout.close()
+        error = process.stderr.read()
+    assert process.wait(timeout=60) == 1
+    assert error == b""  # no "memproxy: Broken pipe"
+
+
 def test_a_session_of_another_tenant_or_none_is_an_error(cli: Setup, upstream: FakeUpstream) -> None:
     cli.chat("private-1", [user("mine")])
     for verb in (["show"], ["export"], ["rm"], ["clear"], ["fork"], ["context"]):
