@@ -55,7 +55,7 @@ from .params import check_params
 from .redact import session_digest
 from .session_ids import SESSION_HEADER, end_user, is_session_id
 from .store import StoreUnavailable, TurnRecord
-from .store.errors import StoreConflict
+from .store.errors import SessionDeleted, StoreConflict
 from .streaming import StreamAssembler, hiding_usage
 from .timing import BEFORE_UPSTREAM, Timings, measured
 from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
@@ -336,6 +336,8 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
     if exchange.turn is not None:
         try:
             await _record(request, exchange, answer.reply, answer.usage, upstream_ms)
+        except SessionDeleted:
+            pass  # paid for, its session gone: the client gets the answer, told it is not remembered
         except (ProxyError, StoreConflict):
             raise  # a refusal (the session moved meanwhile: 409), not a failure
         except Exception as exc:
@@ -385,7 +387,10 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
             raise ProxyError("the upstream stream ended before the answer was complete",
                              status=502, code="upstream_incomplete")
         if exchange.turn is not None:
-            await _record(request, exchange, *reply, upstream_ms)
+            try:
+                await _record(request, exchange, *reply, upstream_ms)
+            except SessionDeleted:
+                pass  # paid for, its session gone: the answer ends as any other, not remembered
         await response.write(exchange.wire.done())
     except ConnectionError:
         notes(request).status = CLIENT_GONE  # the client went away before the answer was complete

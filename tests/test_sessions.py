@@ -719,3 +719,42 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
         assert stored(config) == [user("q1"), assistant("reply 1"), user("q2"), assistant("reply 2")]
     finally:
         await proxy.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_turn_whose_session_is_deleted_meanwhile_gets_its_answer_not_remembered(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool
+) -> None:
+    """The session is deleted (in another tab, by an admin) while its turn is upstream: the answer is
+    paid for, so the client gets it, told it is not remembered; nothing of the turn is stored, and
+    what it cost counts with the tenant's deleted sessions."""
+    client = proxy.client()
+    await chat(client, [user("first")])
+    gate = threading.Event()
+    upstream.enqueue(Reply(content="late answer", gate=gate))
+
+    async def second() -> tuple[str, Any]:
+        if not stream:
+            return await chat(client, [user("second")])
+        chunks, headers = await stream_chat(client, [user("second")])
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]), headers
+
+    task = asyncio.create_task(second())
+    try:
+        await until(lambda: len(upstream.chat_requests()) == 2, "the turn is upstream")
+        async with aiohttp.ClientSession() as http:
+            async with http.delete(proxy.server.make_url("/v1/sessions/s1"),
+                                   headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+                assert response.status == 200
+    finally:
+        gate.set()
+        [(reply, headers)] = await gather_all([task])
+    assert reply == "late answer"
+    if not stream:
+        assert headers["X-Memproxy-Stored"] == "false"
+    assert stored(config, active=None) == []
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.server.make_url("/v1/usage"),
+                            headers={"Authorization": f"Bearer {PROXY_KEY}"}) as got:
+            usage = await got.json()
+    assert usage["deleted_sessions"]["turns"] == 2  # the first turn, deleted with its session, and this one

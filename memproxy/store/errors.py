@@ -34,6 +34,11 @@ class StoreConflict(Exception):
         self.message = message
 
 
+class SessionDeleted(StoreConflict):
+    """A turn's session was deleted while the turn was upstream. Nothing of the turn was written
+    but what it cost, which counts with the tenant's deleted sessions."""
+
+
 # What the drivers raise when the database, not memproxy, is at fault: every sqlite3 error (locked,
 # full, read-only, corrupt, closed), every PostgreSQL error and asyncpg's lost connections, and the
 # socket errors and timeouts of connecting.

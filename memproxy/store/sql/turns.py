@@ -19,7 +19,7 @@ from ...messages import chain_hash
 from ...timing import charge_store
 from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse, Summary, SummaryCall,
                     Totals, TurnRecord, mandatory_start)
-from ..errors import StoreConflict
+from ..errors import SessionDeleted, StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
@@ -286,7 +286,7 @@ class SQLTurns(SQLBase):
                 except _HeadMoved:
                     pass
             if not await self._db.write(self._record_turn(turn, now)):
-                raise StoreConflict("the session was deleted while this turn was in flight")
+                raise SessionDeleted("the session was deleted while this turn was in flight")
         finally:
             charge_store(started)
 
