@@ -224,6 +224,16 @@ def chain_hashes(parent: str, messages: Sequence[Message]) -> list[str]:
     return hashes
 
 
+def history_end(messages: Sequence[Message]) -> int:
+    """Where the newest exchange starts among `messages` that hold a conversation's history (an
+    assistant answer before the latest user message), 0 where they hold none: new messages of a
+    client's own, however long, hold no answer."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users or not any(m.get("role") == "assistant" for m in messages[: users[-1]]):
+        return 0
+    return users[-1]
+
+
 def starts_unit(message: Message) -> bool:
     """Whether a cut may fall before this message: tool results belong to the call before them."""
     return message.get("role") not in ("tool", "function")

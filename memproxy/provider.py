@@ -50,7 +50,7 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
-from .tokens import TOKENS_PER_IMAGE, TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
+from .tokens import TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
@@ -141,9 +141,9 @@ LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 
 
 class LitellmCounter:
-    """litellm's counter, for providers whose tokenizer tiktoken does not know. Images are counted
-    here, as tiktoken's counter counts them (`TOKENS_PER_IMAGE`): litellm's would fetch an image
-    URL to size it, a host of the client's choosing, synchronously, on the event loop."""
+    """litellm's counter, for providers whose tokenizer tiktoken does not know. Media parts are
+    counted as tiktoken's counter counts them (`attachment_tokens`): litellm's cannot count audio
+    or files, and would fetch an image URL to size it, synchronously, on the event loop."""
 
     sums_lines = False  # an unknown tokenizer: a recall block is counted whole
 
@@ -157,12 +157,9 @@ class LitellmCounter:
     def message(self, message: Message) -> int:
         content = message.get("content")
         attached = 0
-        if isinstance(content, list):  # audio and documents: litellm cannot count them (`attachment_tokens`)
+        if isinstance(content, list):  # media: counted by `attachment_tokens`, never by litellm
             kept = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
-                    attached += TOKENS_PER_IMAGE
-                    continue
                 tokens = attachment_tokens(part)
                 if tokens is None:
                     kept.append(part)

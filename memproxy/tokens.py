@@ -153,8 +153,6 @@ class TiktokenCounter:
             kind = part.get("type")
             if kind == "text":
                 total += self.text(str(part.get("text", "")))
-            elif kind in ("image_url", "input_image"):
-                total += TOKENS_PER_IMAGE
             else:
                 attached = attachment_tokens(part)
                 total += attached if attached is not None else self.text(json.dumps(part, separators=(",", ":")))
@@ -170,13 +168,17 @@ class TiktokenCounter:
 
 
 def attachment_tokens(part: Any) -> int | None:
-    """What an audio or document content part costs the model, estimated (None for any other part):
-    `input_audio` by its duration (a WAV header's byte rate, else a low bit rate), a `file` or
-    `input_file` holding its data by its pages (a PDF's page objects, else its size). A file named
-    by id only is counted as its JSON: its size is the provider's to know."""
+    """What a media content part costs the model, estimated (None for any other part): an image
+    `TOKENS_PER_IMAGE`, never fetched to be sized (its URL is the client's, and litellm's counter
+    would download it on the event loop); `input_audio` by its duration (a WAV header's byte
+    rate, else a low bit rate), a `file` or `input_file` holding its data by its pages (a PDF's
+    page objects, else its size). A file named by id only is counted as its JSON: its size is the
+    provider's to know."""
     if not isinstance(part, dict):
         return None
     kind = part.get("type")
+    if kind in ("image_url", "input_image"):
+        return TOKENS_PER_IMAGE
     if kind == "input_audio":
         audio = part.get("input_audio")
         encoded = _base64(audio.get("data") if isinstance(audio, dict) else None)

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
-from ..messages import Message, chain_hashes, split_system
+from ..messages import Message, chain_hashes, history_end, split_system
 from ..store import NewMessage, SessionState, Snapshot, StoredMessage, Totals, TurnRecord, TurnStore
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter
@@ -188,9 +188,10 @@ async def prepare_turn(
         lap("budget")
         scope = end_user if memory.recall_scope == "user" else None
         checked = loaded.recall if loaded is not None and session is loaded.session else None
-        beside = room_beside(context, budget, memory.recall_room(window), memory.recall_floor(window))
-        context = await _recall(store, session, fixed, beside, memory.recall_floor(window), memory.recall_context,
-                                scope, counter, context, build, checked, expired_before(idle_ttl))
+        floor = memory.recall_floor(window)
+        beside = room_beside(context, budget, memory.recall_room(window), floor)
+        context = await _recall(store, session, fixed, beside, floor, memory.recall_context, scope, counter, context,
+                                build, checked, expired_before(idle_ttl))
         lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
@@ -202,12 +203,7 @@ def resent_history(reconciled: Reconciled) -> int:
     assistant answer before the latest user message), 0 where they hold none: a long prompt of the
     client's own is never taken for history and left out. An edit's new messages are the edited
     branch from the fork on."""
-    if reconciled.kind not in ("new", "append", "edit"):
-        return 0
-    users = [i for i, m in enumerate(reconciled.new) if m.get("role") == "user"]
-    if not users or not any(m.get("role") == "assistant" for m in reconciled.new[: users[-1]]):
-        return 0
-    return users[-1]
+    return history_end(reconciled.new) if reconciled.kind in ("new", "append", "edit") else 0
 
 
 def _history_turn(tenant: str, session_id: str, session: SessionState | None, reconciled: Reconciled,
@@ -259,7 +255,6 @@ async def _recall(
     Where the spare room suffices, the kept turns stay as they would be without recall, so the
     prefix before the block (system prompt, opening turns, summary, kept turns) is the one the
     previous request sent, grown by its exchange: the provider's prompt cache keeps hitting."""
-    keep = beside is not None
     held = dataclasses.replace(context, recall_room=beside) if beside is not None else await build(session, floor)
     query = recall.question(fixed.new, context.messages)
     words = query.words
@@ -273,7 +268,7 @@ async def _recall(
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
         return context
-    if block.tokens < held.recall_room and not keep:
+    if block.tokens < held.recall_room and beside is None:  # room held back: what is left goes back
         refit = await build(session, block.tokens)
         smaller = recall.without(block, ranked, words, session.session_id, refit.first_sent, counter)
         if smaller is None:  # all it found is sent as kept turns

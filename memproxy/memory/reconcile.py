@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..messages import ROOT_HASH, Message, chain_hashes, loose_json, loosely_equal
+from ..messages import ROOT_HASH, Message, chain_hashes, history_end, loose_json, loosely_equal
 from ..store import ChatKind, SessionState, StoredMessage, TurnStore
 
 HistoryMode = Literal["auto", "full", "new"]
@@ -111,12 +111,8 @@ async def _edited_where_capped(store: TurnStore, session: SessionState, conversa
     """A resent history that matches nothing stored, on a session whose opening the message cap
     deleted (`retention.max_messages_per_session`): the client edited a message memproxy no longer
     holds, so where it forked cannot be told. Its messages are the conversation (read as an edit
-    at 0), not new ones after the stored branch it edited away. A history shows by an answer
-    before its latest user message; new messages of a client's own hold none."""
-    users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
-    if not users or not any(m.get("role") == "assistant" for m in conversation[: users[-1]]):
-        return False
-    return not await _active_range(store, session, held, 0, 1)
+    at 0), not new ones after the stored branch it edited away (`history_end`)."""
+    return bool(history_end(conversation)) and not await _active_range(store, session, held, 0, 1)
 
 
 async def _active_range(store: TurnStore, session: SessionState, held: Sequence[StoredMessage], start: int,

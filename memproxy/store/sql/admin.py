@@ -12,7 +12,6 @@ from ..base import (EndpointUsage, MessageRecord, SessionInfo, SessionState, Sto
                     UsageTotals)
 from ..errors import StoreConflict
 from .codec import (
-    ADD_TO_ROLLUP,
     CHAT_TURNS,
     MESSAGE_COLUMNS,
     ROLLUP_SUMS,
@@ -26,6 +25,7 @@ from .codec import (
     column_marks,
     dumps,
     record_values,
+    rollup_step,
     recall_text,
     search_text,
     text_out,
@@ -192,10 +192,7 @@ class SQLAdmin(SQLBase):
         return {row[0]: to_usage_totals(row[1:]) for row in rows}
 
     async def add_to_rollup(self, tenant: str, usage: UsageTotals) -> None:
-        await self._write_one(
-            f"INSERT INTO tenant_usage (tenant, {USAGE_COLUMNS}) VALUES (?, {column_marks(USAGE_COLUMNS)}) {ADD_TO_ROLLUP}",
-            (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
-             usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
+        await self._write_one(*rollup_step(tenant, usage))
 
     async def endpoint_usage(self, tenant: str | None) -> list[EndpointUsage]:
         rows = await self._fetch(

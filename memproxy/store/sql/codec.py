@@ -17,7 +17,7 @@ from typing import Any, overload
 
 from ...searchtext import keyed, line_text, message_words, session_key
 from ..base import SentContext, Summary, UsageTotals
-from .script import Row
+from .script import Row, Step
 
 # The columns an export carries, as they are named in the tables and in the export records.
 SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
@@ -44,6 +44,15 @@ ADD_TO_ROLLUP = ("ON CONFLICT (tenant) DO UPDATE SET "
                              if c != "cost")
                  + ", cost = CASE WHEN tenant_usage.cost IS NULL AND excluded.cost IS NULL THEN NULL"
                  " ELSE coalesce(tenant_usage.cost, 0) + coalesce(excluded.cost, 0) END")
+
+
+def rollup_step(tenant: str, usage: UsageTotals) -> Step:
+    """The statement adding `usage` to the tenant's rollup of deleted sessions (`tenant_usage`)."""
+    return (f"INSERT INTO tenant_usage (tenant, {USAGE_COLUMNS}) VALUES (?, {column_marks(USAGE_COLUMNS)})"
+            f" {ADD_TO_ROLLUP}", (tenant, usage.sessions, usage.turns, usage.summary_calls, usage.prompt_tokens,
+             usage.completion_tokens, usage.cost, usage.context_tokens, usage.full_tokens))
+
+
 MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, chain_hash, created_at,"
                    " compact_body, compact_tokens, compact_cum_before")
 SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from ...messages import chain_hash
 from ...timing import charge_store
 from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse, Summary, SummaryCall,
-                    Totals, TurnRecord, mandatory_start)
+                    Totals, TurnRecord, UsageTotals, mandatory_start)
 from ..errors import SessionDeleted, StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
-from .codec import (ADD_TO_ROLLUP, TURN_COLUMNS, USAGE_COLUMNS, column_marks, dumps, recall_text, search_text,
-                    sent_values, text_in, to_summary)
+from .codec import (TURN_COLUMNS, column_marks, dumps, recall_text, rollup_step, search_text, sent_values, text_in,
+                    to_summary)
 from .common import CACHE_HOLDS, CHUNK, SQLBase
 from .script import Outcome, Row, Script, Step
 
@@ -306,9 +306,10 @@ class SQLTurns(SQLBase):
         row = yield from self._locked(turn.tenant, turn.session_id, turn.expired_before)
         if row is None:
             if turn.expected_length != 0:
-                yield _deleted_usage(turn.tenant, turns=1, prompt_tokens=turn.usage.prompt_tokens,
-                                     completion_tokens=turn.usage.completion_tokens, cost=turn.cost,
-                                     context_tokens=turn.context_tokens, full_tokens=turn.full_tokens)
+                yield rollup_step(turn.tenant, UsageTotals(
+                    sessions=0, turns=1, prompt_tokens=turn.usage.prompt_tokens or 0,
+                    completion_tokens=turn.usage.completion_tokens or 0, cost=turn.cost,
+                    context_tokens=turn.context_tokens, full_tokens=turn.full_tokens))  # as its row would have summed
                 return False
             row = yield from self._new_session(turn.tenant, turn.session_id)
         pk = int(row[0])
@@ -439,9 +440,10 @@ class SQLTurns(SQLBase):
             (time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
              call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
         if not recorded:
-            yield _deleted_usage(session.tenant, summary_calls=1, prompt_tokens=call.usage.prompt_tokens,
-                                 completion_tokens=call.usage.completion_tokens, cost=call.cost,
-                                 context_tokens=call.context_tokens)
+            yield rollup_step(session.tenant, UsageTotals(
+                sessions=0, turns=0, summary_calls=1, prompt_tokens=call.usage.prompt_tokens or 0,
+                completion_tokens=call.usage.completion_tokens or 0, cost=call.cost,
+                context_tokens=call.context_tokens, full_tokens=0))  # as its row would have summed
 
     async def save_summary(self, session: SessionState, expected_version: int, summary: Summary) -> None:
         await self._db.write(self._save_summary(session, expected_version, summary, time.time()))
@@ -552,14 +554,3 @@ def _placement(turn: TurnRecord) -> tuple[list[Placed], Head]:
         cum, compact_cum = cum + message.tokens, compact_cum + compact_tokens
     return placed, (seq, head_hash, cum, compact_cum)
 
-
-def _deleted_usage(tenant: str, *, turns: int = 0, summary_calls: int = 0, prompt_tokens: int | None = 0,
-                   completion_tokens: int | None = 0, cost: float | None = None, context_tokens: int = 0,
-                   full_tokens: int = 0) -> Step:
-    """Usage added to the tenant's rollup of deleted sessions (`tenant_usage`): a call paid for
-    whose session was deleted while it ran is counted there, as the session's own calls were."""
-    values = {"sessions": 0, "turns": turns, "summary_calls": summary_calls, "prompt_tokens": prompt_tokens or 0,
-              "completion_tokens": completion_tokens or 0, "cost": cost, "context_tokens": context_tokens,
-              "full_tokens": full_tokens or context_tokens}
-    return (f"INSERT INTO tenant_usage (tenant, {USAGE_COLUMNS}) VALUES (?, {column_marks(USAGE_COLUMNS)})"
-            f" {ADD_TO_ROLLUP}", (tenant, *(values[c] for c in USAGE_COLUMNS.split(", "))))
