@@ -6,7 +6,8 @@ whole, with a 400 naming the line and the field, never half-imported or stored i
 fails later (a system prompt that is not a list of messages makes every later turn fail; a number
 too large for its column is a database error). Every field is checked against what the store
 writes: its JSON type, null where the store may write null, the range its column holds, and the
-relations between records (ids, parents, positions, the head of the active chain, summaries).
+relations between records (ids, parents, positions, the head of the active chain, summaries), and
+each active message's chain hash against its body.
 Timestamps in the future are brought back to now: a session active "tomorrow" would outlive every
 prune and idle TTL.
 
@@ -26,7 +27,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .bodies import parse_json
 from .errors import BadRequest
-from .messages import SYSTEM_ROLES, validate_message
+from .messages import SYSTEM_ROLES, chain_hash, validate_message
 from .store.base import TurnKind
 
 Record = dict[str, Any]
@@ -283,6 +284,7 @@ def _check_relations(numbered: list[tuple[int, Record]]) -> None:
     if len(active) != count or not all(0 <= seq < length for seq in active) or \
             len({r["chain_hash"] for r in active.values()}) != count:
         raise BadRequest("the active messages of an export must be numbered below its length, once each")
+    _check_chain(numbered, active)
     summaries = [r for _, r in numbered if r["type"] == "summary"]
     for summary in summaries:
         if summary["covers"] > length:
@@ -297,6 +299,21 @@ def _check_relations(numbered: list[tuple[int, Record]]) -> None:
     for name, value in expected.items():
         if head[name] != value:
             raise BadRequest(f"session field '{name}' does not match the last active message")
+
+
+def _check_chain(numbered: list[tuple[int, Record]], active: dict[int, Record]) -> None:
+    """Each active message's `chain_hash` names its body and the chain before it, where that chain
+    is in the export (the first message, or one after an active one; the messages a cap deleted
+    cannot be checked). Reconciling a client's messages matches them by these hashes: a body edited
+    by hand under its old hash would be taken for what the client sent, and sent in its place."""
+    lines = {id(r): line for line, r in numbered}
+    for seq in sorted(active):
+        before = "" if seq == 0 else active.get(seq - 1, {}).get("chain_hash")
+        record = active[seq]
+        if before is not None and chain_hash(before, record["body"]) != record["chain_hash"]:
+            raise BadRequest(f"line {lines[id(record)]}: message field 'chain_hash' does not match its body and the"
+                             " messages before it (an export is imported as exported; change a conversation"
+                             " through the API)")
 
 
 def summaries_in_use(records: list[Record], active: dict[int, Record], upto: int) -> list[Record]:

@@ -11,15 +11,18 @@ import pytest
 
 from memproxy.errors import BadRequest
 from memproxy.exports import RECORDS, Role, from_jsonl
-from memproxy.messages import ROLES
+from memproxy.messages import ROLES, ROOT_HASH, chain_hash
+
+BODY = {"role": "user", "content": "hi"}
+HASH = chain_hash(ROOT_HASH, BODY)
 
 SESSION: dict[str, Any] = {"type": "session", "session_id": "x", "created_at": 1.0, "updated_at": 2,
-                           "length": 1, "head_hash": "h", "head_cum": 1, "head_compact_cum": 1}
+                           "length": 1, "head_hash": HASH, "head_cum": 1, "head_compact_cum": 1}
 TURN: dict[str, Any] = {"type": "turn", "id": 1, "created_at": 1, "model": "m", "kind": "new",
                         "context_tokens": 3, "latency_ms": 1.5}
 MESSAGE: dict[str, Any] = {"type": "message", "id": 1, "turn": 1, "seq": 0, "active": 1, "role": "user",
-                           "body": {"role": "user", "content": "hi"}, "tokens": 1, "cum_before": 0,
-                           "unit_start": 1, "chain_hash": "h", "created_at": 1, "compact_tokens": 1,
+                           "body": BODY, "tokens": 1, "cum_before": 0,
+                           "unit_start": 1, "chain_hash": HASH, "created_at": 1, "compact_tokens": 1,
                            "compact_cum_before": 0}
 
 
@@ -78,6 +81,22 @@ def test_fields_an_older_export_lacks_read_as_absent() -> None:
     old = {k: v for k, v in TURN.items()}
     session = {k: v for k, v in SESSION.items() if k not in ("session_id", "format")}
     assert from_jsonl(lines(session, old, MESSAGE)) == [session, old, MESSAGE]
+
+
+def test_a_body_edited_under_its_old_hash_is_refused() -> None:
+    # Reconciling matches a client's messages by their hashes: an edited body kept under the old
+    # one would be taken for what the client sent, and sent upstream in its place.
+    edited = {**MESSAGE, "body": {"role": "user", "content": "hi there"}}
+    assert refusal(SESSION, TURN, edited).startswith("line 3: message field 'chain_hash' does not match its body")
+    answer = {"role": "assistant", "content": "hello"}
+    second = {**MESSAGE, "id": 2, "seq": 1, "role": "assistant", "body": answer, "cum_before": 1,
+              "compact_cum_before": 1, "chain_hash": chain_hash(HASH, answer)}
+    session = {**SESSION, "length": 2, "head_hash": second["chain_hash"], "head_cum": 2, "head_compact_cum": 2}
+    assert from_jsonl(lines(session, TURN, MESSAGE, second)) == [session, TURN, MESSAGE, second]
+    # The hash names the chain before it too: a message moved to another chain is refused.
+    moved = {**second, "chain_hash": chain_hash(ROOT_HASH, answer)}
+    assert refusal({**session, "head_hash": moved["chain_hash"]}, TURN, MESSAGE, moved).startswith(
+        "line 4: message field 'chain_hash' does not match")
 
 
 def test_the_role_literal_is_every_chat_role() -> None:
