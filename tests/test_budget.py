@@ -394,6 +394,38 @@ async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
     assert len(upstream.chat_requests()) == calls and db_state(proxy) == state
 
 
+@pytest.mark.parametrize("header", [None, "new"])
+async def test_exchanges_the_store_lacks_are_kept_as_history_not_refused(
+    proxy: Proxy, upstream: FakeUpstream, header: str | None
+) -> None:
+    """A session holds its first exchange; the client then sends exchanges memproxy never stored (a
+    turn whose answer was not recorded, a conversation continued elsewhere), more than fits, and a
+    question: whether it resends the stored exchange too (`continue`) or only what is new to memproxy
+    (`X-Memproxy-History: new`), the exchanges are stored first as history and the question answered."""
+    client = proxy.client(session=f"lacks-{header}")
+    first = {"role": "user", "content": "hello"}
+    answer = (await client.chat.completions.create(model="small", messages=[first])).choices[0].message
+    stored = [first, {"role": "assistant", "content": answer.content}]
+    unseen: list[Message] = []
+    for turn in range(14):
+        unseen += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
+                   {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    question = {"role": "user", "content": "and what came first?"}
+    assert tokens([*unseen, question]) + REPLY_PRIMING > DEFAULT_BUDGET
+    sent_messages = [*unseen, question] if header else [*stored, *unseen, question]
+    raw = await client.chat.completions.with_raw_response.create(
+        model="small", messages=sent_messages,  # type: ignore[arg-type]
+        extra_headers={"X-Memproxy-History": header} if header else None)
+    reply = raw.parse().choices[0].message.content
+    assert int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
+    sent = upstream.chat_requests()[-1].messages
+    assert sent[-1] == question and sent[-3:-1] == unseen[-2:]
+    assert tokens(sent) + REPLY_PRIMING <= DEFAULT_BUDGET
+    bodies = [json.loads(body) for (body,) in rows(proxy.app[CONFIG], "SELECT body FROM messages WHERE active = 1"
+                                                                      " ORDER BY seq")]
+    assert bodies == [*stored, *unseen, question, {"role": "assistant", "content": reply}]
+
+
 async def test_an_edit_early_in_a_long_conversation_is_answered_not_refused(
     proxy: Proxy, upstream: FakeUpstream
 ) -> None:

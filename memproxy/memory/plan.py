@@ -201,9 +201,10 @@ async def prepare_turn(
 def resent_history(reconciled: Reconciled) -> int:
     """Where the newest exchange starts among new messages that hold a conversation's history (an
     assistant answer before the latest user message), 0 where they hold none: a long prompt of the
-    client's own is never taken for history and left out. An edit's new messages are the edited
-    branch from the fork on."""
-    return history_end(reconciled.new) if reconciled.kind in ("new", "append", "edit") else 0
+    client's own is never taken for history and left out. Whatever the kind: a new session's
+    conversation, an edit's branch from the fork on, or exchanges the store lacks after the ones
+    it holds (a turn not recorded, a client that talked elsewhere meanwhile)."""
+    return history_end(reconciled.new)
 
 
 def _history_turn(tenant: str, session_id: str, session: SessionState | None, reconciled: Reconciled,
