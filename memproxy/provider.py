@@ -141,9 +141,12 @@ LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 
 
 class LitellmCounter:
-    """litellm's counter, for providers whose tokenizer tiktoken does not know. Media parts are
-    counted as tiktoken's counter counts them (`attachment_tokens`): litellm's cannot count audio
-    or files, and would fetch an image URL to size it, synchronously, on the event loop."""
+    """litellm's counter, for providers whose tokenizer tiktoken does not know. Text parts are
+    litellm's to count; media parts are counted as tiktoken's counter counts them
+    (`attachment_tokens`): litellm's cannot count audio or files, and would fetch an image URL to
+    size it, synchronously, on the event loop. Any other part (a file by id, a refusal, a
+    Responses `input_text`), which litellm's counter refuses, is counted as its JSON: a valid
+    request is never a 500 for want of a count."""
 
     sums_lines = False  # an unknown tokenizer: a recall block is counted whole
 
@@ -157,14 +160,14 @@ class LitellmCounter:
     def message(self, message: Message) -> int:
         content = message.get("content")
         attached = 0
-        if isinstance(content, list):  # media: counted by `attachment_tokens`, never by litellm
+        if isinstance(content, list):  # only text parts go to litellm's counter
             kept = []
             for part in content:
-                tokens = attachment_tokens(part)
-                if tokens is None:
+                if isinstance(part, dict) and part.get("type") == "text":
                     kept.append(part)
-                else:
-                    attached += tokens
+                    continue
+                tokens = attachment_tokens(part)
+                attached += tokens if tokens is not None else self.text(json.dumps(part, separators=(",", ":")))
             if len(kept) < len(content):
                 message = {**message, "content": kept or ""}
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached

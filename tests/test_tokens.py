@@ -224,6 +224,18 @@ def test_an_image_url_is_counted_never_fetched() -> None:
             assert counter.message(image) == counter.message(text) + TOKENS_PER_IMAGE
 
 
+def test_parts_litellm_cannot_count_are_counted_as_their_json() -> None:
+    """litellm's counter raises on a part it does not know (a file by id, a refusal, a Responses
+    `input_text`, anything new): those requests were a 500 before anything was sent. Such a part
+    counts as its JSON, as tiktoken's counter counts it."""
+    counter = LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")
+    text: Message = {"role": "user", "content": [{"type": "text", "text": "What is in it?"}]}
+    for part in ({"type": "file", "file": {"file_id": "file-abc"}}, {"type": "refusal", "refusal": "I can't"},
+                 {"type": "input_text", "text": "hello there"}, {"type": "some_new_part", "data": [1, 2]}):
+        with_part: Message = {"role": "user", "content": [*text["content"], part]}
+        assert counter.message(with_part) == counter.message(text) + counter.text(json.dumps(part, separators=(",", ":")))
+
+
 # --- counted once, stored with the message -------------------------------------------------------
 
 
