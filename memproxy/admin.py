@@ -66,7 +66,8 @@ def _parse_cursor(value: str | None, tenant: str | None) -> tuple[float, str, st
     except (BadRequest, ValueError, TypeError, IndexError, OverflowError) as exc:
         raise _bad_cursor() from exc
     if not (len(cursor) == 3 and math.isfinite(updated_at) and isinstance(cursor[1], str)
-            and isinstance(cursor[2], str) and is_session_id(cursor[2]) and tenant in (None, cursor[1])):
+            and cursor[1].isprintable() and isinstance(cursor[2], str) and is_session_id(cursor[2])
+            and tenant in (None, cursor[1])):
         raise _bad_cursor()
     return updated_at, cursor[1], cursor[2]
 

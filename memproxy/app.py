@@ -111,6 +111,13 @@ async def _frozen_heap(app: web.Application) -> AsyncIterator[None]:
     gc.unfreeze()
 
 
+def _route(request: web.Request) -> str:
+    """The route a request matched, as declared (`/v1/sessions/{session_id}`): never its path, whose
+    ids are the client's text (a `%0A` in one would start a log line of the client's choosing)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "(no route)"
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -130,7 +137,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(Conflict.from_store(exc).body(), status=Conflict.status)
     except StoreUnavailable as exc:
         # The driver's error names only its class: its text may quote stored content.
-        log.error("store unavailable on %s %s: %s", request.method, request.path, type(exc.__cause__).__name__)
+        log.error("store unavailable on %s %s: %s", request.method, _route(request), type(exc.__cause__).__name__)
         notes(request).error = "store_unavailable"
         request.app[METRICS].store_error("request")
         return web.json_response(store_unavailable_body(), status=503)
@@ -149,7 +156,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(body, status=exc.status, headers=allow)
     except Exception as exc:
         # Never the message: it may quote request content.
-        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.path,
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, _route(request),
                   exc_info=log.isEnabledFor(logging.DEBUG))
         notes(request).error = "internal_error"
         return web.json_response(error_body("internal error", "server_error", "internal_error"),

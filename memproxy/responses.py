@@ -44,7 +44,7 @@ from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, che
                              new_id, output_items, parse_request, response_object, responses_usage, sse,
                              status_of)
 from .session_ids import SESSION_HEADER, is_session_id
-from .store import NewResponse, TurnRecord, TurnStore
+from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
 from .typedefs import CONFIG, PROVIDER, STORE
@@ -120,7 +120,7 @@ async def _session(request: web.Request, store: TurnStore, tenant: str, parsed: 
     named: str | None = None
     source = ""
     if parsed.previous_response_id is not None:
-        previous = await store.get_response(tenant, parsed.previous_response_id)
+        previous = await _stored(store, tenant, parsed.previous_response_id)
         if previous is None:
             raise _no_previous(parsed.previous_response_id)
         named, source = previous.session_id, "previous_response_id"
@@ -143,7 +143,7 @@ async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages:
     """What a request continuing `previous_id` reconciles, read under the session's lock: its new
     messages alone where that response is the session's newest answer; else the stored history up
     to that answer and then the new messages, as a full history (an edit from there)."""
-    previous = await store.get_response(tenant, previous_id)
+    previous = await _stored(store, tenant, previous_id)
     if previous is None:  # deleted since the request began
         raise _no_previous(previous_id)
     if previous.head:
@@ -317,10 +317,20 @@ def _with_ids(items: list[Item]) -> list[Item]:
 # --- the kept responses ----------------------------------------------------------------------------
 
 
+def _may_exist(response_id: str) -> bool:
+    """Whether a kept response could have this id: one with a character no store column holds (a
+    NUL, which PostgreSQL refuses as an error, not a miss) or longer than any id is none."""
+    return len(response_id) <= 256 and response_id.isprintable()
+
+
+async def _stored(store: TurnStore, tenant: str, response_id: str) -> StoredResponse | None:
+    return await store.get_response(tenant, response_id) if _may_exist(response_id) else None
+
+
 async def _kept(request: web.Request) -> tuple[str, Any]:
     tenant = caller_tenant(request)
     response_id = request.match_info["response_id"]
-    stored = await request.app[STORE].get_response(tenant, response_id)
+    stored = await _stored(request.app[STORE], tenant, response_id)
     if stored is None:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     return tenant, stored
@@ -334,7 +344,7 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
 async def delete(request: web.Request) -> web.StreamResponse:
     tenant = caller_tenant(request)
     response_id = request.match_info["response_id"]
-    if not await request.app[STORE].delete_response(tenant, response_id):
+    if not _may_exist(response_id) or not await request.app[STORE].delete_response(tenant, response_id):
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 

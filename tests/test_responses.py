@@ -304,6 +304,23 @@ async def test_get_delete_and_input_items(proxy: Proxy, wire: Upstream) -> None:
     assert_error(body, type="invalid_request_error", code="not_found", param="response_id")
 
 
+async def test_an_id_no_store_holds_is_not_found(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A NUL in a response id (PostgreSQL refuses one in text as an error, not a miss) or an id
+    longer than any: not found, on every route that names one, never a 503 that says the store is down."""
+    for bad in ("resp_%00x", "resp_" + "a" * 300):
+        for method, path in (("GET", f"/responses/{bad}"), ("DELETE", f"/responses/{bad}"),
+                             ("GET", f"/responses/{bad}/input_items")):
+            status, body = await call(proxy, method, path)
+            assert status == 404, (method, path, body)
+            assert_error(body, type="invalid_request_error", code="not_found", param="response_id")
+    status, body = await call(proxy, "POST", "/responses",
+                              json={"model": "small", "input": "x", "previous_response_id": "resp_\x00x"})
+    assert status == 404
+    assert_error(body, type="invalid_request_error", code="previous_response_not_found",
+                 param="previous_response_id")
+    assert upstream.chat_requests() == []
+
+
 async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     raw = await client.responses.with_raw_response.create(model=wire.model, input="Private.", store=False)

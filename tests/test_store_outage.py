@@ -139,6 +139,7 @@ def assistant(text: str) -> Any:
 
 async def test_a_cut_store_is_a_503_before_any_upstream_call_and_recovers(
     start_proxy: StartProxy, storage: StorageConfig, relay: Relay, upstream: FakeUpstream,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     proxy = await start(start_proxy, storage, relay, upstream)
     client = proxy.client()
@@ -161,6 +162,13 @@ async def test_a_cut_store_is_a_503_before_any_upstream_call_and_recovers(
         async with http.get(f"{proxy.url}/sessions", headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
             assert response.status == 503
             assert (await response.json())["error"]["code"] == "store_unavailable"
+        # The log names the route, never the path: ids in it are the client's text.
+        async with http.get(f"{proxy.url}/responses/resp_client-text", headers={"Authorization": f"Bearer {PROXY_KEY}"}) \
+                as response:
+            assert response.status == 503
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("store unavailable on GET")]
+    assert any(line.startswith("store unavailable on GET /v1/responses/{response_id}: ") for line in logged), logged
+    assert not any("client-text" in line for line in logged)
 
     relay.restore()
     assert await ready(proxy) == 200  # the pool reconnected on its own
