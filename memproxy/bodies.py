@@ -66,8 +66,9 @@ async def body_bytes(request: web.Request) -> bytes:
                          "Content-Encoding or Transfer-Encoding", code="invalid_body_encoding") from exc
 
 
-def parse_json(raw: bytes | str, what: str = "the request body") -> Any:
-    """One JSON value that every part of memproxy can hold, or a 400 naming the field at fault."""
+def parse_json(raw: bytes | str, what: str = "the request body", surrogates: bool = False) -> Any:
+    """One JSON value that every part of memproxy can hold, or a 400 naming the field at fault.
+    `surrogates`: lone surrogate escapes are let through (an export of what a provider answered)."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     try:
         # Strict UTF-8 (JSON's encoding on the wire): `json.loads` on bytes would let the UTF-8
@@ -81,9 +82,14 @@ def parse_json(raw: bytes | str, what: str = "the request body") -> Any:
         raise BadRequest(f"{what} is nested more than {MAX_DEPTH} levels deep") from exc
     except ValueError as exc:
         raise BadRequest(f"{what} is not valid JSON: {exc}") from exc
-    surrogates = _SURROGATE_ESCAPE.search(data) is not None and _lone_surrogate_escape(data)
-    _check(value, surrogates, what)
+    lone = not surrogates and _SURROGATE_ESCAPE.search(data) is not None and _lone_surrogate_escape(data)
+    _check(value, lone, what)
     return value
+
+
+def refuse_lone_surrogates(value: Any, what: str) -> None:
+    """A 400 naming where `value` (parsed with `surrogates=True`) holds a lone surrogate."""
+    _check(value, True, what)
 
 
 def _lone_surrogate_escape(data: bytes) -> bool:

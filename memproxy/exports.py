@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .bodies import parse_json
+from .bodies import parse_json, refuse_lone_surrogates
 from .errors import BadRequest
 from .messages import SYSTEM_ROLES, chain_hash, validate_message
 from .store.base import TurnKind
@@ -201,15 +201,32 @@ _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "string_type"
                "dict_type": "an object", "list_type": "a list"}
 
 
+_PROVIDER_TEXT = frozenset({"body", "compact_body", "text"})  # a message's forms, a summary's text
+
+
 def to_jsonl(records: list[Record]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
+    """One line a record, as UTF-8 text; a record holding a lone surrogate (a provider's answer is
+    stored as it came), which UTF-8 cannot encode, is written with JSON's escapes instead."""
+    return "".join(_line(r) + "\n" for r in records)
+
+
+def _line(record: Record) -> str:
+    line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    if line.isascii():
+        return line
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(record, separators=(",", ":"))
+    return line
 
 
 def from_jsonl(data: bytes | str) -> list[Record]:
     """The records of an export, checked; a 400 naming the line and field of the first problem.
     Lines end at `\n` only: an export holds U+2028 and other line separators as they are, inside
     its strings (`str.splitlines` would cut a record there). Each line is parsed as a request body
-    is (`parse_json`): no lone surrogates, no deep nesting, no NaN."""
+    is (`parse_json`: no deep nesting, no NaN, no lone surrogates), but for message bodies and
+    summary texts, which may hold a lone surrogate a provider answered (stored as it came)."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     numbered: list[tuple[int, Record]] = []
@@ -217,7 +234,9 @@ def from_jsonl(data: bytes | str) -> list[Record]:
         if not raw.strip():
             continue
         try:
-            record = parse_json(raw, "the record")
+            record = parse_json(raw, "the record", surrogates=True)
+            if isinstance(record, dict):
+                refuse_lone_surrogates({k: v for k, v in record.items() if k not in _PROVIDER_TEXT}, "the record")
         except BadRequest as exc:
             raise BadRequest(f"not JSON lines: line {line}: {exc.message}", param=exc.param) from exc
         if not isinstance(record, dict) or not isinstance(record.get("type"), str) or record["type"] not in RECORDS:

@@ -294,6 +294,21 @@ async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
         model="small", messages=[{"role": "user", "content": "and then?"}])
     assert upstream.last().messages[-2:] == [{"role": "assistant", "content": expected},
                                              {"role": "user", "content": "and then?"}]
+    # An export holds it as JSON's escape (UTF-8 cannot encode it), and an import restores it.
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.server.make_url("/v1/sessions/s1/export"), headers=auth()) as response:
+            assert response.status == 200
+            exported = await response.read()
+        assert b"\\ud800" in exported
+        async with http.post(proxy.server.make_url("/v1/sessions/import?session_id=copy"), data=exported,
+                             headers=auth()) as response:
+            assert response.status == 201, await response.text()
+        async with http.get(proxy.server.make_url("/v1/sessions/copy/export"), headers=auth()) as response:
+            copied = [json.loads(line) for line in (await response.read()).splitlines()]
+    original = [json.loads(line) for line in exported.splitlines()]
+    assert [r["body"] for r in copied if r["type"] == "message"] == \
+        [r["body"] for r in original if r["type"] == "message"]
+    assert {"role": "assistant", "content": expected} in [r["body"] for r in copied if r["type"] == "message"]
     # The client's SDK takes it as the provider's answer too.
     upstream.enqueue(Reply(raw_content='"again \\udfff"'))
     reply = await proxy.client("s2").chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}])
