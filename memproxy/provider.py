@@ -50,7 +50,7 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
-from .tokens import TiktokenCounter, TokenCounter, attachment_tokens, encoding_name_for
+from .tokens import TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens, encoding_name_for
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
@@ -170,6 +170,10 @@ class LitellmCounter:
                 attached += tokens if tokens is not None else self.text(json.dumps(part, separators=(",", ":")))
             if len(kept) < len(content):
                 message = {**message, "content": kept or ""}
+        heard = answer_audio_tokens(message)
+        if heard is not None:  # a spoken answer: its id goes back, and the model hears it again
+            attached += heard + self.text(str(message["audio"].get("id") or ""))
+            message = {k: v for k, v in message.items() if k != "audio"}
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
 
     def tools(self, tools: Sequence[Any]) -> int:

@@ -130,6 +130,8 @@ class TiktokenCounter:
                 total += sum(self._tool_call(call) for call in value)
             elif key == "function_call" and isinstance(value, dict):
                 total += self._tool_call({"function": value})
+            elif key == "audio" and (heard := answer_audio_tokens(message)) is not None:
+                total += heard + self.text(str(value.get("id") or ""))
             elif isinstance(value, str):
                 total += self.text(value)
                 if key == "name":
@@ -196,6 +198,17 @@ def attachment_tokens(part: Any) -> int | None:
         pages = sum(1 for _ in _PDF_PAGE.finditer(data)) or math.ceil(len(data) / _DOCUMENT_BYTES_PER_PAGE)
         return max(pages, 1) * TOKENS_PER_DOCUMENT_PAGE
     return None
+
+
+def answer_audio_tokens(message: Message) -> int | None:
+    """What an assistant's spoken answer costs when the conversation goes on: only its id is sent
+    back (`messages.wire_form`), but the model hears the clip again, so it counts as an
+    `input_audio` of its data does, by its duration (its id is text, for the counter to add); None
+    for a message with no audio data (an `audio` of an id alone counts as its JSON)."""
+    audio = message.get("audio")
+    if message.get("role") != "assistant" or not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+        return None
+    return attachment_tokens({"type": "input_audio", "input_audio": {"data": audio["data"]}})
 
 
 def _base64(value: Any) -> str | None:

@@ -367,6 +367,22 @@ def test_audio_and_documents_cost_their_length_not_their_bytes() -> None:
         assert counter.message(document) >= 5 * TOKENS_PER_DOCUMENT_PAGE
 
 
+def test_a_spoken_answer_counts_as_heard_not_as_its_base64() -> None:
+    """An audio answer is stored with its clip, but only its id goes back upstream, and the model
+    hears the clip again: it counts by its duration, as an input clip does, not as 40,000 characters
+    of base64 (which left the previous exchange out, and refused a tool result after it)."""
+    clip = wav(10)
+    spoken: Message = {"role": "assistant", "content": None,
+                       "audio": {"id": "audio_abc", "data": clip, "expires_at": 1, "transcript": "Hello there."}}
+    silent: Message = {"role": "assistant", "content": None}
+    for counter in (TiktokenCounter("o200k_base"), LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")):
+        assert counter.message(spoken) == counter.message(silent) + 10 * TOKENS_PER_AUDIO_SECOND + counter.text("audio_abc")
+    # By its id alone (a client resending history): its JSON, as any other field.
+    tiktoken_counter = TiktokenCounter("o200k_base")
+    by_id: Message = {"role": "assistant", "content": None, "audio": {"id": "audio_abc"}}
+    assert tiktoken_counter.message(by_id) == tiktoken_counter.message(silent) + tiktoken_counter.text('{"id":"audio_abc"}')
+
+
 async def test_a_clip_and_a_document_are_sent(proxy: Proxy, upstream: FakeUpstream) -> None:
     """Ten seconds of speech and a two-page PDF (some 3,300 tokens) on a 100,000-token window:
     counted as text they were over 300,000, and memproxy refused what the provider would take."""
