@@ -25,7 +25,7 @@ from .messages import validate_message, wire_form
 from .params import check_params
 from .searchtext import matched_words, query_words
 from .provider import Provider
-from .session_ids import is_session_id
+from .session_ids import SESSION_ID_RULE, is_session_id
 from .store import (
     AdminStore,
     EndpointUsage,
@@ -227,7 +227,7 @@ async def fork(store: AdminStore, session: SessionState, tenant: str, new_id: An
     covering no more; returns `at`. A fork never cuts a unit: the session it makes must be one a
     turn could have left, or it would send a tool call without its results."""
     if not isinstance(new_id, str) or not is_session_id(new_id):
-        raise BadRequest("'new_id' must be a session id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+        raise BadRequest(f"'new_id' must be a session id ({SESSION_ID_RULE})",
                          param="new_id")
     at = session.length if at is None else at
     if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:

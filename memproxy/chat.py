@@ -53,7 +53,7 @@ from .messages import Message, validate_messages, wire_form
 from .observe import CLIENT_GONE, notes
 from .params import check_params
 from .redact import session_digest
-from .session_ids import SESSION_HEADER, end_user, is_session_id
+from .session_ids import SESSION_HEADER, SESSION_ID_RULE, end_user, is_session_id
 from .store import StoreUnavailable, TurnRecord
 from .store.errors import SessionDeleted, StoreConflict
 from .streaming import StreamAssembler, hiding_usage
@@ -274,7 +274,7 @@ def session_id_header(request: web.Request) -> str | None:
     if value is None:
         return None
     if not is_session_id(value):
-        raise BadRequest(f"{SESSION_HEADER} must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+        raise BadRequest(f"{SESSION_HEADER} must be {SESSION_ID_RULE}",
                          code="invalid_session_id", param=SESSION_HEADER)
     return value
 

@@ -43,7 +43,7 @@ from .provider import Provider
 from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, input_items,
                              new_id, output_items, parse_request, response_object, responses_usage, sse,
                              status_of)
-from .session_ids import SESSION_HEADER, is_session_id
+from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
@@ -126,7 +126,7 @@ async def _session(request: web.Request, store: TurnStore, tenant: str, parsed: 
         named, source = previous.session_id, "previous_response_id"
     elif parsed.conversation is not None:
         if not is_session_id(parsed.conversation):
-            raise BadRequest("'conversation' must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="conversation")
+            raise BadRequest(f"'conversation' must be {SESSION_ID_RULE}", param="conversation")
         named, source = parsed.conversation, "conversation"
     if named is not None and header is not None and header != named:
         raise BadRequest(f"{SESSION_HEADER} names another session than '{source}' does", param=source)

@@ -1,5 +1,6 @@
 """Who a request is about: session ids (1-128 characters of `[A-Za-z0-9._:-]`, sent in
-`X-Session-Id` or in a path) and the end user a turn is for."""
+`X-Session-Id` or in a path, but not `.` or `..`: every HTTP client and browser resolves those path
+segments away, so such a session could be made but never reached) and the end user a turn is for."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from .errors import BadRequest
 
 SESSION_HEADER = "X-Session-Id"
 USER_HEADER = "X-Memproxy-User"  # the end user a turn is for (recall across their sessions)
-_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_SESSION_ID = re.compile(r"(?!\.\.?$)[A-Za-z0-9._:-]{1,128}")
+SESSION_ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : -, not . or .. alone"
 
 
 def is_session_id(value: str) -> bool:

@@ -457,6 +457,14 @@ REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int
      _chat_with(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
          {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]), 400,
      "messages[1].tool_calls[0].function.arguments"),
+    # A session named "." or "..": every HTTP client resolves those path segments away.
+    ("a session named ..", "POST", "/v1/chat/completions", (("X-Session-Id", ".."),), _json(CHAT), 400,
+     "X-Session-Id"),
+    ("a session named .", "POST", "/v1/chat/completions", (("X-Session-Id", "."),), _json(CHAT), 400,
+     "X-Session-Id"),
+    ("a fork named ..", "POST", f"/v1/sessions/{SEED}/fork", (), b'{"new_id":".."}', 400, "new_id"),
+    ("a conversation named .", "POST", "/v1/responses", (), b'{"model":"small","input":"x","conversation":"."}',
+     400, "conversation"),
     ("preview messages a number", "POST", f"/v1/sessions/{SEED}/context", (), b'{"messages":5}', 400, "messages"),
     ("preview messages an object", "POST", f"/v1/sessions/{SEED}/context", (), b'{"messages":{}}', 400,
      "messages"),
