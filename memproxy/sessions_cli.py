@@ -339,9 +339,9 @@ async def _search(args: argparse.Namespace, config: Config, store: Store) -> int
     if args.json:
         _print_json(found)
         return 0
-    _table([[hit["session_id"], str(hit["position"]), str(hit["role"]), _when(hit["created_at"]),
+    _table([[hit["tenant"], hit["session_id"], str(hit["position"]), str(hit["role"]), _when(hit["created_at"]),
              f"{hit['score']:.2f}", ",".join(hit["matched"]), _text(hit["message"])[:60]] for hit in found["data"]],
-           ["SESSION", "POS", "ROLE", "WHEN (UTC)", "SCORE", "MATCHED", "TEXT"])
+           ["TENANT", "SESSION", "POS", "ROLE", "WHEN (UTC)", "SCORE", "MATCHED", "TEXT"])
     return 0
 
 

@@ -261,28 +261,30 @@ async def test_search_a_session_and_every_session_the_key_may_see(
     api = api_for(http, proxy)
     await long_conversation(proxy, upstream, "s1", turns=3)
     await long_conversation(proxy, upstream, "s2", turns=2, fact="The red locker stays open.")
-    b_client = proxy.client(session="b-1", key=OTHER_KEY)
+    b_client = proxy.client(session="s1", key=OTHER_KEY)  # tenant b's session of the same name
     upstream.enqueue(Reply("ok"))
     await b_client.chat.completions.create(model="small", messages=[user("The blue locker is mine, tenant b.")])
 
     found = await api.post("/sessions/s1/search", json={"query": "blue locker"})
     assert found["object"] == "list" and found["query"] == ["blue", "locker"]
     [hit] = found["data"]
-    assert (hit["session_id"], hit["position"], hit["role"]) == ("s1", 0, "user")
+    assert (hit["tenant"], hit["session_id"], hit["position"], hit["role"]) == ("a", "s1", 0, "user")
     assert hit["message"] == user(FACT) and hit["matched"] == ["blue", "locker"] and hit["score"] > 0
 
     everywhere = await api.post("/search", json={"query": "locker", "limit": 10})
-    assert {h["session_id"] for h in everywhere["data"]} == {"s1", "s2"}  # never tenant b's
+    assert {(h["tenant"], h["session_id"]) for h in everywhere["data"]} == {("a", "s1"), ("a", "s2")}  # never b's
     scores = [h["score"] for h in everywhere["data"]]
     assert scores == sorted(scores, reverse=True)
     theirs = await api.as_(OTHER_KEY).post("/search", json={"query": "locker"})
-    assert [h["session_id"] for h in theirs["data"]] == ["b-1"]
-    assert_error(await api.as_(OTHER_KEY).post("/sessions/s1/search", 404, json={"query": "locker"}),
-                 type="invalid_request_error", code="session_not_found")
+    assert [(h["tenant"], h["session_id"], h["message"]) for h in theirs["data"]] == [
+        ("b", "s1", user("The blue locker is mine, tenant b."))]
+    assert [h["message"] for h in (await api.as_(OTHER_KEY).post("/sessions/s1/search", json={"query": "blue"}))[
+        "data"]] == [user("The blue locker is mine, tenant b.")]  # its own s1, not tenant a's
+    # An admin's hits name their tenant: two tenants' sessions of one name are told apart.
     admin = await api.as_(ADMIN_KEY).post("/search", json={"query": "locker"})
-    assert {h["session_id"] for h in admin["data"]} == {"s1", "s2", "b-1"}
+    assert {(h["tenant"], h["session_id"]) for h in admin["data"]} == {("a", "s1"), ("a", "s2"), ("b", "s1")}
     only_b = await api.as_(ADMIN_KEY).post("/search?tenant=b", json={"query": "locker"})
-    assert [h["session_id"] for h in only_b["data"]] == ["b-1"]
+    assert [(h["tenant"], h["session_id"]) for h in only_b["data"]] == [("b", "s1")]
 
     # Errors are OpenAI-shaped; a query never goes in a URL.
     assert_error(await api.post("/search?query=locker", 400, json={"query": "locker"}),

@@ -525,11 +525,11 @@ def test_search_one_session_or_every_session_of_the_tenant(cli: Setup, upstream:
     assert (hit["session_id"], hit["position"], hit["matched"]) == ("search-1", 0, ["lighthouse", "keeper"])
     mine = {h["session_id"] for h in cli.json("search", "lighthouse", "--limit", "50")["data"]}
     assert {"search-1", "search-2"} <= mine and "search-b" not in mine
-    every = {h["session_id"] for h in json.loads(cli.sessions("search", "lighthouse", "--all-tenants",
-                                                                  "--json").stdout)["data"]}
-    assert {"search-1", "search-2", "search-b"} <= every
+    every = {(h["tenant"], h["session_id"]) for h in json.loads(cli.sessions("search", "lighthouse", "--all-tenants",
+                                                                              "--json").stdout)["data"]}
+    assert {("a", "search-1"), ("a", "search-2"), ("b", "search-b")} <= every
     table = cli.sessions("search", "keeper", "--tenant", "a").stdout.splitlines()
-    assert table[0].split() == ["SESSION", "POS", "ROLE", "WHEN", "(UTC)", "SCORE", "MATCHED", "TEXT"]
-    assert table[1].startswith("search-1 ") and "The lighthouse keeper painted" in table[1]
+    assert table[0].split() == ["TENANT", "SESSION", "POS", "ROLE", "WHEN", "(UTC)", "SCORE", "MATCHED", "TEXT"]
+    assert table[1].split()[:2] == ["a", "search-1"] and "The lighthouse keeper painted" in table[1]
     assert cli.sessions("search", "keeper", "--session", "nope", "--tenant", "a", ok=False).stderr == (
         "memproxy: no session 'nope' in tenant 'a'\n")

@@ -187,7 +187,7 @@ async function listPage() {
     try {
       const found = await api("/search", { query: query.value, limit: 20 });
       hits.replaceChildren(...found.data.map((h) => el("div", { class: "hit" },
-        link(route("session", h.tenant || tenantOf(sessions, h.session_id), h.session_id), h.session_id),
+        link(route("session", h.tenant, h.session_id), h.session_id),
         el("span", { class: "muted" }, ` #${h.position} · score ${h.score} · ${h.matched.join(", ")}`),
         message(h.message))), found.data.length ? null : el("p", { class: "muted" }, "No match."));
     } catch (e) { hits.replaceChildren(failure(e)); }
@@ -215,11 +215,6 @@ async function tenantUsage(perTenant, sessions) {
   el("tbody", {}, each.map((u) => el("tr", {}, el("td", {}, u.tenant), ...[u.sessions, u.turns, u.prompt_tokens,
     u.completion_tokens].map((n) => el("td", { class: "n" }, num(n))), el("td", { class: "n" }, cost(u.cost)),
   el("td", { class: "n" }, num(u.tokens_saved)))))));
-}
-
-function tenantOf(sessions, id) {
-  const found = sessions.find((s) => s.id === id);
-  return found ? found.tenant : sessionStorage.getItem(KEY + ".tenant");
 }
 
 function sentLine(t) {

@@ -227,6 +227,7 @@ class RecalledMessage(NamedTuple):
 class SearchHit:
     """A stored message found by `AdminStore.search`."""
 
+    tenant: str
     session_id: str
     seq: int
     score: float  # higher ranks first

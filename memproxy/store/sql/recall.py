@@ -316,16 +316,16 @@ class SQLRecall(SQLBase):
         found: list[SearchHit] = []
         for i in range(0, len(sessions), _CHUNK):
             chunk = sessions[i : i + _CHUNK]
-            names = {pk: name for pk, _, name in chunk}
+            names = {pk: (t, name) for pk, t, name in chunk}
             hits_sql, hits_params = self._hits_of([(pk, session_key(t, name), _END) for pk, t, name in chunk],
                                                   words, limit)
             rows = await self._fetch(
                 f"WITH hits (pk, seq, score) AS ({hits_sql}) SELECT h.pk, h.seq, h.score, m.body, m.created_at"
                 " FROM hits h JOIN messages m ON m.session_pk = h.pk AND m.active = 1 AND m.seq = h.seq",
                 hits_params)
-            found += [SearchHit(names[int(r[0])], int(r[1]), float(r[2]), json.loads(r[3]), float(r[4]))
+            found += [SearchHit(*names[int(r[0])], int(r[1]), float(r[2]), json.loads(r[3]), float(r[4]))
                       for r in rows]
-        found.sort(key=lambda h: (-h.score, h.session_id, h.seq))
+        found.sort(key=lambda h: (-h.score, h.tenant, h.session_id, h.seq))
         return found[:limit]
 
     def _hits_of(self, scope: list[tuple[int, str, int]], words: Sequence[str], limit: int) -> Step:
