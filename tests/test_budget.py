@@ -299,22 +299,24 @@ def assert_parts_within_memory(timing: dict[str, float], parts: Sequence[str]) -
 # --- the output reserve --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens", "both"])
 async def test_a_bigger_output_reserve_keeps_less_history(
     proxy: Proxy, upstream: FakeUpstream, key: str
 ) -> None:
+    """Where both are set, the larger is reserved: providers differ in which one they honour."""
     kept: dict[str, int] = {}
     for name, reserve in (("default", None), ("big", 1200)):
         chat = Chat(proxy, upstream, "new", f"reserve-{name}")
         for turn in range(6):
             await chat.send([{"role": "user", "content": f"q{turn} {words(60, turn)}"}])
         budget = WINDOW - (reserve or DEFAULT_RESERVE) - MARGIN
-        params = {key: reserve} if reserve else {}
+        params = {} if not reserve else {"max_completion_tokens": 100, "max_tokens": reserve} if key == "both" \
+            else {key: reserve}
         kept[name], headers = await chat.send([{"role": "user", "content": "and now?"}], budget=budget,
                                                **params)
         assert headers["x-memproxy-input-budget"] == str(budget)
-        if reserve:
-            assert upstream.last().body[key] == reserve  # still forwarded
+        for sent, value in params.items():
+            assert upstream.last().body[sent] == value  # still forwarded
     assert kept["big"] < kept["default"]
 
 

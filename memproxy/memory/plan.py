@@ -60,8 +60,10 @@ class PreparedTurn:
 
 def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> int:
     """The tokens kept free for the answer: the request's `max_completion_tokens` or `max_tokens`
-    (a positive integer below the window), else the model's `max_output_tokens`, at most the window
-    less one token."""
+    (a positive integer below the window; the larger where both are set: providers differ in which
+    one they honour, and litellm's translation keeps either), else the model's
+    `max_output_tokens`, at most the window less one token."""
+    asked = []
     for key in ("max_completion_tokens", "max_tokens"):
         value = params.get(key)
         if value is None:
@@ -72,8 +74,8 @@ def output_reserve(params: dict[str, Any], model: ModelConfig, window: int) -> i
             raise ContextLengthExceeded(
                 f"'{key}' is {value}, but model '{model.name}' has a context window of "
                 f"{window} tokens in all", param=key)
-        return value
-    return min(model.max_output_tokens, window - 1)
+        asked.append(value)
+    return max(asked) if asked else min(model.max_output_tokens, window - 1)
 
 
 def request_budget(params: dict[str, Any], model: ModelConfig, window: int, memory: MemoryConfig,
