@@ -24,7 +24,7 @@ from memproxy.config import Config, MemoryConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory.fit import Budget, Fixed, fit
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
-from memproxy.typedefs import METRICS, SUMMARIZER
+from memproxy.typedefs import METRICS, PROVIDER, SUMMARIZER
 from test_plan import COUNTER, SYSTEM, fixed_of, snapshot_of, stored
 
 pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
@@ -150,6 +150,25 @@ async def test_summaries_are_folded_for_the_providers_count(
     assert folds and len(refused) <= 1 and refused == folds[: len(refused)]  # one at most, the first
     assert int(headers["X-Memproxy-Summary-Version"]) > 0  # folds applied
     assert all(heavier(r.body) + 256 <= WINDOW for r in provider.chat_requests()[-10:])
+
+
+async def test_a_provider_that_counts_as_memproxy_does_leaves_the_factor_at_one(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    """Chat turns and the summariser's own calls are counted as the provider counts them, the
+    reply's priming included: the factor stays at 1 (the summariser's calls, counted without it,
+    nudged it up)."""
+    upstream.tokens, upstream.window = (
+        lambda body: request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []), WINDOW)
+    memory = replace(config.memory, summaries=True, overflow="summarize", chunk_threshold_tokens=1800, tail_tokens=300)
+    proxy = await start_proxy(replace(config, memory=memory))
+    upstream.summarizer = lambda received: Reply(content="They talked about the lighthouse and its keeper.")
+    client = proxy.client(session="exact", **{"X-Memproxy-History": "new"})
+    for i in range(30):
+        upstream.enqueue(Reply(content=sentence(1000 + i)))
+        _, headers = await complete(client, [user(sentence(i))])
+        await proxy.app[SUMMARIZER].wait_idle()
+    assert upstream.summary_requests() and int(headers["X-Memproxy-Summary-Version"]) > 0
+    assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
 
 
 # --- the rule, without a proxy ---------------------------------------------------------------------

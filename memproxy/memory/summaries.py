@@ -35,7 +35,7 @@ from ..provider import Provider
 from ..redact import session_digest
 from ..store import SessionState, StoredMessage, StoreUnavailable, Summary, SummaryCall, TurnStore, Usage
 from ..store.errors import StoreConflict
-from ..tokens import TokenCounter
+from ..tokens import TokenCounter, request_tokens
 from .fit import summary_tokens
 from .shrink import content_text, fit_head_and_tail, head_and_tail
 
@@ -369,7 +369,7 @@ class Summarizer:
         self, model: ModelConfig, counter: TokenCounter, cap: int, previous: Summary | None
     ) -> int:
         window = self._provider.window(model)
-        fixed = sum(counter.message(m) for m in summarizer_messages(None, "", cap))
+        fixed = request_tokens(counter, summarizer_messages(None, "", cap), ())
         # After the first chunk the previous summary is the one just written: up to `cap` tokens.
         previous_tokens = max(counter.text(previous.text) if previous else 0, cap)
         output = self._output_limit(model, cap)
@@ -384,7 +384,7 @@ class Summarizer:
         answered call is accounted to the session, whether its summary is used or not."""
         messages = summarizer_messages(previous, transcript, cap)
         counter = self._provider.counter(model)
-        counted = sum(counter.message(m) for m in messages)
+        counted = request_tokens(counter, messages, ())  # as a chat request is counted, reply priming too
         window, calibration = self._provider.window(model), self._provider.calibration
         started = time.perf_counter()
         try:
