@@ -267,6 +267,8 @@ class ResponsesWire:
         return self._assembler.message(), self._assembler.usage
 
     def attach(self, record: TurnRecord) -> TurnRecord:
+        if self._request.previous_response_id is not None:  # what led to that response, and nothing else
+            record = dataclasses.replace(record, pinned=True)
         if not self._request.store or self._final is None:
             return record
         kept = NewResponse(self.id, self._final, _with_ids(self._request.input_list))

@@ -212,6 +212,39 @@ async def test_concurrent_new_turns_on_two_replicas_are_both_kept_once(
     assert upstream.last().messages == [*kept, user("after both")]
 
 
+async def test_two_continuations_of_one_response_on_two_replicas_never_merge(
+    cluster: Cluster, upstream: FakeUpstream
+) -> None:
+    """Two branches from one `previous_response_id`, each with the provider at once on its own
+    replica: the one recorded second would continue a chain that now holds its sibling's exchange.
+    It is refused (409), never appended after it (in one process the second is an edit instead)."""
+    session = session_id("response-branches")
+    clients = (cluster.a.async_client(session), cluster.b.async_client(session))
+    try:
+        upstream.enqueue(Reply(content="root answer"))
+        root = await clients[0].responses.create(model="small", input="root question")
+        upstream.wait_for_request()
+        gates = (threading.Event(), threading.Event())
+        upstream.enqueue(Reply(content="answer via A", gate=gates[0]), Reply(content="answer via B", gate=gates[1]))
+        branches = [asyncio.create_task(client.responses.create(model="small", input=f"branch {name}",
+                                                                  previous_response_id=root.id))
+                    for client, name in zip(clients, "AB")]
+        await in_thread(upstream.wait_for_request)
+        await in_thread(upstream.wait_for_request)  # both planned on the root's history
+        for gate in gates:
+            gate.set()
+        results = await asyncio.gather(*branches, return_exceptions=True)
+    finally:
+        for client in clients:
+            await client.close()
+    answered = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, openai.ConflictError)]
+    assert len(answered) == 1 and len(refused) == 1, results
+    name = "A" if answered[0].output_text == "answer via A" else "B"
+    assert chain(cluster.storage, session) == [user("root question"), assistant("root answer"),
+                                               user(f"branch {name}"), assistant(f"answer via {name}")]
+
+
 async def test_concurrent_full_history_turns_are_both_kept_and_the_next_one_rewrites_the_history(
     cluster: Cluster, upstream: FakeUpstream
 ) -> None:

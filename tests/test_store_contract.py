@@ -475,6 +475,19 @@ async def test_a_rebased_turn_keeps_its_response_where_its_answer_landed(open_st
     assert (kept.seq, kept.chain_hash, kept.head) == (5, moved.head_hash, True)
 
 
+async def test_a_pinned_turn_is_refused_not_rebased(open_store: Opener, backend: StoreUnderTest) -> None:
+    """A turn whose history is fixed (a Responses `previous_response_id`), planned before another
+    writer's turn landed, would continue a chain that now holds its sibling's exchange: refused."""
+    store = await open_store()
+    await store.record_turn(turn(None, [user("a"), assistant("b")]))
+    session = await store.get_session("t", "s")
+    await store.record_turn(turn(session, [user("x"), assistant("y")]))  # another writer first
+    with pytest.raises(StoreConflict):
+        await store.record_turn(dataclasses.replace(turn(session, [user("c"), assistant("d")]), pinned=True))
+    assert await backend.query("SELECT count(*) FROM turns") == [(2,)]
+    assert await backend.query("SELECT count(*) FROM messages") == [(4,)]
+
+
 def test_queries_that_serve_a_turn_use_indexes(tmp_path: Path) -> None:
     """No query on the hot path scans a table: its cost follows the request, not the history.
     (SQLite; the PostgreSQL plans are checked in test_postgres.py.)"""

@@ -338,6 +338,9 @@ class TurnRecord:
     # session's, for recall across that user's sessions (`memory.recall_scope: user`).
     end_user: str | None = None
     response: NewResponse | None = None  # a Responses API answer, kept with the turn
+    # What the turn continues is fixed (a Responses `previous_response_id`: the provider must see only
+    # what led to that response): after another writer's turn it is refused, never rebased after it.
+    pinned: bool = False
 
 
 @dataclass(frozen=True)

@@ -387,9 +387,9 @@ class SQLTurns(SQLBase):
         that history (and what it continued is still there), it goes after the other writer's turn,
         its chained hashes and running totals recomputed on the new head: overlapping turns on one
         session are all kept, however many replicas race. An edit or regenerate is refused instead:
-        the point it forked from may be gone."""
+        the point it forked from may be gone; and so is a pinned turn, whose history is fixed."""
         _, length, head_hash, head_cum, head_compact_cum = head
-        if turn.base != turn.expected_length or length < turn.base:
+        if turn.pinned or turn.base != turn.expected_length or length < turn.base:
             raise StoreConflict("the session changed while this turn was in flight; retry it")
         if turn.base:
             found = yield QUERIES["chain_hash_at"], (pk, turn.base - 1)
