@@ -330,7 +330,7 @@ def test_fit_properties(
 @pytest.mark.parametrize(("params", "reserve"), [
     ({}, 256),
     ({"max_tokens": 900}, 900),
-    ({"max_completion_tokens": 300, "max_tokens": 900}, 300),
+    ({"max_completion_tokens": 300, "max_tokens": 900}, 900),  # both: the larger
     ({"max_tokens": None, "max_completion_tokens": 5}, 5),
 ])
 def test_output_reserve_follows_the_request_else_the_model(params: dict[str, Any], reserve: int) -> None:

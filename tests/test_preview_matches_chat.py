@@ -27,7 +27,7 @@ WINDOW, MARGIN, DEFAULT_RESERVE = 2000, 20, 256  # the conftest model "small"
 CASES: dict[str, tuple[dict[str, Any], int | None]] = {  # parameters -> the reserve, None: a 400
     "default": ({}, DEFAULT_RESERVE),
     "max_tokens": ({"max_tokens": 900}, 900),
-    "max_completion_tokens first": ({"max_completion_tokens": 300, "max_tokens": 900}, 300),
+    "both, the larger reserved": ({"max_completion_tokens": 300, "max_tokens": 900}, 900),
     "zero is refused": ({"max_tokens": 0}, None),  # once read by the preview as "no reserve given"
     "not an integer": ({"max_tokens": "lots"}, None),
     "the whole window": ({"max_tokens": WINDOW}, None),
