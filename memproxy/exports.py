@@ -113,6 +113,7 @@ class SessionRecord(_Record):
     title: str | None = None
     metadata: dict[str, Any] | None = None
     end_user: str | None = None  # whose sessions recall may search together (`memory.recall_scope: user`)
+    tokenizer: str | None = None  # which counter made the token counts (`SessionState.tokenizer`)
 
 
 _SENT = ("summary_version", "first_sent", "included", "omitted", "unsummarised_omitted", "trimmed",

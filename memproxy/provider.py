@@ -153,6 +153,7 @@ class LitellmCounter:
     def __init__(self, litellm: Any, model: str) -> None:
         self._litellm = litellm
         self._model = model
+        self.name = f"litellm:{model}"
 
     def text(self, text: str) -> int:
         return int(self._litellm.token_counter(model=self._model, text=text))

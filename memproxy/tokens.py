@@ -53,6 +53,9 @@ class TokenCounter(Protocol):
     # Whether the count of lines joined is the sum of their counts, when each line ends with a
     # newline and each but the first starts with "[" or "…" (a recall block, `memory.recall.render`).
     sums_lines: bool
+    # Who counts: counts made by counters of one name agree (a session's stored counts are trusted
+    # by a turn counted by the same name, `SessionState.tokenizer`).
+    name: str
 
     def __hash__(self) -> int: ...  # counters key caches of counts
 
@@ -104,6 +107,7 @@ class TiktokenCounter:
     sums_lines = True
 
     def __init__(self, encoding_name: str) -> None:
+        self.name = encoding_name
         self.encoding = load_encoding(encoding_name)
         # Short texts recur on every request (roles, names, a session's system prompt): counted once.
         self._short: dict[str, int] = {}

@@ -76,6 +76,7 @@ async def test_export_imports_back_exactly(
     assert records[0]["session_id"] == "orig" and records[0]["metadata"] == {"known": {"city": "Oslo"},
                                                                            "pending": None}
     assert records[0]["end_user"] == "alice"
+    assert records[0]["tokenizer"] == "o200k_base"  # which counter made its counts, as the store keeps it
 
     body = await api.post("/sessions/import?session_id=copy", data=exported.encode(), status=201)
     assert body == {"id": "copy", "object": "session", "imported": True}
@@ -89,7 +90,8 @@ async def test_export_imports_back_exactly(
     # A fork is the same conversation, for the same end user; it is no chat turn of the tenant's.
     turns = (await api.get("/usage"))["turns"]
     await api.post("/sessions/orig/fork", json={"new_id": "forked"}, status=201)
-    assert json.loads((await api.get("/sessions/forked/export")).splitlines()[0])["end_user"] == "alice"
+    forked = json.loads((await api.get("/sessions/forked/export")).splitlines()[0])
+    assert (forked["end_user"], forked["tokenizer"]) == ("alice", "o200k_base")
     assert (await api.get("/usage"))["turns"] == turns
 
     # The copy goes on as the original would.

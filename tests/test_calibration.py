@@ -17,13 +17,15 @@ import openai
 import pytest
 
 from conftest import PROXY_KEY, Proxy
+from db import rows
 from fake_upstream import FakeUpstream, Reply
 from helpers import complete, stream_chat, user
 from memproxy.calibration import MAX_FACTOR, RELAX, STEP, Calibration, observed_from
-from memproxy.config import Config, MemoryConfig
+from memproxy.config import Config, MemoryConfig, ModelConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory.fit import Budget, Fixed, fit
 from memproxy.tokens import TiktokenCounter, encoding_name_for, request_tokens
+from memproxy.store.base import MIXED_COUNTS
 from memproxy.typedefs import METRICS, PROVIDER, SUMMARIZER
 from test_plan import COUNTER, SYSTEM, fixed_of, snapshot_of, stored
 
@@ -169,6 +171,35 @@ async def test_a_provider_that_counts_as_memproxy_does_leaves_the_factor_at_one(
         await proxy.app[SUMMARIZER].wait_idle()
     assert upstream.summary_requests() and int(headers["X-Memproxy-Summary-Version"]) > 0
     assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
+
+
+async def test_a_session_moved_to_a_model_counted_another_way_never_overflows(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    """A session told on a cl100k model, then continued on an o200k one: its stored counts are
+    cl100k's, and a run of "¯" is a quarter of what o200k counts. Planned on them, every turn went
+    over the window, the calibration's retry (at most twice the count) too, and the model's factor
+    stuck at its highest for every session. What would be sent is counted again instead."""
+    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
+                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
+                         tokenizer="cl100k_base")
+    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    client = proxy.client(session="moved", **{"X-Memproxy-History": "new"})
+    for i in range(6):
+        upstream.enqueue(Reply(content=f"noted {i}"))
+        await complete(client, [user(f"{i} " + "¯" * 400)], model="small-cl100k")
+    assert [r[0] for r in rows(config, "SELECT tokenizer FROM sessions")] == ["cl100k_base"]
+    upstream.tokens, upstream.window = (  # the provider of "small" counts as o200k does
+        lambda body: request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []), WINDOW)
+    sent_before = len(upstream.chat_requests())
+    for i in range(3):
+        upstream.enqueue(Reply(content=f"fine {i}"))
+        _, headers = await complete(client, [user(f"and now {i}?")])  # raises on any error
+        assert int(headers["X-Memproxy-Context-Tokens"]) == upstream.tokens(upstream.last().body)  # counted exactly
+    sent = upstream.chat_requests()[sent_before:]
+    assert len(sent) == 3 and all(upstream.tokens(r.body) + 256 <= WINDOW for r in sent)
+    assert "¯" * 400 in str(sent[0].messages)  # not everything was dropped: what fits was sent
+    assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
+    assert [r[0] for r in rows(config, "SELECT tokenizer FROM sessions")] == [MIXED_COUNTS]
 
 
 # --- the rule, without a proxy ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
                             StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
+from memproxy.store.base import MIXED_COUNTS
 from memproxy.store.errors import StoreConflict, StoreUnavailable
 from memproxy.store.migrations import migrations, statements
 from memproxy.store.sql import QUERIES
@@ -473,6 +474,31 @@ async def test_a_rebased_turn_keeps_its_response_where_its_answer_landed(open_st
     moved = await store.get_session("t", "s")
     assert kept is not None and moved is not None
     assert (kept.seq, kept.chain_hash, kept.head) == (5, moved.head_hash, True)
+
+
+async def test_the_session_keeps_which_counter_made_its_counts(open_store: Opener) -> None:
+    """The first turn's counter; the same again keeps it; another makes it a mix, until a turn
+    replaces the whole chain (an edit from the first message) with counts of its own."""
+    store = await open_store()
+
+    async def record(session: Any, messages: list[Message], tokenizer: str | None, **kwargs: Any) -> Any:
+        await store.record_turn(dataclasses.replace(turn(session, messages, **kwargs), tokenizer=tokenizer))
+        return await store.get_session("t", "s")
+
+    session = await record(None, [user("1"), assistant("a")], "cl100k_base")
+    assert session.tokenizer == "cl100k_base"
+    session = await record(session, [user("2"), assistant("b")], "cl100k_base")
+    assert session.tokenizer == "cl100k_base"
+    session = await record(session, [user("3"), assistant("c")], None)  # a write that counts nothing
+    assert session.tokenizer == "cl100k_base"
+    session = await record(session, [user("4"), assistant("d")], "o200k_base")
+    assert session.tokenizer == MIXED_COUNTS
+    session = await record(session, [user("5"), assistant("e")], "cl100k_base")
+    assert session.tokenizer == MIXED_COUNTS  # stays a mix
+    session = await record(session, [user("1 edited"), assistant("x")], "o200k_base", base=0, base_hash=ROOT_HASH)
+    assert session.tokenizer == "o200k_base" and session.length == 2
+    loaded = await store.load("t", "s", 1000)
+    assert loaded is not None and loaded.session.tokenizer == "o200k_base"
 
 
 async def test_a_pinned_turn_is_refused_not_rebased(open_store: Opener, backend: StoreUnderTest) -> None:

@@ -25,7 +25,7 @@ from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, history_end, split_system
 from ..store import NewMessage, SessionState, Snapshot, StoredMessage, Totals, TurnRecord, TurnStore
 from ..timing import lap
-from ..tokens import REPLY_PRIMING, TokenCounter
+from ..tokens import REPLY_PRIMING, TokenCounter, request_tokens
 from . import recall
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history
 from .reconcile import Reconciled, reconcile
@@ -35,6 +35,10 @@ from .summaries import FoldResult, Summarizer
 
 _SYNC_FOLDS = 3  # at most this many folds before one request
 _HEAD_READ = 32  # messages read per opening turn kept (`memory.head_turns`): longer turns are not kept
+# A session counted by another counter: at most this many plans, each for the ratio the last one was
+# over by, and a little more.
+_PLANS = 5
+_REPLAN_STEP = 1.02
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,29 @@ async def prepare_turn(
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded. `end_user`:
     whose other sessions recall may look in (`memory.recall_scope: user`). `calibration`: the
-    model's provider's tokens per counted token (`memproxy.calibration`)."""
+    model's provider's tokens per counted token (`memproxy.calibration`).
+
+    A session's stored counts were made by the counter of the model it was talking to then. Where
+    that was another counter (a session moved from a cl100k model to an o200k one, or to a Claude),
+    they can be off by any ratio (a run of rare characters: four times), so what the plan would send
+    is counted again with this model's counter, and planned again for less while it does not fit."""
+    args = (store, summarizer, model, counter, window, memory, tenant, session_id, messages, params,
+            requested_history, idle_ttl, preview, end_user)
+    turn, plans = await _prepare(*args, calibration), 1
+    while turn.session is not None and turn.session.tokenizer not in (None, counter.name):
+        exact = request_tokens(counter, turn.context.messages, prompt_schemas(params))
+        if exact <= turn.budget.input_tokens or plans == _PLANS:  # over still: the provider has the last word
+            return dataclasses.replace(turn, context=dataclasses.replace(turn.context, tokens=exact))
+        calibration *= exact / turn.budget.input_tokens * _REPLAN_STEP
+        turn, plans = await _prepare(*args, calibration), plans + 1
+    return turn
+
+
+async def _prepare(
+    store: TurnStore, summarizer: Summarizer, model: ModelConfig, counter: TokenCounter, window: int,
+    memory: MemoryConfig, tenant: str, session_id: str, messages: list[Message], params: dict[str, Any],
+    requested_history: str, idle_ttl: float | None, preview: bool, end_user: str | None, calibration: float,
+) -> PreparedTurn:
     budget = request_budget(params, model, window, memory, calibration)
     schemas = prompt_schemas(params)
     tools = counter.tools(schemas)
@@ -151,9 +177,10 @@ async def prepare_turn(
         if session is not None and reconciled.kind == "edit":
             base_totals = (await store.snapshot(session, reconciled.base, False, 0)).base_totals
         await store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
-                                              system_changed, model.name, cutoff, end_user, base_totals))
-        return await prepare_turn(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
-                                  params, requested_history, idle_ttl, preview, end_user, calibration)
+                                              system_changed, model.name, cutoff, end_user, counter.name,
+                                              base_totals))
+        return await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
+                              params, requested_history, idle_ttl, preview, end_user, calibration)
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
     heads: list[list[StoredMessage]] = []  # the opening turns (`memory.head_turns`), once read
@@ -211,7 +238,8 @@ def resent_history(reconciled: Reconciled) -> int:
 
 def _history_turn(tenant: str, session_id: str, session: SessionState | None, reconciled: Reconciled,
                   history: list[NewMessage], system: list[Message], system_changed: bool, model: str,
-                  expired: float | None, end_user: str | None, base_totals: Totals | None = None) -> TurnRecord:
+                  expired: float | None, end_user: str | None, tokenizer: str,
+                  base_totals: Totals | None = None) -> TurnRecord:
     """The write of a resent conversation's history (`resent_history`), before its newest exchange
     is planned: its messages as a turn of their own, which sent nothing and cost nothing.
     `base_totals`: the stored history's totals at an edit's fork."""
@@ -226,7 +254,7 @@ def _history_turn(tenant: str, session_id: str, session: SessionState | None, re
         base_totals=base_totals,
         base_hash=reconciled.base_hash, messages=history, system=system if system_changed else None,
         model=model, kind=reconciled.kind, context_tokens=0, latency_ms=0.0,
-        title=title_of(m.body for m in history), expired_before=expired, end_user=end_user,
+        title=title_of(m.body for m in history), expired_before=expired, end_user=end_user, tokenizer=tokenizer,
     )
 
 

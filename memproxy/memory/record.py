@@ -52,6 +52,7 @@ def turn_record(
         expired_before=turn.expired_before,
         sent=sent_context(turn.context),
         end_user=turn.end_user,
+        tokenizer=counter.name,
     )
 
 

@@ -47,6 +47,13 @@ class SessionState:
     # The newest active message, read with the row: whether a request echoes the stored tail is
     # decided against it, with no read of its own on most turns (None: the session is empty).
     head_message: Message | None = None
+    # The counter that made its stored token counts (`TokenCounter.name`), `MIXED_COUNTS` once several
+    # did, None where unknown (stored before memproxy kept it): a turn counted another way checks
+    # what it sends by a count of its own (`memproxy.memory.plan`).
+    tokenizer: str | None = None
+
+
+MIXED_COUNTS = "*"  # `SessionState.tokenizer` of a session whose counts several counters made
 
 
 @dataclass(frozen=True)
@@ -338,6 +345,7 @@ class TurnRecord:
     # session's, for recall across that user's sessions (`memory.recall_scope: user`).
     end_user: str | None = None
     response: NewResponse | None = None  # a Responses API answer, kept with the turn
+    tokenizer: str | None = None  # the counter that counted its messages (`TokenCounter.name`)
     # What the turn continues is fixed (a Responses `previous_response_id`: the provider must see only
     # what led to that response): after another writer's turn it is refused, never rebased after it.
     pinned: bool = False

@@ -21,7 +21,7 @@ from .script import Row, Step
 
 # The columns an export carries, as they are named in the tables and in the export records.
 SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
-                   " title, metadata, end_user")
+                   " title, metadata, end_user, tokenizer")
 # Turns of chat, not summariser calls nor forks (`turns` rows of kind `summary`, `fork`), in a LEFT
 # JOIN on turns `t`.
 CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind NOT IN ('summary', 'fork') THEN 1 ELSE 0 END), 0)"
@@ -58,7 +58,7 @@ MESSAGE_COLUMNS = ("seq, active, role, body, tokens, cum_before, unit_start, cha
 SUMMARY_COLUMNS = "version, text, covers, covers_hash, tokens, replaced_tokens, model, created_at"
 _JSON_COLUMNS = frozenset({"system_prompt", "metadata", "body", "compact_body", "recalled"})
 # Free text, kept as it is where it can be (`text_in`); a model name only an import can make odd.
-_TEXT_COLUMNS = frozenset({"title", "text", "model", "end_user"})
+_TEXT_COLUMNS = frozenset({"title", "text", "model", "end_user", "tokenizer"})
 
 
 def column_marks(columns: str) -> str:

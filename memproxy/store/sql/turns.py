@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import (EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse, Summary, SummaryCall,
-                    Totals, TurnRecord, UsageTotals, mandatory_start)
+from ..base import (MIXED_COUNTS, EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse,
+                    Summary, SummaryCall, Totals, TurnRecord, UsageTotals, mandatory_start)
 from ..errors import SessionDeleted, StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
@@ -50,7 +50,7 @@ def _marks(session: str, before: str, full: str, compact: str) -> list[str]:
 # A session `s`'s marks at its head, for a room of `?` tokens (`load`).
 _HEAD_MARKS = _marks("s.pk", "s.length", "s.head_cum - ?", "s.head_compact_cum - ?")
 _MESSAGE_FIELDS = 9  # the columns of `active_range`, which `_stored` reads
-_SESSION_FIELDS = 12  # the columns of `get_session`, which `_session` reads
+_SESSION_FIELDS = 13  # the columns of `get_session`, which `_session` reads
 _SUMMARY_FIELDS = 10  # `to_summary`'s columns, then the running totals where the summary ends
 _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it reads of a message
 
@@ -59,7 +59,7 @@ _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it r
 # length of a session's history.
 QUERIES = {
     "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
-    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body FROM sessions s"
+    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body, s.tokenizer FROM sessions s"
     " LEFT JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq = s.length - 1"
     " WHERE s.tenant = ? AND s.session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
@@ -106,7 +106,8 @@ QUERIES = {
     "head": "WITH h AS MATERIALIZED (SELECT s.pk, {start} AS lo, CASE WHEN {cached} THEN 1 ELSE 0 END AS holds"
     " FROM sessions s WHERE s.tenant = ? AND s.session_id = ?)"
     " SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
-    " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, {all_marks},"
+    " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, s.tokenizer,"
+    " {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
     " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), h.lo,"
     " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), h.holds,"
@@ -361,10 +362,10 @@ class SQLTurns(SQLBase):
         """A new session inserted with the turn's head, returning its key; nothing if one exists."""
         return (
             "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
-            " head_compact_cum, system_prompt, title, end_user) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " head_compact_cum, system_prompt, title, end_user, tokenizer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, dumps(turn.system) if turn.system else None,
-             text_in(turn.title), text_in(turn.end_user)))
+             text_in(turn.title), text_in(turn.end_user), turn.tokenizer))
 
     @staticmethod
     def _move_head(turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Step:
@@ -375,12 +376,16 @@ class SQLTurns(SQLBase):
         where, params = ("pk = ?", [pk]) if pk is not None else (
             "tenant = ? AND session_id = ? AND length = ? AND head_hash = ?",
             [turn.tenant, turn.session_id, turn.expected_length, turn.expected_head_hash])
+        # The counter of the session's counts: the turn's where they are all its own (the first, one
+        # that replaces the whole chain, or one of the same counter), else a mix (`*`).
         return (
             "UPDATE sessions SET length = ?, head_hash = ?, head_cum = ?, head_compact_cum = ?,"
             " updated_at = ?, system_prompt = coalesce(?, system_prompt),"
-            f" title = coalesce(title, ?), end_user = coalesce(?, end_user) WHERE {where} RETURNING pk",
+            " title = coalesce(title, ?), end_user = coalesce(?, end_user), tokenizer = CASE"
+            " WHEN CAST(? AS TEXT) IS NULL THEN tokenizer WHEN ? = 0 OR tokenizer IS NULL OR tokenizer = ? THEN ?"
+            f" ELSE '{MIXED_COUNTS}' END WHERE {where} RETURNING pk",
             (*head, now, dumps(turn.system) if turn.system else None, text_in(turn.title),
-             text_in(turn.end_user), *params))
+             text_in(turn.end_user), turn.tokenizer, turn.base, turn.tokenizer, turn.tokenizer, *params))
 
     def _rebased(self, turn: TurnRecord, pk: int, head: Row) -> Script[TurnRecord]:
         """A turn planned on a history that another writer has since extended. If it only continued
@@ -512,7 +517,7 @@ def _session(row: Row) -> SessionState:
         pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
         head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
         created_at=row[8], updated_at=row[9], summary_version=row[10],
-        head_message=json.loads(row[11]) if row[11] else None,
+        head_message=json.loads(row[11]) if row[11] else None, tokenizer=row[12],
     )
 
 
