@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -273,6 +274,36 @@ async def test_the_sweep_removes_expired_sessions(
     assert session_pk(config, "just-expired") is not None
     assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["recent", "just-expired"]
     await api.get("/sessions/stale", status=404)
+
+
+async def test_a_turn_on_a_session_near_its_ttl_marks_it_active_as_it_begins(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
+) -> None:
+    """The sweep spares a session as long again as a turn may take, but a stream's timeout bounds
+    only the wait between chunks: a long answer planned just before the TTL would lose the whole
+    conversation to the sweep while it streams. A turn on a session idle for more than half its
+    TTL marks it active before it goes upstream; one used more recently costs no write."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    config = config_of(proxy)
+    for session in ("near", "recent"):
+        await send_turn(proxy, session, [user(f"{session} conversation")])
+        upstream.wait_for_request()  # its arrival, taken off the count
+    await age(config, "near", 45)
+    await age(config, "recent", 20)
+
+    def last_active(session: str) -> float:
+        [(updated_at,)] = rows(config, "SELECT updated_at FROM sessions WHERE session_id = ?", session)
+        return float(updated_at)
+
+    for session, touched in (("near", True), ("recent", False)):
+        before = last_active(session)
+        gate = threading.Event()
+        upstream.enqueue(Reply(content="a long answer", gate=gate))
+        turn = asyncio.create_task(send_turn(proxy, session, [user("go on")]))
+        await asyncio.to_thread(upstream.wait_for_request)  # the turn is upstream
+        assert (last_active(session) > before + 40) is touched, session
+        gate.set()
+        await turn
 
 
 async def converse_with_edits(proxy: Proxy, upstream: FakeUpstream, api: Api,

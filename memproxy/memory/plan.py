@@ -29,7 +29,7 @@ from ..tokens import REPLY_PRIMING, TokenCounter, request_tokens
 from . import recall
 from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history
 from .reconcile import Reconciled, reconcile
-from .retention import expired_before, has_expired
+from .retention import expired_before, has_expired, keep_alive
 from .shrink import new_message, title_of
 from .summaries import FoldResult, Summarizer
 
@@ -151,6 +151,8 @@ async def _prepare(
     cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
     if cutoff is not None:
         session = None  # planned as new; the store restarts the old one when the turn is written
+    elif not preview:
+        await keep_alive(store, session, idle_ttl)
     system, conversation = split_system(messages)
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:

@@ -29,6 +29,19 @@ def has_expired(session: SessionState | None, idle_ttl: float | None) -> bool:
     return session is not None and cutoff is not None and session.updated_at < cutoff
 
 
+async def keep_alive(store: TurnStore, session: SessionState | None, idle_ttl: float | None) -> None:
+    """Before a turn on a session idle for more than half its TTL (not past it): mark it active now.
+    The sweep deletes a session once idle as long again as a turn may take, but a stream's
+    `timeout_seconds` bounds only the wait between its chunks: a long answer on a session planned
+    just before its TTL would have its whole history swept from under it. A session used within
+    half its TTL is far from the sweep, and costs nothing here."""
+    if session is None or idle_ttl is None:
+        return
+    now = time.time()
+    if now - idle_ttl <= session.updated_at < now - idle_ttl / 2:
+        await store.touch(session, now)
+
+
 async def sweep(store: AdminStore, ttl: float, interval: float, metrics: Metrics | None = None) -> None:
     """Delete expired sessions every `interval` seconds, for as long as the app runs."""
     while True:

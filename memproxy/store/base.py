@@ -559,6 +559,11 @@ class TurnStore(Protocol):
         or covered by the summary in use); returns how many."""
         ...
 
+    async def touch(self, session: SessionState, now: float) -> None:
+        """Mark the session active at `now` (its last activity only moves forward): a turn on it
+        has begun (`memproxy.memory.retention.keep_alive`)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -486,6 +486,10 @@ class SQLTurns(SQLBase):
     async def cap_messages(self, session: SessionState, keep: int) -> int:
         return await self._db.write(self._cap_messages(session, keep))
 
+    async def touch(self, session: SessionState, now: float) -> None:
+        await self._write_one("UPDATE sessions SET updated_at = ? WHERE pk = ? AND updated_at < ?",
+                              (now, session.pk, now))
+
     def _cap_messages(self, session: SessionState, keep: int) -> Script[int]:
         locked = yield from self._locked(session.tenant, session.session_id)
         if locked is None or locked[0] != session.pk:
