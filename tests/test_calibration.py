@@ -132,6 +132,20 @@ async def test_with_calibration_off_the_providers_refusal_reaches_the_client(
     assert len(provider.chat_requests()) == before + 1
 
 
+async def folded_conversation(start_proxy: Any, config: Config, upstream: FakeUpstream) -> tuple[Proxy, Any]:
+    """30 turns with summaries folding more than one transcript's room; the proxy and the last
+    turn's headers."""
+    memory = replace(config.memory, summaries=True, overflow="summarize", chunk_threshold_tokens=1800, tail_tokens=300)
+    proxy = await start_proxy(replace(config, memory=memory))
+    upstream.summarizer = lambda received: Reply(content="They talked about the lighthouse and its keeper.")
+    client = proxy.client(session="folded", **{"X-Memproxy-History": "new"})
+    for i in range(30):
+        upstream.enqueue(Reply(content=sentence(1000 + i)))
+        _, headers = await complete(client, [user(sentence(i))])
+        await proxy.app[SUMMARIZER].wait_idle()
+    return proxy, headers
+
+
 async def test_summaries_are_folded_for_the_providers_count(
         start_proxy: Any, config: Config, provider: FakeUpstream) -> None:
     """The summariser's requests go to the same provider, here counting 90% more: at a 2,000-token
@@ -139,14 +153,7 @@ async def test_summaries_are_folded_for_the_providers_count(
     still fits (at 200,000 it would not). Its chunks are sized for the provider's count, learnt from
     the chat turns' usage or its own refusal, so folds apply."""
     provider.tokens = heavier = lambda body: math.ceil(1.9 / RATIO * provider_tokens(body))
-    memory = replace(config.memory, summaries=True, overflow="summarize", chunk_threshold_tokens=1800, tail_tokens=300)
-    proxy = await start_proxy(replace(config, memory=memory))  # folds of more than one transcript's room
-    provider.summarizer = lambda received: Reply(content="They talked about the lighthouse and its keeper.")
-    client = proxy.client(session="folded", **{"X-Memproxy-History": "new"})
-    for i in range(30):
-        provider.enqueue(Reply(content=sentence(1000 + i)))
-        _, headers = await complete(client, [user(sentence(i))])
-        await proxy.app[SUMMARIZER].wait_idle()
+    _, headers = await folded_conversation(start_proxy, config, provider)
     folds = provider.summary_requests()
     refused = [r for r in folds if heavier(r.body) + r.body["max_tokens"] > WINDOW]
     assert folds and len(refused) <= 1 and refused == folds[: len(refused)]  # one at most, the first
@@ -161,14 +168,7 @@ async def test_a_provider_that_counts_as_memproxy_does_leaves_the_factor_at_one(
     nudged it up)."""
     upstream.tokens, upstream.window = (
         lambda body: request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []), WINDOW)
-    memory = replace(config.memory, summaries=True, overflow="summarize", chunk_threshold_tokens=1800, tail_tokens=300)
-    proxy = await start_proxy(replace(config, memory=memory))
-    upstream.summarizer = lambda received: Reply(content="They talked about the lighthouse and its keeper.")
-    client = proxy.client(session="exact", **{"X-Memproxy-History": "new"})
-    for i in range(30):
-        upstream.enqueue(Reply(content=sentence(1000 + i)))
-        _, headers = await complete(client, [user(sentence(i))])
-        await proxy.app[SUMMARIZER].wait_idle()
+    proxy, headers = await folded_conversation(start_proxy, config, upstream)
     assert upstream.summary_requests() and int(headers["X-Memproxy-Summary-Version"]) > 0
     assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
 
