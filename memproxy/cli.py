@@ -26,12 +26,13 @@ from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
 from .logs import configure as configure_logging, log_start
-from .preflight import problems
+from .preflight import CONNECT_TIMEOUT_SECONDS, problems
 from .provider import load_litellm
 from .starter import PROVIDERS, ProviderKind, starter_config
 from .stopping import Stopped, stop_signals
 from .store import Store, open_store
 from .store.errors import DRIVER_ERRORS, StoreConflict, StoreUnavailable
+from .store.postgres import schema_problem
 from .store.sqlite import sqlite_path
 from .typedefs import PROVIDER
 
@@ -97,7 +98,13 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "sessions":
         return sessions_cli.run(args, config)
     if args.command == "migrate":
-        return asyncio.run(_migrate(config))
+        try:
+            return asyncio.run(_migrate(config))
+        except DRIVER_ERRORS as exc:
+            return _refuse([ConfigError("storage.url", f"the store did not open: {type(exc).__name__}: {exc}")],
+                           args.config)
+        except ConfigError as exc:  # the store's own refusal (a schema it may not create)
+            return _refuse([exc], args.config)
     if args.command == "migrate-store":
         source = StorageConfig(url=args.source, schema=args.from_schema)
         target = StorageConfig(url=args.target, schema=args.to_schema)
@@ -111,7 +118,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"memproxy: {sessions_cli.failure(exc)}", file=sys.stderr)
             return 1
     if args.command == "check-config":
-        if found := problems(config):  # what `serve` checks at start besides the file itself
+        if found := _problems(config):  # what `serve` checks at start besides the file itself
             return _refuse(found, args.config)
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {_without_password(config.storage.url)})")
@@ -130,7 +137,7 @@ def _main(argv: Sequence[str] | None) -> int:
     stop_signals.install()  # as `memproxy.entry` does, for a caller that did not come through it
     configure_logging(args.log_level or config.logging.level, config.logging.format)
     try:
-        if found := problems(config):  # before anything starts: a config `serve` would stop on opens nothing
+        if found := _problems(config):  # before anything starts: a config `serve` would stop on opens nothing
             return _refuse(found, args.config)
         if server.workers > 1 and args.ready_fd is None:
             return _supervise(args, config)
@@ -143,6 +150,18 @@ def _main(argv: Sequence[str] | None) -> int:
     except Stopped:  # a stop signal before the server's event loop ran: nothing was left open
         log.info("stopped while starting")
     return 0
+
+
+def _problems(config: Config) -> list[ConfigError]:
+    """`preflight.problems`, then `storage.schema` on a PostgreSQL server that answers: one the role
+    could not create, or may not create tables in, would stop the store from opening."""
+    found = problems(config)
+    storage = config.storage
+    if storage.is_postgres and storage.schema and not any(exc.key == "storage.url" for exc in found):
+        why = asyncio.run(schema_problem(storage.url, storage.schema, CONNECT_TIMEOUT_SECONDS))
+        if why is not None:
+            found.append(ConfigError("storage.schema", why))
+    return found
 
 
 def _supervise(args: argparse.Namespace, config: Config) -> int:
@@ -201,7 +220,7 @@ def _init(provider: ProviderKind, output: str, force: bool) -> int:
 
 async def _migrate(config: Config) -> int:
     await _apply_migrations(config.storage)
-    print(f"{config.storage.url}: migrated")
+    print(f"{_without_password(config.storage.url)}: migrated")
     return 0
 
 

@@ -131,6 +131,14 @@ class StorageConfig:
     busy_timeout_ms: Count = 5000  # SQLite
     pool_min_size: Annotated[Int, Field(ge=1)] = 1  # PostgreSQL
     pool_max_size: Annotated[Int, Field(ge=1)] = 10
+    # PostgreSQL, so that a stalled server or a row another client keeps locked is a 503 in bounded
+    # time, not a request (and a pool connection) held forever; 0: no limit of memproxy's.
+    pool_timeout_ms: Count = 5000  # waiting for a pooled connection (or a new one to open)
+    # one statement: cancelled, and a server not answering given up on (long enough for bulk deletes:
+    # the retention sweep's is one statement per 500 sessions)
+    statement_timeout_ms: Count = 30000
+    lock_timeout_ms: Count = 2000  # a write waiting for a row another connection has locked
+    idle_in_transaction_timeout_ms: Count = 10000  # the server ends a write transaction left idle this long
     # PostgreSQL: tables live in this schema (created if missing)
     schema: Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")] | None = None
     # A chat turn the store fails to plan: 503 store_unavailable, or forwarded without memory.

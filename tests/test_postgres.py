@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,50 @@ async def test_migrate_command_applies_every_migration_to_a_fresh_schema(
     ids = [row[0] for row in await postgres.query("SELECT id FROM schema_migrations ORDER BY id")]
     assert ids == [migration_id for migration_id, _ in migrations("postgres")]
     assert await postgres.query("SELECT count(*) FROM sessions") == [(0,)]
+
+
+async def test_a_role_that_may_not_create_schemas_uses_the_one_made_for_it(tmp_path: Path) -> None:
+    """`storage.schema` with a least-privilege role: no CREATE on the database, a schema of its own.
+    The store opens in it (PostgreSQL checks `CREATE SCHEMA IF NOT EXISTS` against the database's
+    privilege before it looks, so the schema is looked up first); a schema it could not create, or
+    may not create tables in, is one line naming the key from every command, and nothing is made."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    role, own, missing, foreign = f"{name}_role", f"{name}_own", f"{name}_missing", f"{name}_foreign"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        assert not await admin.fetchval("SELECT has_database_privilege($1, current_database(), 'CREATE')", role)
+        await admin.execute(f'CREATE SCHEMA "{own}" AUTHORIZATION "{role}"')
+        await admin.execute(f'CREATE SCHEMA "{foreign}"')
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{foreign}" TO "{role}"')
+        as_role = re.sub(r"//[^@/]*@|//", f"//{role}@", POSTGRES_URL, count=1)
+        store = await open_store(StorageConfig(url=as_role, schema=own))
+        try:
+            await store.record_turn(turn(None, [user("hi"), assistant("hello")]))
+        finally:
+            await store.close()
+        assert await admin.fetchval(f'SELECT count(*) FROM "{own}".messages') == 2
+
+        config = tmp_path / "memproxy.yaml"
+        for schema, why in [
+            (missing, f'the schema "{missing}" does not exist, and this role may not create it (that needs CREATE'
+                      f' on the database): create it first, e.g. CREATE SCHEMA "{missing}" AUTHORIZATION'
+                      " <the role memproxy uses>"),
+            (foreign, f'this role may not create tables in the schema "{foreign}" (that needs USAGE and CREATE on'
+                      " it): memproxy creates and migrates its tables there"),
+        ]:
+            config.write_text(f'storage:\n  url: "{as_role}"\n  schema: {schema}\n', encoding="utf-8")
+            for command in (["check-config"], ["migrate"], ["serve", "--port", "0"]):
+                result = run_cli(*command, "-c", str(config))
+                assert (result.returncode, result.stderr) == (
+                    2, f"memproxy: config error: {config}: storage.schema: {why}\n"), command
+        assert not await admin.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = $1", missing)
+        assert not await admin.fetchval("SELECT count(*) FROM pg_tables WHERE schemaname = $1", foreign)
+    finally:
+        for schema in (own, foreign):
+            await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
 
 
 async def test_the_search_vector_is_the_one_0009_made_after_0012_replaces_its_function(

@@ -75,6 +75,5 @@ async def open_store(config: StorageConfig) -> Store:
     """The store `storage.url` names, migrated to the newest schema."""
     caches = {"history_cache_bytes": config.history_cache_mb << 20, "recall_cache_bytes": config.recall_cache_mb << 20}
     if config.is_postgres:
-        return await PostgresStore.open(config.url, config.pool_min_size, config.pool_max_size, config.schema,
-                                        **caches)
+        return await PostgresStore.open(config, **caches)
     return await SQLiteStore.open(config.url, busy_timeout_ms=config.busy_timeout_ms, **caches)

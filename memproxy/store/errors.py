@@ -40,9 +40,13 @@ class SessionDeleted(StoreConflict):
 
 
 # What the drivers raise when the database, not memproxy, is at fault: every sqlite3 error (locked,
-# full, read-only, corrupt, closed), every PostgreSQL error and asyncpg's lost connections, and the
-# socket errors and timeouts of connecting.
-DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
+# full, read-only, corrupt, closed); every PostgreSQL error (a statement the server cancelled at its
+# `statement_timeout`, a row lock not had within `lock_timeout`, a session ended for idling in a
+# transaction among them); asyncpg's lost connections, and its protocol state broken by one lost
+# mid-operation (`InternalClientError`: "cannot switch to state ..."); the socket errors of
+# connecting, and a server that did not answer in time (asyncpg's connect, pool and command timeouts).
+DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                 OSError, asyncio.TimeoutError)
 
 
 @contextmanager

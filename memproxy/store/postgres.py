@@ -7,16 +7,25 @@ replicas recording turns on one session are serialised by the database, and a tu
 history that moved meanwhile goes after it (a continuation) or is refused (an edit).
 Migrations run at start (and by `memproxy migrate`) under a transaction-scoped advisory lock, so
 replicas starting together apply each one exactly once.
+
+Every wait on the server is bounded (`storage.*_timeout_ms`), so a stalled server or a row another
+client keeps locked fails a request with `StoreUnavailable` instead of holding it, and a pool
+connection, forever; the server itself ends a write transaction a frozen replica left open, freeing
+its locks. A transaction that committed stands: giving its connection back is apart from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import Any, TypeVar
 
 import asyncpg
 
+from ..config import ConfigError, StorageConfig
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .recall_index import DEFAULT_RECALL_CACHE_BYTES
@@ -25,6 +34,7 @@ from .sql import Outcome, Row, Script, SQLStore, Step, backfill_search, run_scri
 
 
 T = TypeVar("T")
+log = logging.getLogger("memproxy")
 
 
 @lru_cache(maxsize=1024)
@@ -79,19 +89,59 @@ class PostgresBackend:
                 f" FROM pg_class WHERE oid = to_regclass('{table}'))) END"
                 f" FROM (SELECT count(*) AS n FROM (SELECT 1 FROM {table} LIMIT {COUNT_BOUND + 1}) b) c)")
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, acquire_timeout: float | None = None, begin: str = "BEGIN") -> None:
+        """`acquire_timeout`: the longest a call waits for a connection of the pool (None: no limit);
+        each statement's limit is the pool's `command_timeout`. `begin`: what opens a write
+        transaction (`_begin`)."""
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
+        self._begin = begin
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A connection of the pool, given back apart from what was done on it: the release runs
+        asyncpg's reset query, which fails on a connection the server dropped right after a COMMIT,
+        and that must not fail a write that committed (asyncpg terminates such a connection, and the
+        pool opens a new one). A connection the server dropped (a restart, a cut network) fails its
+        next statement; the pool replaces it too, so the store recovers once the server is back."""
+        conn = await self._pool.acquire(timeout=self._acquire_timeout)
+        try:
+            yield conn
+        except asyncio.TimeoutError:
+            # asyncpg stopped waiting for a statement: a server that stalled would not answer the
+            # rollback, cancel or reset either. Dropped, the connection's transaction rolls back.
+            conn.terminate()
+            raise
+        finally:
+            try:
+                await self._pool.release(conn)
+            except Exception as exc:  # what was done on it stands; asyncpg has terminated it
+                log.warning("a store connection failed as it went back to the pool (%s); it is replaced",
+                            type(exc).__name__)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A connection in a transaction: committed when the block ends, rolled back if it raises
+        (but on a timeout, where `_connection` drops the connection instead)."""
+        async with self._connection() as conn:
+            await conn.execute(self._begin)
+            try:
+                yield conn
+            except asyncio.TimeoutError:
+                raise
+            except BaseException:
+                await conn.execute("ROLLBACK")
+                raise
+            await conn.execute("COMMIT")
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
-            return [tuple(r) for r in await self._pool.fetch(numbered(sql), *params)]
-
+            async with self._connection() as conn:
+                return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
 
     async def write(self, script: Script[T]) -> T:
-        # A connection the server dropped (a restart, a cut network) fails its next statement here;
-        # the pool replaces it on the next acquire, so the store recovers once the server is back.
         with translated():
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with self._transaction() as conn:
                 async def fetch(sql: str, params: Sequence[Any]) -> list[Row]:
                     return [tuple(r) for r in await conn.fetch(numbered(sql), *params)]
 
@@ -99,7 +149,7 @@ class PostgresBackend:
 
     async def write_batch(self, steps: Sequence[Step], accept: Callable[[list[Outcome]], T]) -> T:
         with translated():
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with self._transaction() as conn:
                 outcomes: list[Outcome] = []
                 for sql, params in steps:
                     try:
@@ -158,25 +208,66 @@ class PostgresBackend:
 class PostgresStore(SQLStore):
     @classmethod
     async def open(
-        cls, url: str, min_size: int = 1, max_size: int = 10, schema: str | None = None,
-        history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES, recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES,
+        cls, storage: StorageConfig, history_cache_bytes: int = DEFAULT_HISTORY_CACHE_BYTES,
+        recall_cache_bytes: int = DEFAULT_RECALL_CACHE_BYTES,
     ) -> PostgresStore:
-        if schema:
-            await _create_schema(url, schema)
-        settings = {"search_path": f'"{schema}"'} if schema else None  # quoted: as created, case kept
-        pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, server_settings=settings)
+        if storage.schema:
+            await _create_schema(storage.url, storage.schema)
+        search_path = {"search_path": f'"{storage.schema}"'} if storage.schema else {}  # quoted: as created
+        await _migrate(storage.url, search_path)
+        pool = await asyncpg.create_pool(
+            storage.url, min_size=storage.pool_min_size, max_size=storage.pool_max_size,
+            command_timeout=_seconds(storage.statement_timeout_ms), server_settings=search_path)
         assert pool is not None
-        try:
-            await _migrate(pool)
-        except BaseException:  # a failure, or a stop signal's cancel: the connections go at once
-            pool.terminate()
-            raise
-        return cls(PostgresBackend(pool), history_cache_bytes, recall_cache_bytes)
+        backend = PostgresBackend(pool, _seconds(storage.pool_timeout_ms), _begin(storage))
+        return cls(backend, history_cache_bytes, recall_cache_bytes)
+
+
+def _begin(storage: StorageConfig) -> str:
+    """BEGIN, with the server's own limits for the transaction: the server then frees what a replica
+    that froze or lost its network holds (its statement is cancelled, its lock wait ends, and a
+    transaction it left idle is ended with its connection, releasing its locks). `SET LOCAL`, sent
+    with the BEGIN in one round trip, ends with the transaction: nothing carries over on a pooler's
+    shared server connections (PgBouncer in transaction mode, which also refuses such settings as
+    startup parameters). A limit of 0 sets nothing: the server's own default applies."""
+    limits = {"statement_timeout": storage.statement_timeout_ms, "lock_timeout": storage.lock_timeout_ms,
+              "idle_in_transaction_session_timeout": storage.idle_in_transaction_timeout_ms}
+    return "; ".join(["BEGIN", *(f"SET LOCAL {name} = {ms}" for name, ms in limits.items() if ms)])
+
+
+def _seconds(ms: int) -> float | None:
+    return ms / 1000 if ms else None
+
+
+# Whether this role may create tables in the schema (NULL: there is none), and may create one.
+_SCHEMA = ("SELECT (SELECT has_schema_privilege(oid, 'USAGE') AND has_schema_privilege(oid, 'CREATE')"
+           " FROM pg_namespace WHERE nspname = $1), has_database_privilege(current_database(), 'CREATE')")
+
+
+async def _schema_exists(conn: asyncpg.Connection, schema: str) -> bool:
+    """Whether `schema` exists, looked up without creating anything. Refused (`ConfigError`) where
+    this role could not have memproxy's tables there: a missing schema it may not create (that
+    needs CREATE on the database), or one it may not create tables in (USAGE and CREATE on it:
+    migrations create theirs)."""
+    usable, may_create = await conn.fetchrow(_SCHEMA, schema)
+    if usable is None and not may_create:
+        raise ConfigError("storage.schema", f'the schema "{schema}" does not exist, and this role may not create'
+                          f' it (that needs CREATE on the database): create it first, e.g. CREATE SCHEMA'
+                          f' "{schema}" AUTHORIZATION <the role memproxy uses>')
+    if usable is False:
+        raise ConfigError("storage.schema", f'this role may not create tables in the schema "{schema}" (that'
+                          " needs USAGE and CREATE on it): memproxy creates and migrates its tables there")
+    return usable is not None
 
 
 async def _create_schema(url: str, schema: str) -> None:
+    """The schema, created if missing. Looked up first: PostgreSQL checks `CREATE SCHEMA IF NOT
+    EXISTS` against the database's CREATE privilege before it looks, and a role given a schema of
+    its own (and nothing else) has none."""
     conn = await asyncpg.connect(url)
     try:
+        if await _schema_exists(conn, schema):
+            return
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"memproxy-schema:{schema}")
             await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
@@ -184,10 +275,29 @@ async def _create_schema(url: str, schema: str) -> None:
         await conn.close()
 
 
-async def _migrate(pool: asyncpg.Pool) -> None:
+async def schema_problem(url: str, schema: str, timeout: float) -> str | None:
+    """Why opening the store would stop on `schema` (`_schema_exists`), for `memproxy
+    check-config`. None also when the server cannot be reached: the connection's own check says so."""
+    try:
+        conn = await asyncpg.connect(url, timeout=timeout)
+    except Exception:  # whatever it is, the connection's own check reports it
+        return None
+    try:
+        await _schema_exists(conn, schema)
+    except ConfigError as exc:
+        return exc.why
+    finally:
+        await conn.close()
+    return None
+
+
+async def _migrate(url: str, search_path: dict[str, str]) -> None:
     """All pending migrations in one transaction, under an advisory lock: a replica starting while
-    another migrates waits, then finds nothing left to do."""
-    async with pool.acquire() as conn:
+    another migrates waits, then finds nothing left to do. On a connection of their own, without
+    the pool's limits: a migration may rewrite a big table, and the wait for another replica's
+    migration is as long as that takes."""
+    conn = await asyncpg.connect(url, server_settings=search_path)
+    try:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('memproxy-migrate:' || current_schema()))")
             await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations"
@@ -205,3 +315,7 @@ async def _migrate(pool: asyncpg.Pool) -> None:
                     await run_script_async(backfill_search(fts=False), fetch)
                 await conn.execute("INSERT INTO schema_migrations (id, applied_at)"
                                    " VALUES ($1, extract(epoch from now()))", migration_id)
+    except BaseException:  # a failure, or a stop signal's cancel: the connection goes at once
+        conn.terminate()
+        raise
+    await conn.close()
