@@ -501,6 +501,21 @@ async def test_the_session_keeps_which_counter_made_its_counts(open_store: Opene
     assert loaded is not None and loaded.session.tokenizer == "o200k_base"
 
 
+async def test_tool_results_are_refused_not_rebased_after_another_turn(
+    open_store: Opener, backend: StoreUnderTest
+) -> None:
+    """The session ends with a tool call; the results, planned on it, land after another writer's
+    turn: rebased, they would follow a message that made no call, and every later request would
+    send them orphaned (a provider's 400). Refused instead."""
+    store = await open_store()
+    await store.record_turn(turn(None, [user("look it up"), assistant(None, ["c1"])]))
+    session = await store.get_session("t", "s")
+    await store.record_turn(turn(session, [user("meanwhile"), assistant("ok")]))  # another writer first
+    with pytest.raises(StoreConflict):
+        await store.record_turn(turn(session, [tool("c1", "found"), assistant("it is there")]))
+    assert await backend.query("SELECT count(*) FROM messages") == [(4,)]
+
+
 async def test_a_pinned_turn_is_refused_not_rebased(open_store: Opener, backend: StoreUnderTest) -> None:
     """A turn whose history is fixed (a Responses `previous_response_id`), planned before another
     writer's turn landed, would continue a chain that now holds its sibling's exchange: refused."""

@@ -392,9 +392,12 @@ class SQLTurns(SQLBase):
         that history (and what it continued is still there), it goes after the other writer's turn,
         its chained hashes and running totals recomputed on the new head: overlapping turns on one
         session are all kept, however many replicas race. An edit or regenerate is refused instead:
-        the point it forked from may be gone; and so is a pinned turn, whose history is fixed."""
+        the point it forked from may be gone; and so is a pinned turn, whose history is fixed, and
+        one that opens with tool results: they answer the call at its base, and after another
+        writer's turn they would follow a message that made no call."""
         _, length, head_hash, head_cum, head_compact_cum = head
-        if turn.pinned or turn.base != turn.expected_length or length < turn.base:
+        continues_unit = bool(turn.messages) and not turn.messages[0].unit_start
+        if turn.pinned or continues_unit or turn.base != turn.expected_length or length < turn.base:
             raise StoreConflict("the session changed while this turn was in flight; retry it")
         if turn.base:
             found = yield QUERIES["chain_hash_at"], (pk, turn.base - 1)
