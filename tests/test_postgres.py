@@ -178,8 +178,8 @@ async def test_a_turn_on_a_long_cached_session_reads_only_what_is_new(postgres: 
     await postgres.query("ANALYZE")
     [(last_id,)] = await postgres.query(
         "SELECT id FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?", session.pk, session.length - 1)
-    room, held = 1_000_000, (session.created_at, session.length - 1, last_id)  # everything fits; all cached
-    params = (room, room, room, *held, "t", "long", room, room, -1.0, -1, -1, *held[1:2], *held[1:2], 0)
+    room, held = 1_000_000, (session.incarnation, session.length - 1, last_id)  # everything fits; all cached
+    params = (room, room, room, *held, "t", "long", room, room, -1, -1, -1, *held[1:2], *held[1:2], 0)
     conn = await _connect(postgres)
     try:
         await conn.execute(f"SET plan_cache_mode = force_{plan_mode}_plan")

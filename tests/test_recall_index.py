@@ -10,7 +10,7 @@ from memproxy.store.recall_index import SessionIndex
 
 
 def indexed(words: list[list[str]], first: int = 0) -> SessionIndex:
-    index = SessionIndex(created=1.0, first=first)
+    index = SessionIndex(incarnation=1, first=first)
     for n, stems in enumerate(words):
         seq = first + n
         index.add(100 + seq, RecalledMessage("s", seq, "user", True, f"line {seq}", 3, 4, 1.0), stems)

@@ -394,6 +394,16 @@ async def test_summariser_calls_count_in_usage_but_not_as_turns(open_store: Open
     deleted = await reader.deleted_usage("t")
     assert (deleted.sessions, deleted.turns, deleted.summary_calls, deleted.cost) == (1, 1, 2, 0.75)
     assert (deleted.prompt_tokens, deleted.completion_tokens) == (7 + 180 + 50, 3 + 20 + 5)
+    # Another tenant's session made since may hold the deleted one's row id (SQLite reuses them):
+    # a summary of the deleted session still counts with its own tenant, never on that session.
+    await store.record_turn(turn(None, [user("2"), assistant("b")], tenant="u", session_id="new"))
+    newer = await store.get_session("u", "new")
+    assert newer is not None
+    await store.record_summary_call(session, SummaryCall("small", 200, Usage(50, 5), 1.0, cost=0.25))
+    assert (await reader.usage("u")).summary_calls == 0 and (await reader.deleted_usage("t")).summary_calls == 3
+    with pytest.raises(StoreConflict):
+        await store.save_summary(session, 0, summary(2, newer.head_hash))
+    assert (await store.get_session("u", "new")) == newer  # no summary of another session's on it
 
 
 async def test_a_turn_whose_session_was_deleted_meanwhile_is_refused_and_its_cost_kept(open_store: Opener) -> None:
@@ -957,6 +967,21 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     await writer.import_session("t", "s", records)
     session = await same()
     assert session is not None and session.length == 4
+    # Deleted, its older export imported again and continued by another writer: the import keeps
+    # the creation time, and on SQLite the continuation's rows take the very ids the deleted rows
+    # had. Only the row's incarnation tells the two apart.
+    older = await writer.export_session(session)
+    await writer.record_turn(turn(session, [user("old topic"), assistant("old answer")]))
+    session = await same()
+    assert session is not None
+    await writer.delete_session(session)
+    await writer.import_session("t", "s", older)
+    restored = await writer.get_session("t", "s")
+    assert restored is not None and restored.incarnation != session.incarnation
+    await writer.record_turn(turn(restored, [user("new topic"), assistant("new answer")]))
+    await same()
+    loaded = await cached.load("t", "s", 1000)
+    assert loaded is not None and [m.body for m in loaded.messages][-2:] == [user("new topic"), assistant("new answer")]
     await uncached.close()
 
 

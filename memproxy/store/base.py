@@ -51,6 +51,9 @@ class SessionState:
     # did, None where unknown (stored before memproxy kept it): a turn counted another way checks
     # what it sends by a count of its own (`memproxy.memory.plan`).
     tokenizer: str | None = None
+    # Which row it is (`memproxy.store.sql.common.new_incarnation`): a session deleted and imported
+    # again under its id is another, whatever it copied.
+    incarnation: int = 0
 
 
 MIXED_COUNTS = "*"  # `SessionState.tokenizer` of a session whose counts several counters made

@@ -10,9 +10,11 @@ statement that reads the rest, on every turn: stored messages are never rewritte
 regenerate supersedes them, a clear deactivates them, a fork or an import writes new rows, a
 deletion removes them), so the cached messages are still the session's active history exactly when
 the newest of them, by its row id, is still active at its position in the same session. "The same
-session" is told by its creation time, not its row id: SQLite hands a deleted row's id (`INTEGER
-PRIMARY KEY` without `AUTOINCREMENT`) to the next row inserted, so a session deleted by another
-process and created again under its id can hold new messages under the very ids the cache names.
+session" is told by the row's incarnation (a random number each session row gets as it is inserted),
+not its row id nor its creation time: SQLite hands a deleted row's id (`INTEGER PRIMARY KEY` without
+`AUTOINCREMENT`) to the next row inserted, and an import keeps the exported creation time, so a
+session deleted by another process and imported again under its id, then continued, can hold new
+messages under the very ids the cache names.
 Messages the message cap has deleted since are dropped by position (the cap deletes the oldest
 first). That check is the whole
 of it: another replica's turns, edits and forks on a shared PostgreSQL store are seen the same way.
@@ -40,7 +42,7 @@ class Cached(NamedTuple):
     messages: list[StoredMessage]  # active positions, oldest first
     costs: list[int]  # each message's, in bytes as estimated (`message_cost`)
     last_id: int  # the row id of the newest of them
-    session_created: float  # the session's `created_at`: a session deleted and created again is another
+    incarnation: int  # the session row's (`SessionState.incarnation`): one deleted and created again is another
 
 
 def message_cost(body_text: str, compact_text: str | None) -> int:

@@ -11,7 +11,7 @@ on each call reads only what is new.
 It can never answer from a stale session, by the same check as the history cache
 (`memproxy.store.history_cache`), made in the statement that reads what is new: stored rows are
 never rewritten, so the indexed messages are still the session's active ones exactly when the same
-session (by its creation time) still has the newest of them, by row id, active at its position.
+session row (by its incarnation) still has the newest of them, by row id, active at its position.
 Where that fails (an edit of an indexed message, a clear, a deletion, a fork or an import under
 the same id), the session is indexed afresh. Messages the message cap has deleted since are
 passed over by position (the cap deletes the oldest first).
@@ -41,7 +41,7 @@ POSTING_BYTES = 40
 class SessionIndex:
     """One session's active messages from position `first` on, and where each stem occurs."""
 
-    created: float  # the session's `created_at`: a session deleted and created again is another
+    incarnation: int  # the session row's (`SessionState.incarnation`): one deleted and created again is another
     first: int  # the position of `lines[0]`
     ids: list[int] = field(default_factory=list)  # each message's row id
     lines: list[RecalledMessage] = field(default_factory=list)

@@ -33,7 +33,7 @@ from .codec import (
     to_summary,
     to_usage_totals,
 )
-from .common import SQLBase
+from .common import SQLBase, new_incarnation
 from .script import Script
 
 
@@ -234,9 +234,10 @@ class SQLAdmin(SQLBase):
 
     def _import_session(self, tenant: str, session_id: str, records: Sequence[dict[str, Any]]) -> Script[None]:
         [head] = [r for r in records if r["type"] == "session"]
-        created = yield (f"INSERT INTO sessions (tenant, session_id, {SESSION_COLUMNS})"
-                         f" VALUES (?, ?, {column_marks(SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id) DO NOTHING"
-                         " RETURNING pk", (tenant, session_id, *record_values(SESSION_COLUMNS, head)))
+        created = yield (f"INSERT INTO sessions (tenant, session_id, incarnation, {SESSION_COLUMNS})"
+                         f" VALUES (?, ?, ?, {column_marks(SESSION_COLUMNS)}) ON CONFLICT (tenant, session_id)"
+                         " DO NOTHING RETURNING pk",
+                         (tenant, session_id, new_incarnation(), *record_values(SESSION_COLUMNS, head)))
         if not created:
             raise StoreConflict(f"a session '{session_id}' already exists")
         pk = created[0][0]

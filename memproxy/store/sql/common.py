@@ -9,6 +9,7 @@ spent to their tenant's rollup.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +21,19 @@ from .script import Backend, Row, Script, statement
 
 CHUNK = 500  # ids per statement, well under every placeholder limit
 # Whether what a cache in memory holds of session `s` (its history, its recall index) is still its
-# active history: the same session, by its creation time, with the newest cached message, by
-# position and row id, still active. Its `?`s: that creation time, position and row id. Stored rows
-# are never rewritten, so that one message stands for all before it (`memproxy.store.history_cache`).
-CACHE_HOLDS = ("(s.created_at = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
+# active history: the same row, by its incarnation (`new_incarnation`: a session deleted and imported
+# again keeps its creation time, and SQLite may reuse the deleted rows' ids), with the newest cached
+# message, by position and row id, still active. Its `?`s: that incarnation, position and row id.
+# Stored rows are never rewritten, so that one message stands for all before it
+# (`memproxy.store.history_cache`).
+CACHE_HOLDS = ("(s.incarnation = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.session_pk = s.pk AND c.active = 1"
                " AND c.seq = ? AND c.id = ?))")
+
+
+def new_incarnation() -> int:
+    """What tells a session row from one inserted before or after it under the same id: random, and
+    below 2**52, so that a float holds it exactly."""
+    return secrets.randbits(52) or 1
 
 
 class SQLBase:
@@ -87,10 +96,11 @@ class SQLBase:
         """A session record with nothing in it yet, locked like `_locked`'s row. If another writer
         creates it meanwhile (PostgreSQL waits for theirs to commit), theirs is the one."""
         now = time.time()
-        created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
+        created = yield ("INSERT INTO sessions (tenant, session_id, created_at, updated_at, incarnation)"
+                         " VALUES (?, ?, ?, ?, ?)"
                          " ON CONFLICT (tenant, session_id) DO NOTHING"
                          " RETURNING pk, length, head_hash, head_cum, head_compact_cum",
-                         (tenant, session_id, now, now))
+                         (tenant, session_id, now, now, new_incarnation()))
         row = created[0] if created else (yield from self._locked(tenant, session_id))
         if row is None:
             raise StoreConflict("the session was deleted while it was being written; retry")

@@ -35,17 +35,17 @@ _LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, 
 _TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
 # one statement. `h`, worked out once (as `load`'s head query does: not again for every message):
-# the session's row id and creation time, and whether the index still holds (`CACHE_HOLDS`). Row
+# the session's row id and incarnation, and whether the index still holds (`CACHE_HOLDS`). Row
 # 0: the session's first active position, whether the index holds, whether the message at position
-# `before` starts a unit (null: none there), and the session's creation time. Then the active
+# `before` starts a unit (null: none there), and the session's incarnation. Then the active
 # messages not indexed yet before `before`: after the index where it holds, from the start where
 # it does not.
 _INDEX_READ = (
-    f"WITH h AS MATERIALIZED (SELECT s.pk, s.created_at, CASE WHEN {CACHE_HOLDS} THEN 1 ELSE 0 END AS holds"
+    f"WITH h AS MATERIALIZED (SELECT s.pk, s.incarnation, CASE WHEN {CACHE_HOLDS} THEN 1 ELSE 0 END AS holds"
     " FROM sessions s WHERE s.pk = ?)"
     " SELECT 0, (SELECT min(seq) FROM messages WHERE session_pk = h.pk AND active = 1), h.holds, NULL,"
     " (SELECT unit_start FROM messages WHERE session_pk = h.pk AND active = 1 AND seq = ?),"
-    " NULL, NULL, NULL, h.created_at, NULL FROM h"
+    " NULL, NULL, NULL, h.incarnation, NULL FROM h"
     " UNION ALL SELECT 1, m.seq, m.id, m.role, m.unit_start, m.recall_text, m.recall_tokens,"
     " coalesce(m.compact_tokens, m.tokens), m.created_at, m.search_text FROM h JOIN messages m"
     " ON m.session_pk = h.pk AND m.active = 1 WHERE m.seq >= CASE WHEN h.holds = 1 THEN ? ELSE 0 END"
@@ -70,17 +70,17 @@ class SQLRecall(SQLBase):
 
     _recall_index: SessionCache[SessionIndex]  # `SQLStore` sets them
     _stem_cache: dict[str, tuple[str, ...]]
-    # Sessions whose index was found larger than the whole cache (by creation time, and the length
+    # Sessions whose index was found larger than the whole cache (by incarnation, and the length
     # it had then): recall asks the store's own index for them instead of building theirs again
     # every turn (a 10,000-message session of 400-word messages: 5 s a turn), until they shrink.
-    _too_big: dict[tuple[str, str], tuple[float, int]]
+    _too_big: dict[tuple[str, str], tuple[int, int]]
     # For those sessions: the words their store index holds too many positions of to rank by (by
-    # creation time, the length the session had when the first was found, the words). A session
+    # incarnation, the length the session had when the first was found, the words). A session
     # only grows by turns, and a word's positions with it, so each is asked of the store once: until
     # the session is created again, or cleared or edited back to fewer messages than it had then.
     # (A message cap deletes the oldest messages as the session grows: a word it leaves with just
     # under the limit stays noted, among the session's most common words all the same.)
-    _common: dict[tuple[str, str], tuple[float, int, set[str]]]
+    _common: dict[tuple[str, str], tuple[int, int, set[str]]]
 
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
                               end_user: str | None = None, checked: object = None,
@@ -130,7 +130,7 @@ class SQLRecall(SQLBase):
     def _common_words(self, session: SessionState) -> set[str]:
         """The words found too common in the session's store index (`_common`), while they can be."""
         noted = self._common.get((session.tenant, session.session_id))
-        if noted is None or noted[0] != session.created_at or session.length < noted[1]:
+        if noted is None or noted[0] != session.incarnation or session.length < noted[1]:
             return set()
         return noted[2]
 
@@ -143,13 +143,13 @@ class SQLRecall(SQLBase):
             return
         if len(self._common) >= _TOO_BIG_KEPT:
             self._common.clear()
-        self._common[(session.tenant, session.session_id)] = (session.created_at, session.length, set(words))
+        self._common[(session.tenant, session.session_id)] = (session.incarnation, session.length, set(words))
 
     async def recall_messages(self, session: SessionState, spans: Sequence[tuple[str, int, int]], before: int,
                               end_user: str | None = None, found: Postings | None = None) -> list[RecalledMessage]:
         if end_user is None:
             checked = found.source if found is not None else None
-            if isinstance(checked, _Indexed) and checked.entry.created == session.created_at \
+            if isinstance(checked, _Indexed) and checked.entry.incarnation == session.incarnation \
                     and checked.before == max(before, 0):
                 indexed: _Indexed | None = checked
             else:
@@ -219,10 +219,10 @@ class SQLRecall(SQLBase):
                 return None
             too_big = self._too_big.get(key)
             if too_big is not None:
-                if too_big[0] == session.created_at and session.length >= too_big[1]:
+                if too_big[0] == session.incarnation and session.length >= too_big[1]:
                     return None
                 del self._too_big[key]  # another session under the id, or cleared: it may fit now
-        held = (index.created, index.end - 1, index.ids[-1]) if index else (-1.0, -1, -1)
+        held = (index.incarnation, index.end - 1, index.ids[-1]) if index else (-1, -1, -1)
         end = index.end if index else 0
         # Up to the head, not just `before`: the turns after this one find the index current
         # with what their load read (`Checked`).
@@ -230,16 +230,16 @@ class SQLRecall(SQLBase):
         if not rows or rows[0][0] != 0:
             self._recall_index.discard(key)
             return None
-        _, low, holds, _, next_start, _, _, _, created, _ = rows[0]
+        _, low, holds, _, next_start, _, _, _, incarnation, _ = rows[0]
         new = [row[1:] for row in rows[1:]]
         if not holds or index is None:
-            index = SessionIndex(float(created), int(new[0][0]) if new else 0)
+            index = SessionIndex(int(incarnation), int(new[0][0]) if new else 0)
         if not await self._extend(session, index, new):
             return None
         if index.cost > self._recall_index.budget:
             if len(self._too_big) >= _TOO_BIG_KEPT:
                 self._too_big.clear()
-            self._too_big[key] = (index.created, session.length)
+            self._too_big[key] = (index.incarnation, session.length)
         return _Indexed(index, max(int(low if low is not None else 0), index.first), max(before, 0),
                         None if next_start is None else bool(next_start))
 
@@ -247,7 +247,7 @@ class SQLRecall(SQLBase):
         """The session's index as this turn's `load` checked it, brought up to the head with the
         messages that read (None: it cannot serve `before`, and `_indexed` must)."""
         index = checked.entry
-        if index.created != session.created_at:
+        if index.incarnation != session.incarnation:
             return None
         new = [row for row in checked.rows if row[0] >= index.end]  # a turn beside this one may have added some
         if new and new[0][0] != index.end:  # the load read from later on: the index's own read fills the gap

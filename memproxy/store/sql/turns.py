@@ -25,7 +25,7 @@ from ..recall_index import Checked, SessionIndex
 from ..session_cache import SessionCache
 from .codec import (TURN_COLUMNS, column_marks, dumps, recall_text, rollup_step, search_text, sent_values, text_in,
                     to_summary)
-from .common import CACHE_HOLDS, CHUNK, SQLBase
+from .common import CACHE_HOLDS, CHUNK, SQLBase, new_incarnation
 from .script import Outcome, Row, Script, Step
 
 # A turn's statements name its session by tenant and id, so none needs another's answer (a batch).
@@ -50,7 +50,7 @@ def _marks(session: str, before: str, full: str, compact: str) -> list[str]:
 # A session `s`'s marks at its head, for a room of `?` tokens (`load`).
 _HEAD_MARKS = _marks("s.pk", "s.length", "s.head_cum - ?", "s.head_compact_cum - ?")
 _MESSAGE_FIELDS = 9  # the columns of `active_range`, which `_stored` reads
-_SESSION_FIELDS = 13  # the columns of `get_session`, which `_session` reads
+_SESSION_FIELDS = 14  # the columns of `get_session`, which `_session` reads
 _SUMMARY_FIELDS = 10  # `to_summary`'s columns, then the running totals where the summary ends
 _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it reads of a message
 
@@ -59,7 +59,8 @@ _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it r
 # length of a session's history.
 QUERIES = {
     "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
-    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body, s.tokenizer FROM sessions s"
+    " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body, s.tokenizer, s.incarnation"
+    " FROM sessions s"
     " LEFT JOIN messages m ON m.session_pk = s.pk AND m.active = 1 AND m.seq = s.length - 1"
     " WHERE s.tenant = ? AND s.session_id = ?",
     "matched_prefix": "SELECT max(seq) FROM messages WHERE session_pk = ? AND active = 1"
@@ -107,7 +108,7 @@ QUERIES = {
     " FROM sessions s WHERE s.tenant = ? AND s.session_id = ?)"
     " SELECT 0, {message_nulls}, s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum,"
     " s.head_compact_cum, s.system_prompt, s.created_at, s.updated_at, s.summary_version, hm.body, s.tokenizer,"
-    " {all_marks},"
+    " s.incarnation, {all_marks},"
     " su.version, su.text, su.covers, su.covers_hash, su.tokens, su.replaced_tokens, su.model, su.created_at,"
     " sm.cum_before + sm.tokens, sm.compact_cum_before + coalesce(sm.compact_tokens, sm.tokens), h.lo,"
     " (SELECT min(seq) FROM messages WHERE session_pk = s.pk AND active = 1), h.holds,"
@@ -151,11 +152,11 @@ class SQLTurns(SQLBase):
     async def load(self, tenant: str, session_id: str, room: int) -> Loaded | None:
         key = (tenant, session_id)
         cached = self._history.get(key)
-        first, last, last_id, created = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id,
-                                         cached.session_created) if cached else (-1, -1, -1, -1.0)
-        held = (created, last, last_id)
+        first, last, last_id, incarnation = (cached.messages[0].seq, cached.messages[-1].seq, cached.last_id,
+                                             cached.incarnation) if cached else (-1, -1, -1, -1)
+        held = (incarnation, last, last_id)
         index = self._recall_index.get(key)
-        indexed = (index.created, index.end - 1, index.ids[-1]) if index and index.ids else (-1.0, -1, -1)
+        indexed = (index.incarnation, index.end - 1, index.ids[-1]) if index and index.ids else (-1, -1, -1)
         rows = await self._fetch(QUERIES["head"], (room, room, room, *held, *key, room, room, *indexed,
                                                    last, last, first))
         if not rows:
@@ -172,7 +173,7 @@ class SQLTurns(SQLBase):
         last_unit, last_user = (None if v is None else int(v) for v in head[_SESSION_FIELDS:_SESSION_FIELDS + 2])
         summary = head[_SESSION_FIELDS + len(_HEAD_MARKS):-3]
         start, first_active, holds = head[-3:]
-        stored = self._with_cached(key, session.created_at, cached if holds else None,
+        stored = self._with_cached(key, session.incarnation, cached if holds else None,
                                    max(int(start), first_active or 0), rows[1:])
         # The newest summary is the one in use unless the history it covers has changed since (an
         # edit), or it covers more than there is: then an older one may be, and only `snapshot` tells.
@@ -190,7 +191,7 @@ class SQLTurns(SQLBase):
                       summary_totals=Totals(int(summary[8]), int(summary[9])) if in_use else None,
                       summary_known=session.summary_version == 0 or in_use, recall=recall)
 
-    def _with_cached(self, key: tuple[str, str], created: float, cached: Cached | None, start: int,
+    def _with_cached(self, key: tuple[str, str], incarnation: int, cached: Cached | None, start: int,
                      rows: list[Row]) -> list[StoredMessage]:
         """`load`'s messages from `start` on: the rows read, with the cached ones between them where
         the cache still holds (the rows are then those before and after it); cached again."""
@@ -208,7 +209,7 @@ class SQLTurns(SQLBase):
         if messages:
             last_id = after[-1][1] if after else (cached.last_id if kept and cached else read[-1][1])
             costs = [r[2] for r in before] + kept_costs + [r[2] for r in after]
-            self._history.put(key, Cached(messages, costs, last_id, created), sum(costs))
+            self._history.put(key, Cached(messages, costs, last_id, incarnation), sum(costs))
         else:
             self._history.discard(key)
         return messages
@@ -362,10 +363,10 @@ class SQLTurns(SQLBase):
         """A new session inserted with the turn's head, returning its key; nothing if one exists."""
         return (
             "INSERT INTO sessions (tenant, session_id, created_at, updated_at, length, head_hash, head_cum,"
-            " head_compact_cum, system_prompt, title, end_user, tokenizer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
+            " head_compact_cum, system_prompt, title, end_user, tokenizer, incarnation)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id) DO NOTHING RETURNING pk",
             (turn.tenant, turn.session_id, now, now, *head, dumps(turn.system) if turn.system else None,
-             text_in(turn.title), text_in(turn.end_user), turn.tokenizer))
+             text_in(turn.title), text_in(turn.end_user), turn.tokenizer, new_incarnation()))
 
     @staticmethod
     def _move_head(turn: TurnRecord, head: Head, now: float, pk: int | None = None) -> Step:
@@ -439,14 +440,15 @@ class SQLTurns(SQLBase):
         await self._db.write(self._summary_call(session, call))
 
     def _summary_call(self, session: SessionState, call: SummaryCall) -> Script[None]:
-        """The call, paid for, as a turn of its session; of a session deleted meanwhile, in the
-        tenant's usage of deleted sessions."""
+        """The call, paid for, as a turn of its session; of a session deleted meanwhile (its row id
+        perhaps another session's since: the incarnation tells), in the tenant's usage of deleted
+        sessions."""
         recorded = yield (
             "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
             " completion_tokens, latency_ms, cost, full_tokens)"
-            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ? RETURNING id",
+            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ? AND incarnation = ? RETURNING id",
             (time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
-             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk))
+             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk, session.incarnation))
         if not recorded:
             yield rollup_step(session.tenant, UsageTotals(
                 sessions=0, turns=0, summary_calls=1, prompt_tokens=call.usage.prompt_tokens or 0,
@@ -458,7 +460,10 @@ class SQLTurns(SQLBase):
 
     def _save_summary(self, session: SessionState, expected_version: int, summary: Summary,
                       now: float) -> Script[None]:
-        yield from self._locked(session.tenant, session.session_id)
+        row = yield from self._locked(session.tenant, session.session_id)
+        same = yield "SELECT 1 FROM sessions WHERE pk = ? AND incarnation = ?", (session.pk, session.incarnation)
+        if row is None or row[0] != session.pk or not same:
+            raise StoreConflict("the session was deleted (or deleted and made again) since it was read")
         [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
         if version != expected_version:
             raise StoreConflict("another summary of this session was saved meanwhile")
@@ -490,8 +495,8 @@ class SQLTurns(SQLBase):
         return await self._db.write(self._cap_messages(session, keep))
 
     async def touch(self, session: SessionState, now: float) -> None:
-        await self._write_one("UPDATE sessions SET updated_at = ? WHERE pk = ? AND updated_at < ?",
-                              (now, session.pk, now))
+        await self._write_one("UPDATE sessions SET updated_at = ? WHERE pk = ? AND incarnation = ? AND updated_at < ?",
+                              (now, session.pk, session.incarnation, now))
 
     def _cap_messages(self, session: SessionState, keep: int) -> Script[int]:
         locked = yield from self._locked(session.tenant, session.session_id)
@@ -524,7 +529,7 @@ def _session(row: Row) -> SessionState:
         pk=row[0], tenant=row[1], session_id=row[2], length=row[3], head_hash=row[4],
         head_cum=row[5], head_compact_cum=row[6], system=json.loads(row[7]) if row[7] else None,
         created_at=row[8], updated_at=row[9], summary_version=row[10],
-        head_message=json.loads(row[11]) if row[11] else None, tokenizer=row[12],
+        head_message=json.loads(row[11]) if row[11] else None, tokenizer=row[12], incarnation=int(row[13]),
     )
 
 
