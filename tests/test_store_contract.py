@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from db import opening_held
+from db import opening_held, write_lock_held
 from helpers import assistant, tool, user
 from memproxy import admin
+from memproxy.config import StorageConfig
 from memproxy.exports import from_jsonl, to_jsonl
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
@@ -987,6 +988,27 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
 
 def session_hashes(messages: list[StoredMessage]) -> list[str]:
     return [m.chain_hash for m in messages]
+
+
+async def test_writes_queued_behind_a_lock_held_elsewhere_wait_one_busy_timeout(tmp_path: Path) -> None:
+    """SQLite: another process holds the write lock past `busy_timeout_ms` while turns queue for the
+    writer. Each gets `StoreUnavailable` after one busy timeout, not one per turn queued before it
+    (the writes queued together were tried again round after round, each round waiting as long)."""
+    busy = 0.4
+    store = await SQLiteStore.open(f"sqlite:///{tmp_path / 'held.db'}", busy_timeout_ms=int(busy * 1000))
+    try:
+        with write_lock_held(StorageConfig(url=f"sqlite:///{tmp_path / 'held.db'}")):
+            started = time.monotonic()
+            results = await asyncio.gather(*(store.record_turn(turn(None, [user(f"q{k}"), assistant("a")],
+                                                                    session_id=f"s{k}")) for k in range(6)),
+                                           return_exceptions=True)
+            elapsed = time.monotonic() - started
+        assert all(isinstance(r, StoreUnavailable) for r in results), results
+        # The first alone (the writer was idle), then the five queued behind it together: two waits.
+        assert elapsed < 3 * busy, elapsed
+        await store.record_turn(turn(None, [user("q"), assistant("a")]))  # the lock gone, writes go on
+    finally:
+        await store.close()
 
 
 async def test_a_turn_that_fills_the_disk_is_absent_whole_alone_or_written_with_others(tmp_path: Path) -> None:

@@ -395,7 +395,9 @@ def _commit_batches(conn: sqlite3.Connection, batches: list[Batch]) -> list[Sett
     gets its error, the transaction is rolled back and the others run again without it (one is
     refused at most rounds). A statement that fails ends its round there: SQLite may have rolled the
     whole transaction back (a full disk does), so the batches after it would run outside it; they
-    are judged in the next round. A failed commit is rolled back, and each batch left gets its error."""
+    are judged in the next round, but for a write lock not had (`_locked_out`): each round would
+    wait the busy timeout again, so all get that error at once. A failed commit is rolled back, and
+    each batch left gets its error."""
     settled: dict[int, Settled] = {}
     pending = list(range(len(batches)))
     try:
@@ -409,6 +411,13 @@ def _commit_batches(conn: sqlite3.Connection, batches: list[Batch]) -> list[Sett
                     results.append((i, accept(outcomes)))
                 except Exception as exc:  # the caller's to handle
                     settled[i] = (None, exc)
+                    failure = outcomes[-1] if outcomes else None
+                    if isinstance(failure, sqlite3.OperationalError) and _locked_out(failure):
+                        # The write lock not had within the busy timeout: another round would wait
+                        # as long again for each batch left. They all get the same answer now.
+                        settled.update((j, (None, failure)) for j in pending[n + 1:])
+                        conn.rollback()
+                        return [settled[j] for j in range(len(batches))]
                     if outcomes and isinstance(outcomes[-1], BaseException):
                         unjudged = pending[n + 1:]
                         break
@@ -422,6 +431,12 @@ def _commit_batches(conn: sqlite3.Connection, batches: list[Batch]) -> list[Sett
         conn.rollback()
         settled.update((i, (None, exc)) for i in pending if i not in settled)
     return [settled[i] for i in range(len(batches))]
+
+
+def _locked_out(error: sqlite3.OperationalError) -> bool:
+    """Whether a statement failed for want of the write lock (another process held it past the
+    busy timeout)."""
+    return getattr(error, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def _executed(conn: sqlite3.Connection, steps: Sequence[Step]) -> list[Outcome]:
