@@ -14,7 +14,8 @@ take a lease row, and the caches are keyed by the chained hash of the whole hist
 "One truth, many replicas"): workers are replicas that share a machine.
 
 A worker that exits while serving is started again (a warning says so, with its exit code); one that
-exits before it listens stops the whole start, as a single `serve` would have stopped. SIGTERM or
+exits before it listens stops the whole start, as a single `serve` would have stopped, but a
+replacement that does is tried again, after a wait that doubles up to 30 s, while the others serve. SIGTERM or
 SIGINT to the parent is passed to every worker, each finishes what it is serving and exits, and the
 parent exits 0 once all have (a worker that does not stop within `STOP_SECONDS` is killed). Metrics
 need one directory shared by the workers (`PROMETHEUS_MULTIPROC_DIR`): without one set, the parent
@@ -40,6 +41,7 @@ from .stopping import stop_signals
 log = logging.getLogger("memproxy")
 
 STOP_SECONDS = 60.0  # a worker's time to finish what it serves after SIGTERM, then SIGKILL
+_RESTART_WAIT = (1.0, 30.0)  # seconds before a replacement that failed to start is tried again: first, most
 
 
 @dataclass
@@ -101,10 +103,7 @@ async def supervise(count: int, host: str, port: int, worker_args: Callable[[int
                             waiting.cancel()
                     for i in (exits[waiting] for waiting in done):
                         log.warning("worker %d exited with %s; starting it again", i, workers[i].process.returncode)
-                        workers[i] = await _start(i, port, worker_args)
-                        if not await workers[i].ready:
-                            log.error("worker %d stopped before it listened; stopping", i)
-                            return 1
+                        workers[i] = await _restarted(i, port, worker_args)
             except asyncio.CancelledError:
                 if not stop_signals.requested:
                     raise
@@ -116,6 +115,22 @@ async def supervise(count: int, host: str, port: int, worker_args: Callable[[int
         if own_metrics_dir is not None:
             shutil.rmtree(own_metrics_dir, ignore_errors=True)
             del os.environ[MULTIPROCESS_ENV]
+
+
+async def _restarted(index: int, port: int, worker_args: Callable[[int, int], Sequence[str]]) -> _Worker:
+    """A worker that died, started again. One that stops before it listens (its store locked by
+    another process past the busy timeout, its config file gone) is tried again after a wait that
+    doubles, up to `_RESTART_WAIT[1]`, while the others serve on: a failed start stops `supervise`,
+    but a server that was serving keeps what it has."""
+    wait = _RESTART_WAIT[0]
+    while True:
+        worker = await _start(index, port, worker_args)
+        if await worker.ready:
+            return worker
+        await worker.process.wait()
+        log.error("worker %d stopped before it listened; trying again in %.0f s", index, wait)
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, _RESTART_WAIT[1])
 
 
 async def _start(index: int, port: int, worker_args: Callable[[int, int], Sequence[str]]) -> _Worker:

@@ -157,6 +157,37 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
     assert "exited with -9; starting it again" in pool.served.log.read_text()
 
 
+async def test_a_replacement_that_cannot_start_is_tried_again_while_the_other_serves(
+    pool: Pool, upstream: FakeUpstream
+) -> None:
+    """A worker dies and its replacement stops before it listens (here its config file is gone; a
+    store locked by another process does the same): the server was serving, so it does not stop.
+    The other worker serves on, and the replacement is tried again until it starts."""
+    config = Path(pool.served.process.args[pool.served.process.args.index("-c") + 1])
+    hidden = config.with_suffix(".away")
+    victim = pool.workers()[0]
+    config.rename(hidden)
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        await until(lambda: "stopped before it listened; trying again" in pool.served.log.read_text(),
+                    "the replacement failed and is to be tried again", timeout=60.0, interval=0.1)
+        c = client(pool, f"while-retrying-{uuid.uuid4().hex[:8]}")
+        try:  # the other worker serves meanwhile
+            reply = await c.chat.completions.create(model="small", messages=[user("still there?")])  # type: ignore[list-item]
+            assert reply.choices[0].message.content
+        finally:
+            await c.close()
+        assert pool.served.process.poll() is None  # the server did not stop
+    finally:
+        hidden.rename(config)
+
+    def replaced() -> bool:
+        pids = {w.pid: 1 for w in pool.workers()}
+        return victim.pid not in pids and listening(pool) == pids and len(pids) == WORKERS
+
+    await until(replaced, "the replacement started once it could", timeout=120.0, interval=0.2)
+
+
 async def test_a_worker_that_stops_before_it_listens_stops_the_start(tmp_path: Path) -> None:
     """The supervisor itself, its workers given a config that does not exist: each exits at once
     without listening, and the start fails with exit code 1 rather than restarting them forever."""
