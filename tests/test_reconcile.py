@@ -306,6 +306,31 @@ async def test_a_stale_full_history_client_forks_visibly(
     assert stored(config, active=0) == [user("from the script"), assistant(script_reply)]
 
 
+async def test_a_full_history_client_between_another_clients_turns_is_stored_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A script starts the session; a chat UI that resends its whole conversation joins it, and the
+    two take turns. The UI's history matches neither the session's start nor its tail (the script's
+    turns lie between its exchanges), but it is all stored, in order: only its new message is new.
+    Appended whole, it was stored and sent again on every turn, growing as the square."""
+    ui, script = proxy.client(), proxy.client(**{"X-Memproxy-History": "new"})
+    await chat(script, [user("script: hello")])
+    history: list[Message] = []
+    kinds = []
+    for turn in range(3):
+        history.append(user(f"ui question {turn}"))
+        reply, headers = await chat(ui, history)
+        history.append(assistant(reply))
+        kinds.append(headers["X-Memproxy-Reconcile"])
+        await chat(script, [user(f"script: note {turn}")])
+    assert kinds == ["append", "window", "window"]
+    assert_no_duplicates(stored(config))
+    assert len(stored(config)) == 2 + 3 * 4  # the script's first turn, then three of each
+    sent = upstream.chat_requests()[-2].messages  # the UI's last request, as it went upstream
+    assert_no_duplicates(sent)
+    assert sent[-1] == user("ui question 2") and user("ui question 0") in sent and user("script: note 1") in sent
+
+
 def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
     spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
     assert loosely_equal(*spelt)

@@ -10,8 +10,9 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 - `continue`: the client resent the stored history (its hash at the stored length is the head's);
   only what follows is new.
 - `window`: the client's messages start with a tail of the stored history, up to its head (a client
-  that trims its history, or echoes the last answer before its tool results); only what follows the
-  head is new.
+  that trims its history, or echoes the last answer before its tool results), or with a history all
+  stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
+  another client writes to between them); only what follows is new, after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
@@ -88,6 +89,9 @@ async def reconcile(
     if matched == 0 and requested != "full":
         if await _edited_where_capped(store, session, conversation, held):
             return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
+        resent = await _resent_among(store, session, conversation, held)
+        if resent:
+            return Reconciled("window", stored, head, conversation[resent:])
         return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
@@ -155,6 +159,27 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
         if j < len(tail) and tail[len(tail) - 1 - j:] == [loose_json(m) for m in conversation[: j + 1]]:
             return j + 1
     return 0
+
+
+async def _resent_among(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                        held: Sequence[StoredMessage]) -> int:
+    """Where the client's history ends (`history_end`: its messages before its latest user message,
+    an answer among them) if all of it is stored, in its order, among the session's newest
+    messages; 0 if not. A chat UI that resends its whole conversation on a session another client
+    also writes to (a script, a second window) matches neither the session's start nor its tail:
+    its exchanges lie between the other client's. Appended whole, its history would be stored and
+    sent again on every turn. One read, as long as the request's history and as much again for the
+    other client's messages between them (four times as many, and a few more)."""
+    end = history_end(conversation)
+    if not end:
+        return 0
+    stored = await _active_range(store, session, held, max(session.length - 4 * end - 8, 0), session.length)
+    wanted = [loose_json(m) for m in conversation[:end]]
+    found = 0
+    for message in stored:
+        if found < end and loose_json(message.body) == wanted[found]:
+            found += 1
+    return end if found == end else 0
 
 
 async def _loose_fork(
