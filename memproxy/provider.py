@@ -175,6 +175,10 @@ class LitellmCounter:
         if heard is not None:  # a spoken answer: its id goes back, and the model hears it again
             attached += heard + self.text(str(message["audio"].get("id") or ""))
             message = {k: v for k, v in message.items() if k != "audio"}
+        blocks = message.get("thinking_blocks")
+        if blocks:  # litellm's counter passes them over; sent back inside a tool exchange, they are read
+            attached += self.text(json.dumps(blocks, separators=(",", ":"), ensure_ascii=False))
+            message = {k: v for k, v in message.items() if k != "thinking_blocks"}
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
 
     def tools(self, tools: Sequence[Any]) -> int:

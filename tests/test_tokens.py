@@ -367,6 +367,18 @@ def test_audio_and_documents_cost_their_length_not_their_bytes() -> None:
         assert counter.message(document) >= 5 * TOKENS_PER_DOCUMENT_PAGE
 
 
+def test_thinking_blocks_count_with_litellms_counter_too() -> None:
+    """Anthropic's thinking blocks go back upstream inside an unfinished tool exchange, and are read
+    as input; litellm's counter passed them over (a 300-word thought counted as nothing)."""
+    counter = LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")
+    blocks = [{"type": "thinking", "thinking": words(300), "signature": "sig"}]
+    plain: Message = {"role": "assistant", "content": None, "tool_calls": [tool_call("c1", "f")]}
+    thought: Message = {**plain, "thinking_blocks": blocks}
+    assert counter.message(thought) == counter.message(plain) + counter.text(
+        json.dumps(blocks, separators=(",", ":"), ensure_ascii=False))
+    assert counter.message(thought) > counter.message(plain) + 300
+
+
 def test_a_spoken_answer_counts_as_heard_not_as_its_base64() -> None:
     """An audio answer is stored with its clip, but only its id goes back upstream, and the model
     hears the clip again: it counts by its duration, as an input clip does, not as 40,000 characters
