@@ -373,4 +373,4 @@ async def search(store: AdminStore, tenant: str | None, body: dict[str, Any],
     return {"object": "list", "query": words, "data": [
         {"object": "session.search_hit", "tenant": hit.tenant, "session_id": hit.session_id, "position": hit.seq,
          "role": hit.body.get("role"), "created_at": hit.created_at, "score": round(hit.score, 4),
-         "matched": matched_words(words, hit.body), "message": wire_form(hit.body)} for hit in hits]}
+         "matched": matched_words(words, hit.body, hit.created_at), "message": wire_form(hit.body)} for hit in hits]}

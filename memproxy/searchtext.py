@@ -129,10 +129,11 @@ def query_words(text: str) -> list[str]:
     return list(seen)[:MAX_QUERY_WORDS]
 
 
-def matched_words(words: Sequence[str], body: Message) -> list[str]:
-    """The query's words a message holds, as a reader would see the match: compared without the
-    common English endings the stores' stemmers also ignore ("visited" finds "visit")."""
-    held = {_stem(w) for w in message_words(body, 0)}
+def matched_words(words: Sequence[str], body: Message, created_at: float) -> list[str]:
+    """The query's words a message holds, as its index holds them (its text, and the words of the
+    date it was stored at), compared without the common English endings the stores' stemmers also
+    ignore ("visited" finds "visit")."""
+    held = {_stem(w) for w in message_words(body, created_at)}
     return [w for w in words if _stem(w) in held]
 
 

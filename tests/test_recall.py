@@ -13,6 +13,7 @@ end through the proxy in tests/test_recall_proxy.py.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -374,8 +375,13 @@ def test_a_short_question_that_names_its_subject_ranks_it_above_the_exchange_bef
     assert unweighted[0].seq != 10  # what the weights are for: the exchange's words outvote the question's
 
 
-def test_matched_words_ignore_common_endings() -> None:
-    assert matched_words(["visited", "rome", "paris"], user("I visit Rome every May")) == ["visited", "rome"]
+def test_matched_words_ignore_common_endings_and_are_the_indexed_ones() -> None:
+    assert matched_words(["visited", "rome", "paris"], user("I visit Rome every May"), 0) == ["visited", "rome"]
+    # The message's own date, as the index holds it (not the epoch's: a search for "january 1970"
+    # matched every message), 2026-11-27 being a Friday.
+    friday = time.mktime((2026, 11, 27, 12, 0, 0, 0, 0, 0)) - time.timezone
+    query = ["november", "friday", "january", "1970", "rome"]
+    assert matched_words(query, user("Rome"), friday) == ["november", "friday", "rome"]
 
 
 def test_the_fit_holds_room_for_recall_only_from_older_turns() -> None:
