@@ -331,7 +331,11 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
         return await _forward_stream(request, exchange)
     provider = request.app[PROVIDER]
     upstream_started = time.perf_counter()
-    answer = await exchange.wire.answer(provider, exchange)
+    try:
+        answer = await exchange.wire.answer(provider, exchange)
+    except UpstreamError:
+        exchange.timings.upstream_failed(upstream_started)  # a refusal for length is planned again
+        raise
     upstream_ms = exchange.timings.upstream_ended(upstream_started)
     if exchange.turn is not None:
         try:
@@ -369,7 +373,11 @@ def _with_usage(params: dict[str, Any]) -> dict[str, Any] | None:
 async def _forward_stream(request: web.Request, exchange: Exchange) -> web.StreamResponse:
     provider = request.app[PROVIDER]
     upstream_started = time.perf_counter()
-    chunks = await exchange.wire.open(provider, exchange)
+    try:
+        chunks = await exchange.wire.open(provider, exchange)
+    except UpstreamError:
+        exchange.timings.upstream_failed(upstream_started)
+        raise
     exchange.timings.upstream_ended(upstream_started)
     # The headers leave now, before the answer is complete and recorded: the whole split, `record`
     # included, is in the request's log line.

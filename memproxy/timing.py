@@ -29,13 +29,14 @@ BEFORE_UPSTREAM = PARTS[:5]  # what a stream's headers can tell: they leave befo
 class Timings:
     """One request's clock; times in seconds until they are reported (in ms)."""
 
-    __slots__ = ("started", "laps", "store", "upstream", "_mark", "_store_mark")
+    __slots__ = ("started", "laps", "store", "upstream", "_earlier", "_mark", "_store_mark")
 
     def __init__(self) -> None:
         self.started = self._mark = time.perf_counter()
         self.laps = dict.fromkeys(LAPS, 0.0)
         self.store = 0.0
         self.upstream = 0.0
+        self._earlier = 0.0  # calls that failed before this one (a refusal for length, sent again)
         self._store_mark = 0.0
 
     def lap(self, part: str) -> None:
@@ -46,11 +47,16 @@ class Timings:
 
     def upstream_ended(self, started: float) -> float:
         """The upstream call (or the part of it so far) took from `started` until now; returns its ms.
-        The next lap starts now."""
+        The next lap starts now. `upstream` holds the calls that failed before it too."""
         now = time.perf_counter()
-        self.upstream = now - started
+        self.upstream = self._earlier + now - started
         self._mark, self._store_mark = now, self.store
-        return self.upstream * 1000
+        return (now - started) * 1000
+
+    def upstream_failed(self, started: float) -> None:
+        """The upstream call that began at `started` failed just now: upstream time, not the next lap's."""
+        self.upstream_ended(started)
+        self._earlier = self.upstream
 
     def memory_ms(self) -> float:
         """Everything so far but the upstream call."""

@@ -10,6 +10,8 @@ overflow error reaching the client. The update rule itself is checked without a 
 from __future__ import annotations
 
 import math
+import re
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -88,7 +90,9 @@ async def test_a_refusal_for_length_is_planned_again_for_the_providers_count(
     stored once. A stream is refused before its first chunk, so its client sees only the answer."""
     client = await told(proxy, provider, "refused", 30)
     before = len(provider.chat_requests())
-    provider.enqueue(Reply(content="first"), Reply(content="answered"))
+    slow = threading.Event()  # the refusal takes the provider some 0.4 s
+    threading.Timer(0.4, slow.set).start()
+    provider.enqueue(Reply(content="first", gate=slow), Reply(content="answered"))
     if stream:
         chunks, headers = await stream_chat(client, [user("and the tides?")])
         assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]) == "answered"
@@ -99,6 +103,9 @@ async def test_a_refusal_for_length_is_planned_again_for_the_providers_count(
     assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
     assert float(headers["X-Memproxy-Token-Calibration"]) > RATIO  # from the refusal's own numbers
     assert accepted.messages[-1] == user("and the tides?")
+    # The refused call is upstream time, not the next part's (it went to `reconcile`).
+    timing = {part: float(ms) for part, ms in re.findall(r"([\w-]+);dur=([\d.]+)", headers["Server-Timing"])}
+    assert timing["upstream-first-chunk" if stream else "upstream"] >= 200 > timing["reconcile"], timing
     async with http.get(f"{proxy.url}/sessions/refused", headers={"Authorization": f"Bearer {PROXY_KEY}"}
                         ) as response:
         shown = await response.json()
