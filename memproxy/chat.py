@@ -302,7 +302,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
     )
     exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
-    context, reconciled, budget = turn.context, turn.reconciled, turn.budget
+    context, reconciled, budget = turn.context, turn.reading, turn.budget
     if reconciled.superseded:
         # Forgetting must never pass unseen: counts and positions, never content.
         log.info("supersede session=%s kind=%s superseded=%d positions=%d..%d (once the turn is recorded)",

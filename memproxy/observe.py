@@ -119,7 +119,7 @@ def _finish(request: web.Request, noted: Notes, status: int, seconds: float) -> 
     turn = noted.turn
     if turn is not None:
         context = turn.context
-        fields.update(reconcile=turn.reconciled.kind, context_tokens=context.tokens, included=context.included,
+        fields.update(reconcile=turn.reading.kind, context_tokens=context.tokens, included=context.included,
                       omitted=context.omitted, recalled=len(context.recalled))
     if split is not None:
         fields.update((f"{part}_ms", ms) for part, ms in split.items())
@@ -135,7 +135,7 @@ def _route(request: web.Request) -> str:
 
 def _reconcile(noted: Notes) -> str:
     if noted.turn is not None:
-        return noted.turn.reconciled.kind
+        return noted.turn.reading.kind
     return "none" if noted.model is not None else ""  # a chat request without a session
 
 

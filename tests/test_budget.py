@@ -378,7 +378,7 @@ async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
     raw = await proxy.client(session="resent").chat.completions.with_raw_response.create(
         model="small", messages=[*history, question])  # type: ignore[arg-type]
     reply = raw.parse().choices[0].message.content
-    assert raw.headers["X-Memproxy-Reconcile"] == "continue"  # the newest exchange, after the stored history
+    assert raw.headers["X-Memproxy-Reconcile"] == "new"  # as the client's request was read, history stored first
     assert int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
     sent = upstream.chat_requests()[-1].messages
     assert sent[-1] == question and sent[-3:-1] == history[-2:]  # the newest turns verbatim, the oldest out
@@ -455,6 +455,9 @@ async def test_an_edit_early_in_a_long_conversation_is_answered_not_refused(
     assert stored == [*edited, question, {"role": "assistant", "content": reply}]
     superseded = rows(proxy.app[CONFIG], "SELECT body FROM messages WHERE active = 0")
     assert len(superseded) == len(history) + 1  # the old branch from the fork on, kept for audit
+    # Said as the client's request was read (its history stored first, the turn then planned as
+    # that history's continuation): an edit, and what it superseded.
+    assert (raw.headers["X-Memproxy-Reconcile"], raw.headers["X-Memproxy-Superseded"]) == ("edit", str(len(superseded)))
 
 
 async def test_system_prompt_and_tool_schemas_are_part_of_what_must_fit(

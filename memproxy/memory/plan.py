@@ -55,6 +55,14 @@ class PreparedTurn:
     full_tokens: int  # what resending the whole history would cost
     expired_before: float | None = None  # set when the stored session idled past its TTL
     end_user: str | None = None  # the end user the turn is for (`X-Memproxy-User`, else `user`)
+    # How the client's request was read, where its history was stored first (`resent_history`) and
+    # the turn then planned as that history's continuation (`reconciled`): what headers report.
+    read_as: Reconciled | None = None
+
+    @property
+    def reading(self) -> Reconciled:
+        """How the client's request was read: its kind and what it superseded."""
+        return self.read_as or self.reconciled
 
     @property
     def expired(self) -> bool:
@@ -181,8 +189,9 @@ async def _prepare(
         await store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
                                               system_changed, model.name, cutoff, end_user, counter.name,
                                               base_totals))
-        return await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
-                              params, requested_history, idle_ttl, preview, end_user, calibration)
+        planned = await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
+                                 params, requested_history, idle_ttl, preview, end_user, calibration)
+        return dataclasses.replace(planned, read_as=reconciled)
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
     heads: list[list[StoredMessage]] = []  # the opening turns (`memory.head_turns`), once read
