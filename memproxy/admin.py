@@ -261,10 +261,13 @@ async def fork(store: AdminStore, session: SessionState, tenant: str, new_id: An
 
 async def _tokens_before(store: TurnStore, turn: PreparedTurn) -> int:
     """What the stored messages left out of a request hold, as stored (before trimming): the
-    tokens the summary, the marker or nothing stand in for."""
+    tokens the summary, the marker or nothing stand in for; the opening turns kept
+    (`memory.head_turns`) are sent, not left out."""
     if turn.session is None or not turn.context.omitted:
         return 0
-    return (await store.totals_at(turn.session, turn.context.first_sent)).full
+    left = (await store.totals_at(turn.session, turn.context.first_sent)).full
+    head = turn.context.head_end
+    return left - (await store.totals_at(turn.session, head)).full if head else left
 
 
 async def session_model(store: AdminStore, config: Config, session: SessionState, name: Any) -> ModelConfig:

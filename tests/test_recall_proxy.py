@@ -252,6 +252,10 @@ async def test_the_opening_turns_stay_when_head_turns_is_set(
     head = part(preview, "head")
     assert (head["messages"], head["to_position"]) == (2, 2)
     assert all(e["position"] >= 2 for e in part(preview, "recalled")["excerpts"])
+    # What is left out is what lies between the opening turns and the kept ones, as stored.
+    stored = {m["position"]: m["tokens"] for m in (await api_for(http, proxy).get("/sessions/s1"))["messages"]}
+    kept_from = part(preview, "kept")["from_position"]
+    assert part(preview, "left_out")["tokens_stored"] == sum(stored[p] for p in range(2, kept_from))
 
 
 async def test_search_a_session_and_every_session_the_key_may_see(
