@@ -235,6 +235,7 @@ async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, sess
             if not _refused_for_length(request, exchange, exc):
                 raise
         # The provider counts more than memproxy did: planned again for its count, and sent once more.
+        exchange.timings.upstream_retried()
         exchange.messages = sent
         await _prepare(request, exchange, tenant, session_id, mode)
         return await _forward(request, exchange)

@@ -29,14 +29,15 @@ BEFORE_UPSTREAM = PARTS[:5]  # what a stream's headers can tell: they leave befo
 class Timings:
     """One request's clock; times in seconds until they are reported (in ms)."""
 
-    __slots__ = ("started", "laps", "store", "upstream", "_earlier", "_mark", "_store_mark")
+    __slots__ = ("started", "laps", "store", "upstream", "_earlier", "_failed", "_mark", "_store_mark")
 
     def __init__(self) -> None:
         self.started = self._mark = time.perf_counter()
         self.laps = dict.fromkeys(LAPS, 0.0)
         self.store = 0.0
         self.upstream = 0.0
-        self._earlier = 0.0  # calls that failed before this one (a refusal for length, sent again)
+        self._earlier = 0.0  # calls refused before this one and sent again (a refusal for length)
+        self._failed = 0.0  # the last call that failed, until it is known to be sent again
         self._store_mark = 0.0
 
     def lap(self, part: str) -> None:
@@ -54,9 +55,16 @@ class Timings:
         return (now - started) * 1000
 
     def upstream_failed(self, started: float) -> None:
-        """The upstream call that began at `started` failed just now: upstream time, not the next lap's."""
-        self.upstream_ended(started)
-        self._earlier = self.upstream
+        """The upstream call that began at `started` failed just now: a request that ends with its
+        error had no upstream answer (`upstream` stays as it was)..."""
+        self._failed = time.perf_counter() - started
+
+    def upstream_retried(self) -> None:
+        """...but one that sends the call again (a refusal for length, planned again) spent it
+        upstream: it is upstream time, not the next part's."""
+        self._earlier += self._failed
+        self._mark += self._failed  # the call came after the last lap
+        self._failed = 0.0
 
     def memory_ms(self) -> float:
         """Everything so far but the upstream call."""

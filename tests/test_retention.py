@@ -111,7 +111,7 @@ async def test_a_long_conversation_resent_to_its_expired_session_is_answered(
     await age(config, "long", 61)
     whole = [*history, user("after a pause")]
     headers = await send_turn(proxy, "long", whole)
-    assert headers["X-Memproxy-Reconcile"] == "continue"
+    assert headers["X-Memproxy-Reconcile"] == "new"  # read as the client sent it: to a session anew
     assert upstream.last().messages[-1] == user("after a pause")
     stored = stored_bodies(config, "long")
     assert stored[:-1] == whole and stored[-1]["role"] == "assistant"  # the expired turn's "first" is gone
