@@ -18,11 +18,9 @@ documented `reset` coroutine, which asyncpg runs as it takes a connection back a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import threading
-import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -41,6 +39,7 @@ from memproxy.store import StoreUnavailable, open_store
 from memproxy.store.errors import translated
 from memproxy.store.postgres import PostgresBackend, PostgresStore
 from memproxy.store.sql import Script
+from relay import Relay, through
 from test_store_contract import turn
 
 HANG = 15.0  # past this a call is taken to hang: each bound tested here is far below it
@@ -191,69 +190,15 @@ async def test_a_row_another_client_keeps_locked_is_a_503_in_bounded_time_and_no
 # --- a server that stops answering -----------------------------------------------------------------
 
 
-class StallingRelay:
-    """TCP to the PostgreSQL server that the test can stall: connections stay open and new ones are
-    accepted, but no byte goes either way until `resume`, as with a server that hangs or a network
-    that drops packets without a reset. A side that closes is passed on at once."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
-
-    async def start(self) -> StallingRelay:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    def stall(self) -> None:
-        self._flowing.clear()
-
-    def resume(self) -> None:
-        self._flowing.set()
-
-    async def close(self) -> None:
-        self.resume()
-        for writer in list(self._writers):
-            writer.close()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        server_reader, server_writer = await asyncio.open_connection(*self._target)
-        self._writers.update((client_writer, server_writer))
-        await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer))
-        self._writers.difference_update((client_writer, server_writer))
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await reader.read(65536):
-                await self._flowing.wait()
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-
 @pytest.fixture
-async def relay(storage: StorageConfig) -> AsyncIterator[StallingRelay]:
-    url = urllib.parse.urlsplit(storage.url)
-    started = await StallingRelay(url.hostname or "127.0.0.1", url.port or 5432).start()
+async def relay(storage: StorageConfig) -> AsyncIterator[Relay]:
+    started = await Relay.to(storage)
     yield started
     await started.close()
 
 
-def through(storage: StorageConfig, relay: StallingRelay) -> StorageConfig:
-    url = urllib.parse.urlsplit(storage.url)
-    netloc = f"{url.username}@127.0.0.1:{relay.port}" if url.username else f"127.0.0.1:{relay.port}"
-    return replace(storage, url=urllib.parse.urlunsplit(url._replace(netloc=netloc)))
-
-
 async def test_a_server_that_stops_answering_is_a_503_within_the_limits_and_the_proxy_recovers(
-    start_proxy: StartProxy, storage: StorageConfig, relay: StallingRelay, upstream: FakeUpstream,
+    start_proxy: StartProxy, storage: StorageConfig, relay: Relay, upstream: FakeUpstream,
 ) -> None:
     limited = replace(through(storage, relay), pool_min_size=1, pool_max_size=2, pool_timeout_ms=1000,
                       statement_timeout_ms=1000)

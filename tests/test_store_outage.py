@@ -17,10 +17,8 @@ client's history (the turn that was not stored included).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
-import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -33,6 +31,8 @@ from conftest import PROXY_KEY, Proxy, make_config
 from db import execute, rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config, ConfigError, StorageConfig, StoreFailurePolicy, parse_config
+from relay import Relay
+from relay import through as relay_to
 
 
 @pytest.fixture
@@ -40,71 +40,16 @@ def store_kind() -> str:
     return "postgres"
 
 
-class Relay:
-    """TCP from 127.0.0.1 (a port of its own) to the PostgreSQL server, which the test can cut."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.cut_off = False
-        self.port = 0
-
-    async def start(self) -> Relay:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def cut(self) -> None:
-        """Close every open connection; refuse new ones until `restore`."""
-        self.cut_off = True
-        for writer in list(self._writers):
-            writer.close()
-        self._writers.clear()
-
-    def restore(self) -> None:
-        self.cut_off = False
-
-    async def close(self) -> None:
-        await self.cut()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        if self.cut_off:
-            client_writer.close()
-            return
-        server_reader, server_writer = await asyncio.open_connection(*self._target)
-        self._writers.update((client_writer, server_writer))
-        await asyncio.gather(_pipe(client_reader, server_writer), _pipe(server_reader, client_writer))
-        for writer in (client_writer, server_writer):
-            writer.close()
-            self._writers.discard(writer)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    writer.close()
-
-
 @pytest.fixture
 async def relay(storage: StorageConfig) -> AsyncIterator[Relay]:
-    url = urllib.parse.urlsplit(storage.url)
-    started = await Relay(url.hostname or "127.0.0.1", url.port or 5432).start()
+    started = await Relay.to(storage)
     yield started
     await started.close()
 
 
 def through(storage: StorageConfig, relay: Relay) -> StorageConfig:
-    """The same database and schema, reached through the relay."""
-    url = urllib.parse.urlsplit(storage.url)
-    netloc = f"{url.username}@127.0.0.1:{relay.port}" if url.username else f"127.0.0.1:{relay.port}"
-    return replace(storage, url=urllib.parse.urlunsplit(url._replace(netloc=netloc)), pool_min_size=1,
-                   pool_max_size=2)
+    """The same database and schema, reached through the relay, on a pool of two."""
+    return replace(relay_to(storage, relay), pool_min_size=1, pool_max_size=2)
 
 
 StartProxy = Callable[[Config], Any]
