@@ -26,13 +26,12 @@ from .config import LOG_LEVELS, Config, ConfigError, StorageConfig, load_config
 from .deadlines import protocols
 from .errors import ProxyError
 from .logs import configure as configure_logging, log_start
-from .preflight import CONNECT_TIMEOUT_SECONDS, problems
+from .preflight import problems
 from .provider import load_litellm
 from .starter import PROVIDERS, ProviderKind, starter_config
 from .stopping import Stopped, stop_signals
 from .store import Store, open_store
 from .store.errors import DRIVER_ERRORS, StoreConflict, StoreUnavailable
-from .store.postgres import schema_problem
 from .store.sqlite import sqlite_path
 from .typedefs import PROVIDER
 
@@ -118,7 +117,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"memproxy: {sessions_cli.failure(exc)}", file=sys.stderr)
             return 1
     if args.command == "check-config":
-        if found := _problems(config):  # what `serve` checks at start besides the file itself
+        if found := problems(config):  # what `serve` checks at start besides the file itself
             return _refuse(found, args.config)
         print(f"{args.config}: ok ({len(config.models)} models, "
               f"{len(config.auth.keys)} API keys, store {_without_password(config.storage.url)})")
@@ -137,7 +136,7 @@ def _main(argv: Sequence[str] | None) -> int:
     stop_signals.install()  # as `memproxy.entry` does, for a caller that did not come through it
     configure_logging(args.log_level or config.logging.level, config.logging.format)
     try:
-        if found := _problems(config):  # before anything starts: a config `serve` would stop on opens nothing
+        if found := problems(config):  # before anything starts: a config `serve` would stop on opens nothing
             return _refuse(found, args.config)
         if server.workers > 1 and args.ready_fd is None:
             return _supervise(args, config)
@@ -150,18 +149,6 @@ def _main(argv: Sequence[str] | None) -> int:
     except Stopped:  # a stop signal before the server's event loop ran: nothing was left open
         log.info("stopped while starting")
     return 0
-
-
-def _problems(config: Config) -> list[ConfigError]:
-    """`preflight.problems`, then `storage.schema` on a PostgreSQL server that answers: one the role
-    could not create, or may not create tables in, would stop the store from opening."""
-    found = problems(config)
-    storage = config.storage
-    if storage.is_postgres and storage.schema and not any(exc.key == "storage.url" for exc in found):
-        why = asyncio.run(schema_problem(storage.url, storage.schema, CONNECT_TIMEOUT_SECONDS))
-        if why is not None:
-            found.append(ConfigError("storage.schema", why))
-    return found
 
 
 def _supervise(args: argparse.Namespace, config: Config) -> int:

@@ -5,7 +5,8 @@ the same function, so the two cannot drift.
 Here is what needs more than the file: the address (a non-loopback one needs `auth.keys`, or
 `server.allow_unauthenticated`), the store (a SQLite file must be creatable, or an existing one
 readable and writable, where the URL says, without creating anything; a PostgreSQL server must
-accept a connection within `CONNECT_TIMEOUT_SECONDS`), and every model's context window (as
+accept a connection within `CONNECT_TIMEOUT_SECONDS`, and `storage.schema` exist or be creatable,
+and take the role's tables), and every model's context window (as
 configured, else litellm's local model info: litellm is imported only for a model that sets none).
 Each failure is a `ConfigError` naming its key, and every one is reported, not only the first.
 """
@@ -21,6 +22,7 @@ import asyncpg
 
 from .config import AuthConfig, Config, ConfigError, ServerConfig, StorageConfig
 from .provider import provider_problems
+from .store.postgres import schema_exists
 from .store.sqlite import sqlite_path
 
 CONNECT_TIMEOUT_SECONDS = 10.0  # a server that has not answered by then is down for `serve` too
@@ -32,9 +34,7 @@ def problems(config: Config) -> list[ConfigError]:
     found = []
     if (why := unguarded_address(config.server, config.auth)) is not None:
         found.append(ConfigError("server.host", why))
-    if (why := storage_problem(config.storage)) is not None:
-        found.append(ConfigError("storage.url", why))
-    return found + provider_problems(config)
+    return found + storage_problems(config.storage) + provider_problems(config)
 
 
 def unguarded_address(server: ServerConfig, auth: AuthConfig) -> str | None:
@@ -44,10 +44,11 @@ def unguarded_address(server: ServerConfig, auth: AuthConfig) -> str | None:
             "or allow it (server.allow_unauthenticated, or serve --allow-unauthenticated)")
 
 
-def storage_problem(storage: StorageConfig) -> str | None:
+def storage_problems(storage: StorageConfig) -> list[ConfigError]:
     if storage.is_postgres:
-        return asyncio.run(_postgres_problem(storage.url))
-    return sqlite_problem(sqlite_path(storage.url))
+        return asyncio.run(_postgres_problems(storage.url, storage.schema))
+    why = sqlite_problem(sqlite_path(storage.url))
+    return [] if why is None else [ConfigError("storage.url", why)]
 
 
 def sqlite_problem(path: str) -> str | None:
@@ -78,7 +79,7 @@ def sqlite_problem(path: str) -> str | None:
     return None
 
 
-async def _postgres_problem(url: str) -> str | None:
+async def _postgres_problems(url: str, schema: str | None) -> list[ConfigError]:
     try:
         conn = await asyncpg.connect(url, timeout=CONNECT_TIMEOUT_SECONDS)
     except Exception as exc:  # whatever it is, `serve` would stop on it
@@ -86,7 +87,14 @@ async def _postgres_problem(url: str) -> str | None:
         try:
             password = urlsplit(url).password
         except ValueError:  # not a URL at all ("postgresql://[::1"): nothing of it is quoted
-            return "cannot connect to PostgreSQL: the URL is not valid"
-        return f"cannot connect to PostgreSQL: {why.replace(password, '***') if password else why}"
-    await conn.close()
-    return None
+            return [ConfigError("storage.url", "cannot connect to PostgreSQL: the URL is not valid")]
+        why = why.replace(password, "***") if password else why
+        return [ConfigError("storage.url", f"cannot connect to PostgreSQL: {why}")]
+    try:
+        if schema:
+            await schema_exists(conn, schema)  # the store would stop on a schema it cannot use
+    except ConfigError as exc:
+        return [exc]
+    finally:
+        await conn.close()
+    return []

@@ -48,7 +48,7 @@ class Timings:
 
     def upstream_ended(self, started: float) -> float:
         """The upstream call (or the part of it so far) took from `started` until now; returns its ms.
-        The next lap starts now. `upstream` holds the calls that failed before it too."""
+        The next lap starts now. `upstream` holds too the calls refused before it and sent again."""
         now = time.perf_counter()
         self.upstream = self._earlier + now - started
         self._mark, self._store_mark = now, self.store

@@ -363,16 +363,20 @@ async def test_new_messages_that_cannot_fit_are_refused_before_upstream_and_not_
     assert huge not in upstream.last().messages
 
 
+def exchanges(turns: int) -> list[Message]:
+    """A conversation of `turns` exchanges, about 100 tokens each."""
+    return [m for turn in range(turns)
+            for m in ({"role": "user", "content": f"question {turn}: {words(60, turn)}"},
+                      {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"})]
+
+
 async def test_a_conversation_too_long_to_send_is_kept_as_history_not_refused(
     proxy: Proxy, upstream: FakeUpstream
 ) -> None:
     """A session that does not hold the conversation (a chat pointed at memproxy for the first
     time, or one whose session expired or was cleared) is sent all of it, more than fits: its
     history is stored and left out as memory leaves out any, and the client gets its answer."""
-    history: list[Message] = []
-    for turn in range(12):
-        history += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
-                    {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    history = exchanges(12)
     question = {"role": "user", "content": "and what came first?"}
     assert tokens([*history, question]) + REPLY_PRIMING > DEFAULT_BUDGET
     raw = await proxy.client(session="resent").chat.completions.with_raw_response.create(
@@ -408,10 +412,7 @@ async def test_exchanges_the_store_lacks_are_kept_as_history_not_refused(
     first = {"role": "user", "content": "hello"}
     answer = (await client.chat.completions.create(model="small", messages=[first])).choices[0].message
     stored = [first, {"role": "assistant", "content": answer.content}]
-    unseen: list[Message] = []
-    for turn in range(14):
-        unseen += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
-                   {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    unseen = exchanges(14)
     question = {"role": "user", "content": "and what came first?"}
     assert tokens([*unseen, question]) + REPLY_PRIMING > DEFAULT_BUDGET
     sent_messages = [*unseen, question] if header else [*stored, *unseen, question]
@@ -434,10 +435,7 @@ async def test_an_edit_early_in_a_long_conversation_is_answered_not_refused(
     """A full-history client edits an early message of a conversation longer than the window (an
     agent clearing an old tool output): the edited branch from the fork on is more than fits, so
     it is stored first, as a resent history is, and planned as its continuation."""
-    history: list[Message] = []
-    for turn in range(14):
-        history += [{"role": "user", "content": f"question {turn}: {words(60, turn)}"},
-                    {"role": "assistant", "content": f"answer {turn}: {words(30, turn + 50)}"}]
+    history = exchanges(14)
     client = proxy.client(session="edited")
     first = {"role": "user", "content": "and what came first?"}
     answer = (await client.chat.completions.create(model="small", messages=[*history, first])).choices[0].message

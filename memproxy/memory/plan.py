@@ -139,7 +139,10 @@ async def prepare_turn(
         if exact <= turn.budget.input_tokens or plans == _PLANS:  # over still: the provider has the last word
             return dataclasses.replace(turn, context=dataclasses.replace(turn.context, tokens=exact))
         calibration *= exact / turn.budget.input_tokens * _REPLAN_STEP
-        turn, plans = await _prepare(*args, calibration), plans + 1
+        # A history the first plan stored (`resent_history`) is read as stored by the next: the
+        # client's reading stays the first one's.
+        replanned = await _prepare(*args, calibration)
+        turn, plans = dataclasses.replace(replanned, read_as=turn.read_as or replanned.read_as), plans + 1
     return turn
 
 

@@ -173,13 +173,13 @@ async def _resent_among(store: TurnStore, session: SessionState, conversation: S
     end = history_end(conversation)
     if not end:
         return 0
-    stored = await _active_range(store, session, held, max(session.length - 4 * end - 8, 0), session.length)
-    wanted = [loose_json(m) for m in conversation[:end]]
     found = 0
-    for message in stored:
-        if found < end and loose_json(message.body) == wanted[found]:
+    for message in await _active_range(store, session, held, max(session.length - 4 * end - 8, 0), session.length):
+        if loosely_equal(message.body, conversation[found]):
             found += 1
-    return end if found == end else 0
+            if found == end:
+                return end
+    return 0
 
 
 async def _loose_fork(

@@ -244,7 +244,7 @@ _SCHEMA = ("SELECT (SELECT has_schema_privilege(oid, 'USAGE') AND has_schema_pri
            " FROM pg_namespace WHERE nspname = $1), has_database_privilege(current_database(), 'CREATE')")
 
 
-async def _schema_exists(conn: asyncpg.Connection, schema: str) -> bool:
+async def schema_exists(conn: asyncpg.Connection, schema: str) -> bool:
     """Whether `schema` exists, looked up without creating anything. Refused (`ConfigError`) where
     this role could not have memproxy's tables there: a missing schema it may not create (that
     needs CREATE on the database), or one it may not create tables in (USAGE and CREATE on it:
@@ -266,29 +266,13 @@ async def _create_schema(url: str, schema: str) -> None:
     its own (and nothing else) has none."""
     conn = await asyncpg.connect(url)
     try:
-        if await _schema_exists(conn, schema):
+        if await schema_exists(conn, schema):
             return
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"memproxy-schema:{schema}")
             await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
     finally:
         await conn.close()
-
-
-async def schema_problem(url: str, schema: str, timeout: float) -> str | None:
-    """Why opening the store would stop on `schema` (`_schema_exists`), for `memproxy
-    check-config`. None also when the server cannot be reached: the connection's own check says so."""
-    try:
-        conn = await asyncpg.connect(url, timeout=timeout)
-    except Exception:  # whatever it is, the connection's own check reports it
-        return None
-    try:
-        await _schema_exists(conn, schema)
-    except ConfigError as exc:
-        return exc.why
-    finally:
-        await conn.close()
-    return None
 
 
 async def _migrate(url: str, search_path: dict[str, str]) -> None:

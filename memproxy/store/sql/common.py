@@ -32,7 +32,7 @@ CACHE_HOLDS = ("(s.incarnation = ? AND EXISTS (SELECT 1 FROM messages c WHERE c.
 
 def new_incarnation() -> int:
     """What tells a session row from one inserted before or after it under the same id: random, and
-    below 2**52, so that a float holds it exactly."""
+    never the 0 of the rows stored before sessions had one."""
     return secrets.randbits(52) or 1
 
 

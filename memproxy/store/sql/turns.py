@@ -460,9 +460,9 @@ class SQLTurns(SQLBase):
 
     def _save_summary(self, session: SessionState, expected_version: int, summary: Summary,
                       now: float) -> Script[None]:
-        row = yield from self._locked(session.tenant, session.session_id)
+        yield from self._locked(session.tenant, session.session_id)
         same = yield "SELECT 1 FROM sessions WHERE pk = ? AND incarnation = ?", (session.pk, session.incarnation)
-        if row is None or row[0] != session.pk or not same:
+        if not same:  # another row since, perhaps another tenant's under the same pk
             raise StoreConflict("the session was deleted (or deleted and made again) since it was read")
         [(version,)] = yield "SELECT coalesce(max(version), 0) FROM summaries WHERE session_pk = ?", (session.pk,)
         if version != expected_version:
