@@ -59,7 +59,17 @@ def create_app(config: Config) -> web.Application:
     add_session_routes(app)
     add_inspector_routes(app)
     add_cors(app, config)
+    app.on_response_prepare.append(_private)
     return app
+
+
+async def _private(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer is the caller's own (conversations, sessions, usage): no cache may keep it
+    unless a handler said otherwise (the inspector's pages, an event stream), and no browser may
+    read it as anything but the type it is sent as."""
+    headers = response.headers
+    headers.setdefault("Cache-Control", "no-store")
+    headers.setdefault("X-Content-Type-Options", "nosniff")
 
 
 async def _store(app: web.Application) -> AsyncIterator[None]:

@@ -135,6 +135,34 @@ async def test_an_allowed_origin_gets_cors_on_every_kind_of_answer(
         assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == APP
 
 
+async def test_no_answer_may_be_cached_or_sniffed(start_proxy: Any, config: Config, upstream: FakeUpstream,
+                                                  http: aiohttp.ClientSession) -> None:
+    """Conversations, sessions and errors are the caller's own: no cache keeps them and no browser
+    reads them as another type; the inspector's pages and event streams keep their own policy."""
+    proxy = await start_proxy(config)
+    auth = {"Authorization": f"Bearer {PROXY_KEY}"}
+    upstream.enqueue(Reply(content="Noted."), Reply(content="You said 41."))
+    answers = []
+    async with http.post(f"{proxy.url}/chat/completions", json=CHAT, headers={**auth, "X-Session-Id": "s1"}) as r:
+        answers.append((r.status, r.headers))
+    async with http.get(f"{proxy.url}/sessions/s1", headers=auth) as r:
+        answers.append((r.status, r.headers))
+    async with http.get(f"{proxy.url}/sessions/nope", headers=auth) as r:
+        answers.append((r.status, r.headers))
+    async with http.get(f"{proxy.url}/models") as r:  # no key
+        answers.append((r.status, r.headers))
+    assert [status for status, _ in answers] == [200, 200, 404, 401]
+    for _, headers in answers:
+        assert headers["Cache-Control"] == "no-store" and headers["X-Content-Type-Options"] == "nosniff"
+    async with http.post(f"{proxy.url}/chat/completions", json={**CHAT, "stream": True},
+                         headers={**auth, "X-Session-Id": "s1"}) as r:
+        assert r.status == 200 and r.headers["X-Content-Type-Options"] == "nosniff"
+        assert r.headers["Cache-Control"] == "no-cache"  # as OpenAI's streams say
+        assert (await r.text()).rstrip().endswith("data: [DONE]")
+    async with http.get(f"{proxy.url.removesuffix('/v1')}/ui/") as r:
+        assert r.status == 200 and r.headers["Cache-Control"] == "no-cache"  # fetched again, never mixed
+
+
 async def test_any_origin_where_star_is_listed(start_proxy: Any, config: Config, upstream: FakeUpstream,
                                                http: aiohttp.ClientSession) -> None:
     proxy = await start_proxy(with_origins(config, "*"))  # with keys: a page still needs one
