@@ -349,7 +349,7 @@ async def context(
                    "calibration": budget.calibration, "planned_tokens": budget.planned_tokens},
         "tokens": ctx.tokens,
         "expired": turn.expired,
-        "would_summarize": bool(ctx.unsummarised_omitted) and config.memory.overflow == "summarize"
+        "would_summarize": bool(turn.unsummarised) and config.memory.overflow == "summarize"
         and summarizer.may_fold(tenant, session.session_id),
         "parts": parts,
         "messages": [wire_form(m) for m in sent],

@@ -110,6 +110,30 @@ async def test_the_summary_a_request_folds_for_itself_goes_with_what_recall_find
     assert any(str(m.get("content")).startswith("Summary of the earlier conversation") for m in received.messages)
 
 
+async def test_turns_that_give_way_to_recall_are_folded_not_left_out_of_both(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    """Where recall's room is held back from older kept turns, those turns leave the request: with
+    `overflow: summarize` the request's own fold takes them too, so that no turn is left out of
+    both the request and the summary; the preview says beforehand whether a request will fold."""
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL, recall_min_tokens=600, summaries=True,
+                        overflow="summarize", chunk_threshold_tokens=1_000_000)  # only the request's own fold
+    upstream.summarizer = lambda _: Reply(content="Known facts: several.")
+    api = api_for(http, proxy)
+    talk = Conversation(proxy, upstream, "s1")
+    for i in range(40):
+        text = filler(i) if i else FACT
+        expected = (await preview_of(api, "s1", text, model="small")) if i else None
+        folds = len(upstream.summary_requests())
+        new, reply = [user(text)], Reply(content=f"Answer {i}: " + " ".join(f"sun{i}y{j}" for j in range(20)))
+        received, headers = await talk.exchange(new, reply)
+        talk.remember(new, reply)
+        assert headers["x-memproxy-unsummarized-omitted"] == "0", f"turn {i}"
+        if expected is not None:
+            assert expected["would_summarize"] == (len(upstream.summary_requests()) > folds), f"turn {i}"
+    assert len(upstream.summary_requests()) >= 2
+
+
 async def test_kept_turns_stay_put_where_the_room_beside_them_holds_recall(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
 ) -> None:
