@@ -9,6 +9,7 @@ overflow error reaching the client. The update rule itself is checked without a 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -207,6 +208,38 @@ async def test_a_session_moved_to_a_model_counted_another_way_never_overflows(
     assert "¯" * 400 in str(sent[0].messages)  # not everything was dropped: what fits was sent
     assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
     assert [r[0] for r in rows(config, "SELECT tokenizer FROM sessions")] == [MIXED_COUNTS]
+
+
+async def test_a_resent_edit_on_a_model_counted_another_way_is_read_and_sent_as_that_edit(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    """A full-history client edits a message of a session told on a cl100k model and resends it to
+    an o200k one, too long to send whole: its history is stored first (`resent_history`), counted by
+    the new counter beside older counts of the other, and the turn planned as its continuation. The
+    answer still says the request was an edit, what is sent fits as the provider counts it, and the
+    session holds the edited branch once."""
+    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
+                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
+                         tokenizer="cl100k_base")
+    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    client = proxy.client(session="edited")  # sends its whole history
+    history: list[dict[str, Any]] = []
+    for i in range(8):
+        upstream.enqueue(Reply(content=f"noted {i}"))
+        new = user(f"{i} " + "¯" * 300)
+        await complete(client, [*history, new], model="small-cl100k")
+        history += [new, {"role": "assistant", "content": f"noted {i}"}]
+    upstream.tokens, upstream.window = (  # the provider of "small" counts as o200k does
+        lambda body: request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []), WINDOW)
+    history[4] = user("2 edited " + "¯" * 300)
+    assert request_tokens(COUNTING, history, []) + 256 > WINDOW  # too long to send whole
+    upstream.enqueue(Reply(content="after the edit"))
+    _, headers = await complete(client, [*history, user("and now?")])  # raises on any error
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    sent = upstream.last()
+    assert int(headers["X-Memproxy-Context-Tokens"]) == upstream.tokens(sent.body) <= WINDOW - 256
+    assert sent.messages[-1] == user("and now?") and "¯" * 300 in str(sent.messages)  # what fits is sent
+    bodies = [json.loads(r[0]) for r in rows(config, "SELECT body FROM messages WHERE active = 1 ORDER BY seq")]
+    assert [b.get("content") for b in bodies] == [m["content"] for m in history] + ["and now?", "after the edit"]
 
 
 # --- the rule, without a proxy ---------------------------------------------------------------------
