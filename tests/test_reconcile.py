@@ -331,6 +331,33 @@ async def test_a_full_history_client_between_another_clients_turns_is_stored_onc
     assert sent[-1] == user("ui question 2") and user("ui question 0") in sent and user("script: note 1") in sent
 
 
+async def test_a_full_history_client_between_another_clients_turns_that_edits_keeps_everything_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The UI of the test above edits one of its own questions. Its messages between the script's
+    cannot be told superseded, so they stay; what it sends from the edit on is appended, once, and
+    the turns after that read as before: nothing lost, nothing stored twice but the answer the
+    client resent after its edit."""
+    ui, script = proxy.client(), proxy.client(**{"X-Memproxy-History": "new"})
+    await chat(script, [user("script: hello")])
+    history: list[Message] = []
+    for turn in range(3):
+        history.append(user(f"ui question {turn}"))
+        history.append(assistant((await chat(ui, history))[0]))
+        await chat(script, [user(f"script: note {turn}")])
+    before = stored(config)
+    history[2] = user("ui question 1, edited")
+    edited = [*history, user("ui question 3")]
+    reply, headers = await chat(ui, edited)
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert stored(config) == [*before, *edited[2:], assistant(reply)]  # everything kept, appended once
+    history = [*edited, assistant(reply), user("ui question 4")]
+    reply, headers = await chat(ui, history)
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert stored(config)[-2:] == [user("ui question 4"), assistant(reply)]
+    assert len(stored(config)) == len(before) + len(edited) - 2 + 3
+
+
 def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
     spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
     assert loosely_equal(*spelt)

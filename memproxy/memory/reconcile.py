@@ -12,7 +12,8 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 - `window`: the client's messages start with a tail of the stored history, up to its head (a client
   that trims its history, or echoes the last answer before its tool results), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
-  another client writes to between them); only what follows is new, after the head.
+  another client writes to between them; where it edited one of them, what is stored up to there);
+  only what follows is new, after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
@@ -163,13 +164,16 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
 
 async def _resent_among(store: TurnStore, session: SessionState, conversation: Sequence[Message],
                         held: Sequence[StoredMessage]) -> int:
-    """Where the client's history ends (`history_end`: its messages before its latest user message,
-    an answer among them) if all of it is stored, in its order, among the session's newest
-    messages; 0 if not. A chat UI that resends its whole conversation on a session another client
-    also writes to (a script, a second window) matches neither the session's start nor its tail:
-    its exchanges lie between the other client's. Appended whole, its history would be stored and
-    sent again on every turn. One read, as long as the request's history and as much again for the
-    other client's messages between them (four times as many, and a few more)."""
+    """How much of the client's history (`history_end`: its messages before its latest user
+    message, an answer among them) is stored, in its order, among the session's newest messages,
+    from its start: all of it, or up to where the client edited it, if an answer is among what is
+    stored; else 0. A chat UI that resends its whole conversation on a session another client also
+    writes to (a script, a second window) matches neither the session's start nor its tail: its
+    exchanges lie between the other client's. Appended whole, its history would be stored and sent
+    again on every turn. Where it edited a message, what follows is appended from there (its own
+    messages between others' cannot be told superseded: they stay, as forgetting nothing needs).
+    One read, as long as the request's history and as much again for the other client's messages
+    between them (four times as many, and a few more)."""
     end = history_end(conversation)
     if not end:
         return 0
@@ -179,7 +183,7 @@ async def _resent_among(store: TurnStore, session: SessionState, conversation: S
             found += 1
             if found == end:
                 return end
-    return 0
+    return found if any(m.get("role") == "assistant" for m in conversation[:found]) else 0
 
 
 async def _loose_fork(
