@@ -11,7 +11,9 @@ text-only content given as a list of parts), so the same message always hashes t
 
 `loose_json` is a looser key used only to recognise a message a client sends back, never for hashing
 (stored hashes must stay valid): tool-call arguments that parse as JSON compare by their value, since
-some clients (LangChain) re-serialise them with other spacing.
+some clients (LangChain) re-serialise them with other spacing; an image compares by the object its
+URL names, without the signature a client that signs its media URLs makes anew for each request,
+and whatever `detail` it asks for; a refusal compares the same as a part or as the field.
 """
 
 from __future__ import annotations
@@ -194,7 +196,53 @@ def _content_key(message: Message) -> Any:
     content = _canonical_content(message.get("content"))
     if isinstance(content, str):
         content = content.strip()
+    elif isinstance(content, list):
+        content = [_loose_part(part) for part in content]
+    if content in (None, "", []) and isinstance(message.get("refusal"), str) and message["refusal"]:
+        return [{"type": "refusal", "refusal": message["refusal"]}]  # as the SDKs echo it as a part
     return None if content in (None, "") else content
+
+
+def _loose_part(part: Any) -> Any:
+    """A content part as a client may send it back: an image by the object its URL names,
+    whatever `detail` it asks for this time."""
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind == "image_url" and isinstance(part.get("image_url"), dict):
+        url = part["image_url"].get("url")
+        return {"type": kind, "url": _stable_url(url) if isinstance(url, str) else url}
+    if kind == "input_image":
+        url = part.get("image_url")
+        return {"type": kind, "url": _stable_url(url) if isinstance(url, str) else url, "file_id": part.get("file_id")}
+    return part
+
+
+# The query parameters a signed URL carries (S3 and other SigV4 stores, GCS, CloudFront, Azure SAS):
+# made anew with each signature, while the rest of the URL names the same object.
+_SIGNATURE_PARAMETERS = frozenset({"x-amz-signature", "x-goog-signature", "signature", "sig"})
+_SIGNING_PREFIXES = ("x-amz-", "x-goog-")
+_SIGNING_PARAMETERS = frozenset({
+    "signature", "expires", "key-pair-id", "policy", "awsaccesskeyid", "googleaccessid",  # S3 v2, GCS, CloudFront
+    "sig", "se", "st", "sp", "sv", "sr", "spr", "srt", "ss", "sdd", "skoid", "sktid", "skt", "ske", "sks",
+    "skv", "ses",  # Azure SAS
+})
+
+
+def _stable_url(url: str) -> str:
+    """A signed URL without its signing parameters, which a client that signs its media URLs for
+    each request changes every time: the same image (any other URL: itself)."""
+    base, mark, query = url.partition("?")
+    if not mark or not base.startswith(("https://", "http://")):
+        return url
+    query, hash_mark, fragment = query.partition("#")
+    pairs = query.split("&")
+    names = [pair.partition("=")[0].lower() for pair in pairs]
+    if not _SIGNATURE_PARAMETERS.intersection(names):
+        return url
+    kept = [pair for pair, name in zip(pairs, names)
+            if not (name.startswith(_SIGNING_PREFIXES) or name in _SIGNING_PARAMETERS)]
+    return base + ("?" + "&".join(kept) if kept else "") + hash_mark + fragment
 
 
 def _loose_arguments(arguments: Any) -> Any:

@@ -358,6 +358,54 @@ async def test_a_full_history_client_between_another_clients_turns_that_edits_ke
     assert len(stored(config)) == len(before) + len(edited) - 2 + 3
 
 
+def signed(path: str, turn: int) -> str:
+    """A presigned S3 URL for one object, as a client signs it afresh for each request."""
+    return (f"https://bucket.s3.amazonaws.com/{path}?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Date=2026010{turn}T000000Z"
+            f"&X-Amz-Expires=3600&X-Amz-SignedHeaders=host&X-Amz-Signature={turn:064x}&versionId=3")
+
+
+def picture(url: str, detail: str = "auto") -> Message:
+    return user([{"type": "text", "text": "What breed is this cat?"},
+                 {"type": "image_url", "image_url": {"url": url, "detail": detail}}])
+
+
+async def test_a_full_history_client_that_signs_its_image_urls_for_each_request_continues(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A chat app keeping uploads in object storage puts a freshly signed URL for the same image in
+    every request, or asks for another `detail`: the same message, resent. Read as an edit or
+    appended, the whole history was stored and sent again every turn."""
+    client = proxy.client()
+    history: list[Message] = []
+    kinds = []
+    for turn in range(4):
+        first = picture(signed("uploads/cat.jpg", turn), "high" if turn % 2 else "low")
+        messages = [first, *history[1:], user(f"question {turn}")] if history else [first]
+        reply, headers = await chat(client, messages)
+        kinds.append(headers["X-Memproxy-Reconcile"])
+        history = [*messages, assistant(reply)]
+    assert kinds == ["new", "continue", "continue", "continue"]
+    assert len(stored(config)) == len(history) and stored(config)[0] == picture(signed("uploads/cat.jpg", 0), "low")
+    assert_no_duplicates(stored(config))
+    # Another object is another message: not the stored one (a first message edited without an
+    # answer before it proves nothing, so it is appended: nothing is lost).
+    other = picture(signed("uploads/dog.jpg", 9))
+    _, headers = await chat(client, [other, *history[1:], user("and this one?")])
+    assert headers["X-Memproxy-Reconcile"] == "append" and other in stored(config)
+
+
+async def test_a_refusal_echoed_as_a_content_part_is_the_stored_refusal(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    client = proxy.client()
+    upstream.enqueue(Reply(refusal="I cannot help with that."))
+    await complete(client, [user("how to pick locks")])
+    echoed = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
+    _, headers = await chat(client, [user("how to pick locks"), echoed, user("a joke, then")])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert len(stored(config)) == 4
+
+
 def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
     spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
     assert loosely_equal(*spelt)
