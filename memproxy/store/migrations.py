@@ -15,6 +15,25 @@ Dialect = Literal["sqlite", "postgres"]
 # The migration after whose statements each backend computes, in the same transaction, the
 # `search_text` of the messages stored before it (`memproxy.store.sql.recall.backfill_search`).
 BACKFILL_SEARCH = "0009_recall"
+# The migration (`<number>_recall_repair`, numbered in each dialect's order) after whose statements
+# each backend repairs the recall columns earlier releases left short
+# (`memproxy.store.sql.recall.repair_recall`).
+REPAIR_RECALL = "recall_repair"
+
+
+def is_repair_recall(migration_id: str) -> bool:
+    return migration_id.partition("_")[2] == REPAIR_RECALL
+
+
+def newer_than_known(applied: set[str], dialect: Dialect) -> str | None:
+    """Why a store cannot be served by this release (None: it can): migrations recorded that this
+    release does not have, applied by a newer one. Its code would write rows the newer schema
+    expects more of (an index, a column), which nothing would ever fill in."""
+    unknown = sorted(applied - {migration_id for migration_id, _ in migrations(dialect)})
+    if not unknown:
+        return None
+    return (f"the store was migrated by a newer memproxy (migration {', '.join(unknown)} is not in this release): "
+            "run that release or a newer one, or restore a backup taken before it")
 
 
 def migrations(dialect: Dialect = "sqlite") -> list[tuple[str, str]]:

@@ -43,12 +43,13 @@ from typing import Any, TypeVar, cast
 
 import aiosqlite
 
+from ..config import ConfigError
 from .base import COMMON_WORD_POSITIONS
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .recall_index import DEFAULT_RECALL_CACHE_BYTES
-from .migrations import BACKFILL_SEARCH, migrations, statements
-from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, run_script_async
+from .migrations import BACKFILL_SEARCH, is_repair_recall, migrations, newer_than_known, statements
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, repair_recall, run_script_async
 
 __all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
@@ -512,6 +513,9 @@ async def _migrate(backend: SQLiteBackend) -> None:
     processes starting on one file at once apply each migration exactly once."""
     await backend.write(_statements(
         ["CREATE TABLE IF NOT EXISTS schema_migrations (id TEXT PRIMARY KEY, applied_at REAL NOT NULL)"]))
+    newer = newer_than_known({str(r[0]) for r in await backend.fetch("SELECT id FROM schema_migrations")}, "sqlite")
+    if newer is not None:
+        raise ConfigError("storage.url", newer)
     for migration_id, sql in migrations():
         await backend.write(_migration(migration_id, sql))
 
@@ -522,6 +526,11 @@ def _migration(migration_id: str, sql: str) -> Script[None]:
     yield from _statements(statements(sql))
     if migration_id == BACKFILL_SEARCH:
         yield from backfill_search(fts=True)
+    if is_repair_recall(migration_id):
+        columns = {str(row[1]) for row in (yield "PRAGMA table_info(messages)", ())}
+        yield from _statements([f"ALTER TABLE messages ADD COLUMN {name} {kind}" for name, kind in
+                                (("recall_text", "TEXT"), ("recall_tokens", "INTEGER")) if name not in columns])
+        yield from repair_recall(fts=True)
     yield "INSERT INTO schema_migrations (id, applied_at) VALUES (?, strftime('%s','now'))", (migration_id,)
 
 

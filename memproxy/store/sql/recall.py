@@ -397,6 +397,38 @@ def _positions(value: object) -> list[int]:
     return sorted(int(v) for v in value) if isinstance(value, (list, tuple)) else []
 
 
+# What a recall line stored before lines were made one line may hold between its words: a line's
+# end, as a model or tiktoken reads one, and a tab (`str.split` splits on all of them).
+_LINE_BREAKS = ("\n", "\r", "\t", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+def repair_recall(fts: bool) -> Script[None]:
+    """The recall lines and search text that earlier releases left missing or stale
+    (`<number>_recall_repair`), in its transaction: a `recall_text` missing (a store migrated by
+    `0009_recall` as first released, with no such column) or spanning lines (stored before lines
+    were made one line), made anew, its token count left to be counted when recalled; a
+    `search_text` missing (written by a release before `0009_recall` that kept serving after
+    another migrated), made and, on SQLite (`fts`), indexed while active."""
+    stale = " OR ".join(["recall_text IS NULL", "search_text IS NULL", *(["recall_text LIKE ?"] * len(_LINE_BREAKS))])
+    breaks = tuple(f"%{c}%" for c in _LINE_BREAKS)
+    sessions = yield "SELECT pk, tenant, session_id FROM sessions ORDER BY pk", ()
+    for pk, tenant, session_id in sessions:
+        rows = yield (f"SELECT id, seq, active, body, compact_body, created_at, search_text FROM messages"
+                      f" WHERE session_pk = ? AND ({stale})", (pk, *breaks))
+        for message_id, seq, active, body, compact, created_at, words in rows:
+            decoded = json.loads(body)
+            line = recall_text(decoded, json.loads(compact) if compact else None)
+            if words is not None:
+                yield "UPDATE messages SET recall_text = ?, recall_tokens = NULL WHERE id = ?", (line, message_id)
+                continue
+            words = search_text(tenant, session_id, decoded, float(created_at))
+            yield ("UPDATE messages SET recall_text = ?, recall_tokens = NULL, search_text = ? WHERE id = ?",
+                   (line, words, message_id))
+            if fts and int(active) == 1:
+                yield ("INSERT INTO messages_fts (rowid, search_text) VALUES (?, ?)",
+                       (int(pk) * 4294967296 + int(seq), words))
+
+
 def backfill_search(fts: bool) -> Script[None]:
     """The `search_text` and `recall_text` of messages stored before the index existed (migration
     0009_recall), in its transaction; `fts`: SQLite's FTS5 table, which its triggers fill only for
