@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,12 +97,16 @@ def wire_form(message: Message) -> Message:
     fields (an assistant's `content: null` beside its tool calls), so memproxy drops them itself and
     the admin context preview shows the very bytes sent. An assistant message with neither text nor
     a call (a refusal, an empty answer) gets empty text: OpenAI requires `content` unless the
-    message calls a tool; an answer's audio goes by its id alone. A message with none of these is
-    itself, not a copy: messages are never changed once built (stored ones are shared with the
-    store's history cache)."""
+    message calls a tool; an answer's audio goes by its id alone, until the provider forgets it
+    (its `expires_at`, less `AUDIO_EXPIRY_MARGIN`), and then as its transcript: OpenAI refuses an
+    audio id past it. A message with none of these is itself, not a copy: messages are never
+    changed once built (stored ones are shared with the store's history cache)."""
     if message.get("role") == "assistant":
         audio = message.get("audio")
-        if isinstance(audio, dict) and audio.get("id") and set(audio) != {"id"}:
+        if isinstance(audio, dict) and _expired(audio):
+            message = {**{k: v for k, v in message.items() if k != "audio"},
+                       "content": message.get("content") or audio_transcript(message) or ""}
+        elif isinstance(audio, dict) and audio.get("id") and set(audio) != {"id"}:
             message = {**message, "audio": {"id": audio["id"]}}
         if message.get("content") is None \
                 and not any(message.get(key) for key in ("tool_calls", "function_call", "audio")):
@@ -109,6 +114,22 @@ def wire_form(message: Message) -> Message:
     if None not in message.values():
         return message
     return {k: v for k, v in message.items() if v is not None}
+
+
+AUDIO_EXPIRY_MARGIN = 300.0  # seconds: an answer's audio about to expire is sent as its transcript
+
+
+def _expired(audio: dict[str, Any]) -> bool:
+    expires_at = audio.get("expires_at")
+    return isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool) \
+        and expires_at - AUDIO_EXPIRY_MARGIN <= time.time()
+
+
+def audio_transcript(message: Message) -> str | None:
+    """What an assistant said aloud: its audio answer's transcript (None: it spoke none)."""
+    audio = message.get("audio")
+    transcript = audio.get("transcript") if isinstance(audio, dict) else None
+    return transcript if isinstance(transcript, str) and transcript else None
 
 
 def detached(message: Message) -> Message:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .messages import Message
+from .messages import Message, audio_transcript
 
 # The most characters of a message's text indexed: a tool output of megabytes is found by its start.
 MAX_INDEXED_CHARS = 32_000
@@ -57,16 +57,19 @@ def _texts(value: Any, out: list[str]) -> None:
 
 
 def message_text(body: Message) -> str:
-    """A message's searchable text: content, refusal, tool calls (names and arguments) and name."""
+    """A message's searchable text: content, refusal, what it said aloud (an audio answer's
+    transcript), tool calls (names and arguments) and name."""
     out: list[str] = []
     for key in ("name", "content", "refusal", "tool_calls", "function_call"):
         _texts(body.get(key), out)
+    _texts(audio_transcript(body), out)
     return " ".join(out)[:MAX_INDEXED_CHARS]
 
 
 def line_text(body: Message) -> str:
     """A stored message as recall shows it, on one line (`memproxy.memory.recall`): its text parts,
-    a tool result's output, `[image]` and the like for parts of other kinds, and what it calls, each
+    a tool result's output, `[image]` and the like for parts of other kinds, what it said aloud
+    (an audio answer's transcript) or refused, and what it calls, each
     run of whitespace one space. One line a message: a stored text cannot start a line of the block
     of its own, so it cannot pose as another recalled message (`[#12 system] ...`) or as the end
     of the block."""
@@ -80,6 +83,11 @@ def line_text(body: Message) -> str:
                 kind = part.get("type")
                 text = part.get("text") if kind in ("text", "input_text", "output_text") else None
                 parts.append(str(text) if text is not None else f"[{str(kind or 'part').split('_')[-1]}]")
+    spoken, refusal = audio_transcript(body), body.get("refusal")
+    if spoken is not None:
+        parts.append(spoken)
+    if isinstance(refusal, str):
+        parts.append(f"[refused] {refusal}")
     calls = body.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:

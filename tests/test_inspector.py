@@ -14,6 +14,7 @@ With MEMPROXY_SCREENSHOTS=1 the tests write a screenshot of each page into docs/
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -36,6 +37,8 @@ from memproxy.inspector import CSP
 from memproxy.typedefs import SUMMARIZER
 
 XSS = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+PICTURE = "data:image/png;base64," + base64.b64encode(bytes(300 * 1024)).decode()  # 300 KB inline
+REFUSAL = "I cannot describe people in pictures."
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 WAIT = 15.0
 
@@ -50,6 +53,8 @@ def converse(proxy: ServedProxy, upstream: FakeUpstream) -> None:
 
     with proxy.client("xss") as c:
         turn(c, [SYSTEM, user(XSS)], Reply(content="You wrote " + XSS))
+        turn(c, [user([{"type": "text", "text": "What is in this picture?"},
+                       {"type": "image_url", "image_url": {"url": PICTURE}}])], Reply(refusal=REFUSAL))
     httpx.put(proxy.url + "/v1/sessions/xss/metadata", json={"note": XSS},
               headers={"Authorization": f"Bearer {PROXY_KEY}"}).raise_for_status()
 
@@ -292,6 +297,15 @@ def test_html_in_content_is_shown_as_text(page: Page) -> None:
     assert len(metadata) == 1 and XSS in metadata[0].get_attribute("textContent")
     assert page.elements("main script, main img") == []
     assert page.driver.execute_script("return document.querySelectorAll('img[src=x]').length") == 0
+    page.clean()
+
+
+def test_media_shows_in_a_few_words_and_a_refusal_as_what_it_said(page: Page) -> None:
+    page.sign_in(PROXY_KEY)
+    page.open("#/session/a/xss")
+    page.text_appears("#conversation", "[image, 300 KB inline]")
+    page.text_appears("#conversation", "[refused] " + REFUSAL)
+    assert PICTURE[22:2000] not in page.driver.page_source  # megabytes of a photo are not put on the page
     page.clean()
 
 

@@ -27,6 +27,7 @@ from memproxy.memory import recall
 from memproxy.memory.fit import Budget, drop_unanswered_calls, fit, room_beside
 from memproxy.memory.shrink import new_message
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
+from memproxy.memory.summaries import render_message
 from memproxy.searchtext import line_text, matched_words, message_words
 from memproxy.store import Postings, RecalledMessage, StoredMessage
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter
@@ -326,6 +327,20 @@ def test_a_stored_text_cannot_pose_as_a_line_of_the_block_of_its_own() -> None:
     lines = recall.render(messages, {}, [], SESSION, COUNTER).message["content"].splitlines()
     assert lines[0] == recall.RECALL_PREFIX.strip()
     assert [line.split(" ", 1)[0] for line in lines[1:]] == ["[#0", "[#1"]
+
+
+def test_what_an_answer_said_aloud_or_refused_is_found_and_shown() -> None:
+    """An audio answer holds no text but its transcript, a refusal none but its `refusal`: both are
+    what the answer said, so recall finds and shows them (the clip's base64 is never words)."""
+    spoken = {"role": "assistant", "content": None,
+              "audio": {"id": "audio_1", "data": "UklGRiQAAABXQVZFZm10IBAAAAABAAEAQB8AAEAfAAABAAgAZGF0YQAAAAA=",
+                        "transcript": "The xylophone is\nin the attic.", "expires_at": 9}}
+    refused = {"role": "assistant", "content": None, "refusal": "I cannot open locks."}
+    assert {"xylophone", "attic"} <= set(message_words(spoken, 0)) and "uklgriqaaabxqvzf" not in message_words(spoken, 0)
+    assert line_text(spoken) == "The xylophone is in the attic."
+    assert "locks" in message_words(refused, 0) and line_text(refused) == "[refused] I cannot open locks."
+    assert render_message(spoken) == "Assistant: The xylophone is\nin the attic."
+    assert render_message(refused) == "Assistant: [refused] I cannot open locks."
 
 
 class WholeCounter(TiktokenCounter):

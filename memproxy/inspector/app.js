@@ -64,13 +64,41 @@ const sessionPath = (tenant, id, rest = "") =>
 
 // --- messages as a conversation -------------------------------------------------------------------
 
+// A part that is not text, in a few words: an image by its URL (never inline data, which can be
+// megabytes), audio and files by their name or size.
+function part(p) {
+  if (!p || typeof p !== "object") return JSON.stringify(p);
+  if (p.type === "text" || p.type === "input_text" || p.type === "output_text") return p.text;
+  if (p.type === "refusal") return "[refused] " + p.refusal;
+  const url = (p.image_url && typeof p.image_url === "object") ? p.image_url.url : p.image_url;
+  if (typeof url === "string") return url.startsWith("data:") ? `[image, ${size(url)} inline]` : `[image ${url}]`;
+  const file = p.file || p;
+  if (p.type === "file" || p.type === "input_file") {
+    return `[file ${file.filename || file.file_id || ""}${file.file_data ? ", " + size(file.file_data) + " inline" : ""}]`;
+  }
+  if (p.type === "input_audio") return `[audio, ${size((p.input_audio || {}).data || "")} inline]`;
+  const shown = JSON.stringify(p);
+  return shown.length > 2000 ? shown.slice(0, 2000) + "…" : shown;
+}
+
+function size(data) {  // of base64, bare or in a data URL
+  const text = String(data);
+  const bytes = Math.round((text.startsWith("data:") ? text.length - text.indexOf(",") - 1 : text.length) * 3 / 4);
+  return bytes >= 1048576 ? (bytes / 1048576).toFixed(1) + " MB" : Math.ceil(bytes / 1024) + " KB";
+}
+
 function text(content) {
   if (content === null || content === undefined) return "";
   if (typeof content === "string") return content;
-  if (Array.isArray(content)) {
-    return content.map((p) => (p && p.type === "text" ? p.text : JSON.stringify(p))).join("\n");
-  }
+  if (Array.isArray(content)) return content.map(part).join("\n");
   return JSON.stringify(content, null, 2);
+}
+
+// What an assistant said aloud (its audio answer's transcript) or refused, where it wrote nothing.
+function spoken(m) {
+  if (m.audio && typeof m.audio.transcript === "string") return "[spoken] " + m.audio.transcript;
+  if (typeof m.refusal === "string" && m.refusal) return "[refused] " + m.refusal;
+  return "";
 }
 
 function pretty(args) {
@@ -88,7 +116,7 @@ function message(m, position, extra) {
     el("div", { class: "call-name" }, "→ " + (c.function ? c.function.name : c.type) + "  ",
       el("span", { class: "muted" }, c.id || "")),
     el("pre", {}, pretty(c.function ? c.function.arguments : JSON.stringify(c)))));
-  const body = text(m.content);
+  const body = text(m.content) || spoken(m);
   return el("div", { class: "msg role-" + String(m.role).replace(/[^a-z]/g, "") },
     head, body && el("div", { class: "content" }, body), calls);
 }

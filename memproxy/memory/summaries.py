@@ -29,7 +29,7 @@ from typing import Any, Literal
 from ..concurrency import BackgroundTasks
 from ..config import Config, ModelConfig
 from ..errors import ProxyError
-from ..messages import Message
+from ..messages import Message, audio_transcript
 from ..metrics import Metrics
 from ..provider import Provider
 from ..redact import session_digest
@@ -87,6 +87,9 @@ def render_message(message: Message) -> str:
             half = _TRANSCRIPT_TOOL_CHARS // 2
             text = head_and_tail(text, half, half, " [... {omitted} characters left out ...] ")
         return _unframed(f"Tool result ({message.get('name') or message.get('tool_call_id', '')}): {text}")
+    if not text.strip():  # an answer spoken or refused: what it said
+        refusal = message.get("refusal")
+        text = audio_transcript(message) or (f"[refused] {refusal}" if isinstance(refusal, str) and refusal else "")
     lines = [f"{str(role).capitalize()}: {text}"] if text else []
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
