@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
+from .calibration import holds_media, observed_from
 from .bodies import json_object, requested_model
 from .config import Config, ModelConfig
 from .errors import (
@@ -469,9 +470,9 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
                                               provider.cost(exchange.model, usage)))
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.record = notes(request).record = record
-    if usage:
-        provider.calibration.observe(exchange.model.name, turn.context.tokens, usage.get("prompt_tokens"),
-                                     provider.window(exchange.model))
+    window = provider.window(exchange.model)
+    if usage and turn.context.tokens >= observed_from(window) and not holds_media(turn.context.messages):
+        provider.calibration.observe(exchange.model.name, turn.context.tokens, usage.get("prompt_tokens"), window)
     exchange.timings.lap("record")
 
 

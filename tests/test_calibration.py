@@ -242,6 +242,23 @@ async def test_a_resent_edit_on_a_model_counted_another_way_is_read_and_sent_as_
     assert [b.get("content") for b in bodies] == [m["content"] for m in history] + ["and now?", "after the edit"]
 
 
+async def test_a_request_holding_media_teaches_the_factor_nothing(proxy: Proxy, provider: FakeUpstream) -> None:
+    """An image is counted by an estimate of its own, not by the model's tokenizer (gpt-4o-mini
+    bills a low-detail one at some 2,800 tokens): a request with an image reported at half as much
+    again as its count says nothing of how the provider counts text, and the factor every session
+    of the model is planned with stays where text put it."""
+    image = {"type": "image_url", "image_url": {"url": "https://example.invalid/photo.png", "detail": "low"}}
+    provider.tokens = lambda body: math.ceil(1.5 * request_tokens(COUNTING, body.get("messages") or [], []))
+    pictures = proxy.client(session="pictures", **{"X-Memproxy-History": "new"})
+    _, headers = await complete(pictures, [user([{"type": "text", "text": sentence(1) * 5}, image])])
+    assert int(headers["X-Memproxy-Context-Tokens"]) >= observed_from(WINDOW)  # large enough to learn from
+    assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
+    provider.tokens = provider_tokens  # text, reported at 1.3 times the count
+    _, headers = await complete(proxy.client(session="words"), [user(" ".join(sentence(i) for i in range(18)))])
+    assert int(headers["X-Memproxy-Context-Tokens"]) >= observed_from(WINDOW)
+    assert proxy.app[PROVIDER].calibration.factor("small") == pytest.approx(RATIO, abs=0.02)
+
+
 # --- the rule, without a proxy ---------------------------------------------------------------------
 
 
