@@ -496,7 +496,7 @@ class Provider:
         raw = bridge.transform_responses_api_input_to_messages(
             input=items, responses_api_request={"instructions": instructions} if instructions else {},
             replay_reasoning=True)
-        return [_plain_message(m) for m in raw]
+        return _files_kept([_plain_message(m) for m in raw], items)
 
     def responses_chat_params(self, model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
         """A Responses request's parameters (`tools`, `tool_choice`, `text`, `reasoning`,
@@ -911,6 +911,28 @@ def _plain_message(message: Any) -> Message:
     if plain.get("role") == "assistant":
         return assistant_message(plain)
     return plain
+
+
+def _files_kept(messages: list[Message], items: str | list[dict[str, Any]]) -> list[Message]:
+    """`messages` with each `file` part made again from the `input_file` part it came from, in order:
+    litellm's bridge drops its `filename`, which OpenAI's chat API requires beside `file_data`."""
+    files = iter([part for item in (items if isinstance(items, list) else ())
+                  if isinstance(item, dict) and isinstance(item.get("content"), list)
+                  for part in item["content"] if isinstance(part, dict) and part.get("type") == "input_file"])
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "file" for p in content):
+            parts = []
+            for part in content:
+                source = next(files, None) if isinstance(part, dict) and part.get("type") == "file" else None
+                if source is not None:
+                    part = {"type": "file", "file": {k: source[k] for k in ("file_id", "file_data", "filename")
+                                                     if isinstance(source.get(k), str)}}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
 
 
 def _dumped(value: Any) -> dict[str, Any]:

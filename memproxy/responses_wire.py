@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import BadRequest
-from .messages import Message, SYSTEM_ROLES
+from .messages import Message, SYSTEM_ROLES, audio_transcript
 
 Item = dict[str, Any]
 Event = dict[str, Any]
@@ -413,7 +413,9 @@ def input_items(messages: Iterable[Message]) -> list[Item]:
             items.append({"type": "function_call_output", "call_id": str(message.get("tool_call_id") or ""),
                           "output": _text(content) if not isinstance(content, str) else content})
         elif role == "assistant":
-            text = _text(content)
+            refusal = message.get("refusal")
+            # An answer spoken or refused holds no text: what it said goes back as text.
+            text = _text(content) or audio_transcript(message) or (refusal if isinstance(refusal, str) else "")
             if text:
                 items.append({"type": "message", "role": "assistant",
                               "content": [{"type": "output_text", "text": text}]})
@@ -430,7 +432,7 @@ def input_items(messages: Iterable[Message]) -> list[Item]:
 
 def _input_content(content: Any) -> Any:
     """A chat message's content as a Responses message's: text parts become `input_text`, image
-    parts `input_image`; a string stays a string."""
+    parts `input_image`, file parts `input_file`; a string stays a string."""
     if not isinstance(content, list):
         return content if isinstance(content, str) else ""
     parts = []
@@ -441,6 +443,10 @@ def _input_content(content: Any) -> Any:
             url = part.get("image_url")
             parts.append({"type": "input_image", "image_url": url.get("url") if isinstance(url, dict) else url,
                           "detail": (url.get("detail") if isinstance(url, dict) else None) or "auto"})
+        elif part.get("type") == "file" and isinstance(part.get("file"), dict):
+            file = part["file"]
+            parts.append({"type": "input_file", **{k: file[k] for k in ("file_id", "file_data", "filename")
+                                                   if isinstance(file.get(k), str)}})
         else:
             parts.append(part)
     return parts
@@ -449,7 +455,9 @@ def _input_content(content: Any) -> Any:
 def check_bridge_input(request: ResponsesRequest) -> None:
     """A request for a model reached as chat completions (`responses_api: bridge`): parts the
     bridge would empty or drop are refused, never sent changed and stored so: an image by file id
-    (a chat provider takes images by URL; litellm's bridge sends an empty one) and audio (dropped)."""
+    (a chat provider takes images by URL; litellm's bridge sends an empty one), audio (dropped) and
+    a file by URL (chat completions take a file's data or id only; the bridge sends the URL as an
+    id)."""
     for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
         content = item.get("content") if item.get("type", "message") == "message" else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
@@ -458,4 +466,9 @@ def check_bridge_input(request: ResponsesRequest) -> None:
                 raise BadRequest(f"input[{i}].content[{j}]: an input_image by file_id, or input_audio, cannot "
                                  "reach this model, which takes the Responses API as chat completions "
                                  "(responses_api: bridge); send the image by URL, or use a model with "
+                                 "responses_api: native", param=f"input[{i}].content[{j}]")
+            if kind == "input_file" and not (part.get("file_id") or part.get("file_data")):
+                raise BadRequest(f"input[{i}].content[{j}]: an input_file by file_url cannot reach this model, "
+                                 "which takes the Responses API as chat completions (responses_api: bridge); send "
+                                 "its file_data (with its filename) or a file_id, or use a model with "
                                  "responses_api: native", param=f"input[{i}].content[{j}]")

@@ -7,6 +7,7 @@ What each provider received proves the memory; what the client got proves the wi
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -362,6 +363,8 @@ async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
      "input[0].content[1]"),
     ({"model": "small", "input": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "input[0].content[0]"),
+    ({"model": "small", "input": [{"role": "user", "content": [
+        {"type": "input_file", "file_url": "https://example.invalid/report.pdf"}]}]}, "input[0].content[0]"),
 ])
 async def test_bad_input_is_an_openai_error_and_stores_nothing(
         proxy: Proxy, upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
@@ -443,6 +446,46 @@ async def test_one_session_continued_from_chat_then_responses_and_back(
         {"role": "user", "content": "Sure?"}])
     assert raw.headers["X-Memproxy-Reconcile"] == "continue"
     assert len(upstream.last().messages) == 5
+
+
+PDF = "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.4 /Type /Page").decode()
+
+
+async def test_a_file_reaches_either_provider_whole(proxy: Proxy, wire: Upstream) -> None:
+    """An `input_file` with its data goes to a chat provider as a chat `file` part with its
+    `filename` (OpenAI's chat API requires it beside `file_data`; litellm's bridge dropped it), and
+    a chat `file` part, stored from a chat turn, to a Responses provider as an `input_file`."""
+    client = proxy.client(f"file-{wire.wire}")
+    wire.chat.enqueue(Reply(content="Read."))
+    await client.chat.completions.create(model="small", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Keep this."}, {"type": "file", "file": {"file_id": "file-abc"}}]}])
+    wire.enqueue(Reply(content="Both read."))
+    await client.responses.create(model=wire.model, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "And this."}, {"type": "input_file", "filename": "b.pdf", "file_data": PDF}]}])
+    body = wire.requests()[-1]
+    if wire.wire == "bridge":
+        files = [p for m in body["messages"] if isinstance(m["content"], list) for p in m["content"]
+                 if p["type"] == "file"]
+        assert files == [{"type": "file", "file": {"file_id": "file-abc"}},
+                         {"type": "file", "file": {"filename": "b.pdf", "file_data": PDF}}]
+    else:
+        files = [p for item in body["input"] if isinstance(item.get("content"), list) for p in item["content"]
+                 if p["type"] not in ("input_text", "output_text")]
+        assert files == [{"type": "input_file", "file_id": "file-abc"},
+                         {"type": "input_file", "filename": "b.pdf", "file_data": PDF}]
+
+
+async def test_a_spoken_or_refused_answer_goes_to_a_responses_provider_as_what_it_said(
+        proxy: Proxy, native_upstream: FakeResponsesUpstream, upstream: FakeUpstream) -> None:
+    """Stored from chat turns, an answer with no text (a refusal) still goes to a Responses provider
+    as what it said: left out, the input held two user messages in a row."""
+    client = proxy.client("refused-native")
+    upstream.enqueue(Reply(refusal="I cannot help with locks."))
+    await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "Pick a lock?"}])
+    native_upstream.enqueue(Reply(content="A joke, then."))
+    await client.responses.create(model="native", input="Then a joke.")
+    pairs = Upstream("native", upstream, native_upstream).conversation()
+    assert pairs == [("user", "Pick a lock?"), ("assistant", "I cannot help with locks."), ("user", "Then a joke.")]
 
 
 # --- the OpenAI Agents SDK on its default Responses model -------------------------------------------
