@@ -66,6 +66,10 @@ def message_text(body: Message) -> str:
     return " ".join(out)[:MAX_INDEXED_CHARS]
 
 
+_PART_NAMES = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file",
+               "input_file": "file"}  # a part recall shows as its kind alone
+
+
 def line_text(body: Message) -> str:
     """A stored message as recall shows it, on one line (`memproxy.memory.recall`): its text parts,
     a tool result's output, `[image]` and the like for parts of other kinds, what it said aloud
@@ -80,9 +84,11 @@ def line_text(body: Message) -> str:
     elif isinstance(content, list):
         for part in content:
             if isinstance(part, dict):
-                kind = part.get("type")
+                kind = str(part.get("type"))
                 text = part.get("text") if kind in ("text", "input_text", "output_text") else None
-                parts.append(str(text) if text is not None else f"[{str(kind or 'part').split('_')[-1]}]")
+                if kind == "refusal" and isinstance(part.get("refusal"), str):
+                    text = f"[refused] {part['refusal']}"
+                parts.append(str(text) if text is not None else f"[{_PART_NAMES.get(kind, 'part')}]")
     spoken, refusal = audio_transcript(body), body.get("refusal")
     if spoken is not None:
         parts.append(spoken)

@@ -27,6 +27,7 @@ from memproxy.memory import recall
 from memproxy.memory.fit import Budget, drop_unanswered_calls, fit, room_beside
 from memproxy.memory.shrink import new_message
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
+from memproxy.memory.shrink import title_of
 from memproxy.memory.summaries import render_message
 from memproxy.searchtext import line_text, matched_words, message_words
 from memproxy.store import Postings, RecalledMessage, StoredMessage
@@ -341,6 +342,13 @@ def test_what_an_answer_said_aloud_or_refused_is_found_and_shown() -> None:
     assert "locks" in message_words(refused, 0) and line_text(refused) == "[refused] I cannot open locks."
     assert render_message(spoken) == "Assistant: The xylophone is\nin the attic."
     assert render_message(refused) == "Assistant: [refused] I cannot open locks."
+    as_part = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot open locks."}]}
+    assert line_text(as_part) == line_text(refused)
+    shown = user([{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "https://x.invalid/a"}},
+                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                  {"type": "file", "file": {"file_id": "file-1"}}, {"type": "mystery"}])
+    assert line_text(shown) == "Look: [image] [audio] [file] [part]"
+    assert title_of([shown]) == "Look:"  # a picture with a question: the question
 
 
 class WholeCounter(TiktokenCounter):

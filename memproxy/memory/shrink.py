@@ -32,8 +32,10 @@ def title_of(messages: Iterable[Message]) -> str | None:
     """A session's title: its first user prompt, cut to 100 characters (None: no prompt yet)."""
     for message in messages:
         if message.get("role") == "user":
-            text = content_text(message)
-            if text:
+            content = message.get("content")
+            text = content_text(message) if not isinstance(content, list) else " ".join(
+                str(p.get("text")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text and text.strip():  # a picture with a question: the question
                 return text.strip()[:100]
     return None
 
