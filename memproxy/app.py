@@ -15,7 +15,7 @@ from .auth import authenticate
 from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
-from .deadlines import body_deadline, header_deadline
+from .deadlines import body_deadline, header_deadline, send_deadline
 from .endpoints import add_routes as add_endpoint_routes, not_found_message
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
@@ -59,7 +59,7 @@ def create_app(config: Config) -> web.Application:
     add_session_routes(app)
     add_inspector_routes(app)
     add_cors(app, config)
-    app.on_response_prepare.append(_private)
+    app.on_response_prepare.extend([_private, send_deadline])
     return app
 
 

@@ -116,6 +116,7 @@ class ServerConfig:
     header_timeout_seconds: Positive = 10.0  # first byte of a request to the end of its headers
     body_timeout_seconds: Positive = 60.0  # end of the headers to the end of the body
     keepalive_timeout_seconds: Positive = 75.0  # an idle connection (also: before its first request)
+    send_timeout_seconds: Positive = 60.0  # an answer its client takes nothing of (`deadlines.send_deadline`)
     workers: Annotated[Int, Field(ge=1, le=256)] = 1  # server processes sharing the port (`memproxy.workers`)
     cors_origins: tuple[Origin, ...] = ()  # web pages that may call memproxy from a browser (`memproxy.origins`)
     allowed_hosts: tuple[HostName, ...] = ()  # with no auth.keys: Host names beyond IPs and localhost

@@ -24,6 +24,14 @@ Three limits, each configurable under `server:`:
 
 All three are wall-clock limits on the whole phase, not on the gap between two bytes: a client
 trickling a byte a second is held no longer than one that sends nothing.
+
+And one on the answer: `send_timeout_seconds`. A client that stops reading an answer (a stream
+above all) leaves memproxy waiting to write, with the turn's session lock, the upstream connection
+and what was read of the answer held, for as long as the connection stays open. `send_deadline`,
+run as each response starts, drops the connection once writing has waited that long without the
+client taking any of it (the writer paused at every check, `_SEND_CHECKS` a period); the handler's
+write then fails as when a client goes away (a stream is not recorded, as any answer the client
+did not get whole).
 """
 
 from __future__ import annotations
@@ -42,6 +50,37 @@ from .typedefs import CONFIG
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _LINGER_SECONDS = 1.0  # after a 408 for a late body: time for the client to read it before the close
+_SEND_CHECKS = 4  # checks of a response's writer per `send_timeout_seconds`
+
+
+async def send_deadline(request: web.Request, response: web.StreamResponse) -> None:
+    """Drops the connection of a response whose client has taken nothing of it for
+    `send_timeout_seconds` (an `on_response_prepare` signal: every response, streamed or not). A
+    timer checks the connection a few times a period while the request's task runs; nothing is
+    added to each write."""
+    transport, protocol = request.transport, request.protocol
+    task = request.task
+    if transport is None or task is None:
+        return
+    limit = request.app[CONFIG].server.send_timeout_seconds
+    step = limit / _SEND_CHECKS
+    loop = asyncio.get_running_loop()
+    since: float | None = None
+
+    def check() -> None:
+        nonlocal since
+        if task.done() or transport.is_closing():
+            return
+        if not protocol.writing_paused:
+            since = None
+        elif since is None:
+            since = loop.time()
+        elif loop.time() - since >= limit - step / 2:
+            transport.abort()  # the waiting write raises ConnectionResetError: the client is gone
+            return
+        loop.call_later(step, check)
+
+    loop.call_later(step, check)
 
 
 def _timeout_body(what: str, limit: float) -> bytes:

@@ -7,7 +7,9 @@ slack, and not before the limit (so it is that limit, not another, that closed i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import sqlite3
 import threading
 import time
@@ -22,7 +24,7 @@ from fake_upstream import FakeUpstream, Reply
 from memproxy.config import ConfigError, ServerConfig, parse_config
 from processes import Served, serve_one, sqlite_storage, write_config
 
-HEADER, BODY, KEEPALIVE = 1.0, 1.6, 2.4  # seconds, far enough apart to tell which one fired
+HEADER, BODY, KEEPALIVE, SEND = 1.0, 1.6, 2.4, 2.0  # seconds, far enough apart to tell which one fired
 SLACK = 1.5
 GAP = 0.1  # between two trickled bytes
 
@@ -33,7 +35,8 @@ def served(upstream_server: FakeUpstream, tmp_path_factory: pytest.TempPathFacto
     db = folder / "memproxy.db"
     config = write_config(folder / "memproxy.yaml", upstream_server.url, sqlite_storage(db))
     text = config.read_text().replace("  port: 0\n", f"  port: 0\n  header_timeout_seconds: {HEADER}\n"
-                                      f"  body_timeout_seconds: {BODY}\n  keepalive_timeout_seconds: {KEEPALIVE}\n")
+                                      f"  body_timeout_seconds: {BODY}\n  keepalive_timeout_seconds: {KEEPALIVE}\n"
+                                      f"  send_timeout_seconds: {SEND}\n")
     config.write_text(text)
     proxy = serve_one(config, folder / "serve.log")
     yield proxy, db
@@ -185,13 +188,56 @@ async def test_a_slow_answer_is_not_cut_and_the_connection_serves_again(
         await client.close()
 
 
+async def test_a_stream_its_client_stopped_reading_is_dropped_and_its_session_freed(
+    served: tuple[Served, Path], upstream: FakeUpstream
+) -> None:
+    """A client that stops reading a streamed answer held the turn's session lock, the upstream
+    connection and the answer read so far for as long as its connection stayed open. Once writing
+    has waited `send_timeout_seconds`, the connection is dropped: the session's next turn is
+    answered, and the unread turn is not stored (its client did not get it)."""
+    proxy, db = served
+    upstream.enqueue(Reply(content="x" * 8_000_000), Reply(content="next"))
+    body = json.dumps({"model": "small", "stream": True, "messages": [{"role": "user", "content": "a long one"}]})
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {PROXY_KEY}\r\n"
+            f"X-Session-Id: unread\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes a few KB, then stops
+    sock.connect(("127.0.0.1", port(proxy)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    client = proxy.async_client("unread")
+    try:
+        writer.write(head.encode() + body.encode())
+        await writer.drain()
+        await asyncio.to_thread(upstream.wait_for_request)
+        asked = time.monotonic()
+        again = await asyncio.wait_for(client.chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "still there?"}]), SEND + 10)
+        waited = time.monotonic() - asked
+        assert again.choices[0].message.content == "next"
+        assert SEND * 0.5 <= waited < SEND + 10, waited  # behind the unread stream's lock until it was dropped
+        received = b""
+        with contextlib.suppress(ConnectionError):
+            received = await asyncio.wait_for(reader.read(), 10)
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                received += chunk
+        assert b"[DONE]" not in received  # cut, never ended as a finished answer
+    finally:
+        writer.close()
+        await client.close()
+    with closing(sqlite3.connect(db)) as conn:
+        contents = [json.loads(body)["content"] for (body,) in conn.execute(
+            "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk WHERE s.session_id = 'unread'"
+            " ORDER BY m.seq")]
+    assert contents == ["still there?", "next"]
+
+
 def test_the_limits_are_read_from_the_config_and_must_be_positive() -> None:
     assert (ServerConfig().header_timeout_seconds, ServerConfig().body_timeout_seconds,
-            ServerConfig().keepalive_timeout_seconds) == (10.0, 60.0, 75.0)
+            ServerConfig().keepalive_timeout_seconds, ServerConfig().send_timeout_seconds) == (10.0, 60.0, 75.0, 60.0)
     config = parse_config("server:\n  header_timeout_seconds: 2.5\n  body_timeout_seconds: 30\n"
                           "  keepalive_timeout_seconds: 5\n")
     assert (config.server.header_timeout_seconds, config.server.body_timeout_seconds,
             config.server.keepalive_timeout_seconds) == (2.5, 30.0, 5.0)
-    for key in ("header_timeout_seconds", "body_timeout_seconds", "keepalive_timeout_seconds"):
+    for key in ("header_timeout_seconds", "body_timeout_seconds", "keepalive_timeout_seconds", "send_timeout_seconds"):
         with pytest.raises(ConfigError, match=f"server.{key}: must be a positive number"):
             parse_config(f"server:\n  {key}: 0\n")
