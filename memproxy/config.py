@@ -183,6 +183,7 @@ class MemoryConfig:
     overflow: Overflow = "summarize"
     sync_summary_timeout_seconds: Positive = 30.0
     failure_backoff_seconds: Positive = 60.0
+    background_summaries: Annotated[Int, Field(ge=1)] = 8  # folds a process runs at once on its own
     tool_output_max_tokens: Count = 1000
     dedupe_min_tokens: Count = 200
     recall_tokens: Count | None = None

@@ -98,6 +98,38 @@ async def test_concurrent_sessions_never_fold_twice_at_once(
         assert all(f"[{other}]" not in summariser_input(r) for r in requests for other in names if other != name)
 
 
+async def test_background_summaries_run_a_few_at_once_and_the_rest_fold_later(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    """Each background fold holds its session's history until the summariser answers: with a slow
+    summariser, a burst of sessions over their thresholds held it for every one of them at once
+    (1.2 GB for 2,000). At most `memory.background_summaries` run; the others fold on a later turn."""
+    proxy = await start(start_proxy, storage, upstream, summaries=True, overflow="marker", background_summaries=2)
+    config = proxy.app[CONFIG]
+    gate = threading.Event()
+    upstream.summarizer = gated(gate)
+    names = [f"burst-{k}" for k in range(4)]
+
+    async def talk(name: str, first: int, turns: int) -> None:
+        client = proxy.client(session=name)
+        for turn in range(first, first + turns):
+            messages: Any = [SYSTEM, user(f"[{name}] turn {turn}: FACT-{turn} {words(90, turn)}")]
+            await client.chat.completions.create(model="small", messages=messages)
+
+    try:
+        await asyncio.gather(*(talk(name, 0, 12) for name in names))  # every one over its threshold
+        await until(lambda: len(upstream.summary_requests()) == 2, "two folds reached the summariser")
+        await asyncio.gather(*(talk(name, 12, 2) for name in names))  # each turn asks again
+        assert len(upstream.summary_requests()) == 2
+    finally:
+        gate.set()
+    await proxy.app[SUMMARIZER].wait_idle()
+    for turn in range(14, 20):  # the others fold as their turns go on
+        await asyncio.gather(*(talk(name, turn, 1) for name in names))
+        await proxy.app[SUMMARIZER].wait_idle()
+    assert all(summary_rows(config, name) for name in names)
+
+
 async def talk_until_a_fold_starts(chat: Conversation, config: Config) -> None:
     """Turns until the session crosses its threshold and its background fold has reached the
     summariser (where a gated summariser holds it)."""

@@ -60,6 +60,7 @@ _MIN_TRANSCRIPT_ROOM = 256
 # most an eighth of its window.
 _REASONING_ROOM = 2048
 _MAX_BACKOFF_SECONDS = 3600.0
+_BACKOFFS_KEPT = 10_000  # sessions backing off remembered at most (one entry is some 500 bytes)
 
 
 FoldOutcome = Literal["applied", "nothing", "discarded", "stale", "failed"]
@@ -159,6 +160,7 @@ class Summarizer:
         self._provider = provider
         self._tasks = tasks
         self._running: dict[tuple[str, str], asyncio.Task[FoldResult]] = {}
+        self._background: set[tuple[str, str]] = set()  # of those, the ones `after_turn` started
         self._backoff: dict[tuple[str, str], tuple[float, int]] = {}
 
     def summarizer_model(self, chat_model: ModelConfig) -> ModelConfig:
@@ -181,7 +183,11 @@ class Summarizer:
             return
         if unfolded is not None and unfolded <= self._memory.chunk_threshold(self._provider.window(chat_model)):
             return
-        self._start(key, chat_model, None, check_threshold=True)
+        if len(self._background) >= self._memory.background_summaries:
+            return  # each holds its session's history until the summariser answers: a later turn folds
+        self._background.add(key)
+        self._start(key, chat_model, None, check_threshold=True).add_done_callback(
+            lambda _: self._background.discard(key))
 
     async def wait_idle(self) -> None:
         """Wait until no fold is running (folds started meanwhile included)."""
@@ -249,7 +255,12 @@ class Summarizer:
         elif result.outcome in ("discarded", "failed"):
             _, failures = self._backoff.get(key, (0.0, 0))
             delay = min(self._memory.failure_backoff_seconds * 2**failures, _MAX_BACKOFF_SECONDS)
-            self._backoff[key] = (time.monotonic() + delay, failures + 1)
+            now = time.monotonic()
+            if len(self._backoff) >= _BACKOFFS_KEPT:  # sessions deleted or idle since keep theirs
+                self._backoff = {k: v for k, v in self._backoff.items() if v[0] > now}
+                if len(self._backoff) >= _BACKOFFS_KEPT:
+                    self._backoff.clear()  # those sessions retry sooner: nothing else is lost
+            self._backoff[key] = (now + delay, failures + 1)
 
     async def _fold(
         self, key: tuple[str, str], chat_model: ModelConfig, model: ModelConfig, upto: int | None,
