@@ -84,7 +84,8 @@ def load_encoding(name: str) -> tiktoken.Encoding:
 
 
 _SHORT_TEXT = 4096  # characters: texts up to this long are remembered...
-_SHORT_TEXTS = 8192  # ...this many at a time (at most some tens of MB)
+_SHORT_TEXTS = 8192  # ...this many at a time...
+_SHORT_CHARS = 2_000_000  # ...and this many characters (at most some 10 MB of four-byte characters)
 # Tiny texts (recall's labels, "[#1234 user]", one per stored position a block may show) are kept
 # apart and many more of them: a long session's labels outnumber `_SHORT_TEXTS`, and evicting them
 # in turn made every recall block encode its labels again (a third of its rendering time).
@@ -111,18 +112,29 @@ class TiktokenCounter:
         self.encoding = load_encoding(encoding_name)
         # Short texts recur on every request (roles, names, a session's system prompt): counted once.
         self._short: dict[str, int] = {}
+        self._short_chars = 0  # the characters of the texts in `_short`
         self._tiny: dict[str, int] = {}
 
     def text(self, text: str) -> int:
         size = len(text)
         if size > _SHORT_TEXT:
             return len(self.encoding.encode(text, disallowed_special=()))
-        cache, bound = (self._tiny, _TINY_TEXTS) if size <= _TINY_TEXT else (self._short, _SHORT_TEXTS)
-        count = cache.get(text)
+        if size <= _TINY_TEXT:
+            count = self._tiny.get(text)
+            if count is None:
+                if len(self._tiny) >= _TINY_TEXTS:
+                    del self._tiny[next(iter(self._tiny))]  # a bounded cache: the oldest goes
+                count = self._tiny[text] = len(self.encoding.encode(text, disallowed_special=()))
+            return count
+        short = self._short
+        count = short.get(text)
         if count is None:
-            if len(cache) >= bound:
-                del cache[next(iter(cache))]  # a bounded cache: the oldest goes
-            count = cache[text] = len(self.encoding.encode(text, disallowed_special=()))
+            self._short_chars += size
+            while short and (len(short) >= _SHORT_TEXTS or self._short_chars > _SHORT_CHARS):
+                oldest = next(iter(short))  # a bounded cache: the oldest go
+                del short[oldest]
+                self._short_chars -= len(oldest)
+            count = short[text] = len(self.encoding.encode(text, disallowed_special=()))
         return count
 
     def message(self, message: Message) -> int:

@@ -3,14 +3,45 @@
 
 from __future__ import annotations
 
+import json
 import time
+import tracemalloc
+from typing import Any
+
+import pytest
 
 from memproxy.messages import AUDIO_EXPIRY_MARGIN, detached, wire_form
 from memproxy.store.history_cache import message_cost
 
 
 def test_a_message_costs_at_least_its_overhead_and_grows_with_its_text() -> None:
-    assert message_cost("{}", None) < message_cost("{}", "{}") < message_cost("x" * 100, None)
+    assert message_cost("{}", None) < message_cost("{}", "{}")
+    assert message_cost('"x"', None) < message_cost('"xx"', None) < message_cost('"漢字"', None)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "hello"},
+    {"role": "user", "content": " ".join(f"word{i}" for i in range(400))},
+    {"role": "user", "content": "漢字" * 500},
+    {"role": "user", "content": "\U0001F600 smile " * 300},  # four bytes a character
+    {"role": "user", "content": [{"type": "text", "text": "a"} for _ in range(2000)]},  # a valid request
+    {"role": "user", "content": "x", "extra": [{} for _ in range(20000)]},  # kept as sent
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(300)]},
+])
+def test_the_estimate_is_what_a_message_takes_decoded_at_least(message: dict[str, Any]) -> None:
+    """The cache's budget holds only if no message takes more decoded than its estimate: one of 2,000
+    one-letter parts took 4.9 times it, and the cache 313 MB of a 64 MB budget."""
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        decoded = json.loads(text)
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert decoded == message
+    assert taken <= message_cost(text, None)
 
 
 def test_messages_are_handed_on_without_copies_but_detached_for_code_that_changes_them() -> None:

@@ -515,3 +515,16 @@ async def test_a_store_migrated_by_a_newer_release_is_refused(backend: StoreUnde
         await backend.open()
     assert [r[0] for r in await backend.query("SELECT id FROM schema_migrations ORDER BY id DESC LIMIT 1")] \
         == ["9999_future"]
+
+
+async def test_the_stems_kept_are_bounded_in_characters_too(store: Store) -> None:
+    """A word may be 200 characters of four bytes each (text in a script written without spaces):
+    200,000 of them held some 370 MB. The stems kept are bounded in characters too."""
+    from memproxy.store.sql import recall as sql_recall
+
+    words = [f"{i:06d}" + "\U00020000" * 194 for i in range(sql_recall._STEM_CHARS_KEPT // 200 + 100)]
+    for start in range(0, len(words), 2000):
+        stems = await store._stems(words[start:start + 2000])  # type: ignore[attr-defined]
+        assert set(stems) == set(words[start:start + 2000])
+    kept = store._stem_cache  # type: ignore[attr-defined]
+    assert sum(map(len, kept)) == store._stem_chars <= sql_recall._STEM_CHARS_KEPT  # type: ignore[attr-defined]

@@ -404,3 +404,19 @@ async def test_a_clip_and_a_document_are_sent(proxy: Proxy, upstream: FakeUpstre
     answer = await proxy.client().chat.completions.create(model="big", messages=[{"role": "user", "content": content}])
     assert answer.choices[0].message.content == "It says hello."
     assert upstream.chat_requests()[-1].body["messages"][-1]["content"] == content
+
+
+def test_the_counts_kept_are_bounded_in_characters_too() -> None:
+    """Texts a request brings are counted once and kept, a bounded number of them, and a bounded
+    number of characters: 8,192 texts of 4,096 four-byte characters (text with no spaces in a rare
+    script) held some 265 MB per model."""
+    import memproxy.tokens as tokens
+
+    counter = TiktokenCounter("o200k_base")
+    text = "\U00020000" * 3000
+    for i in range(tokens._SHORT_CHARS // 3000 + 50):
+        distinct = f"{i} {text}"
+        assert counter.text(distinct) == len(counter.encoding.encode(distinct))
+    kept = counter._short  # the cache itself: what memory holds
+    assert sum(map(len, kept)) == counter._short_chars <= tokens._SHORT_CHARS
+    assert len(kept) >= tokens._SHORT_CHARS // 3010  # as many as fit are kept: recent texts still hit

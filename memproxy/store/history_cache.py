@@ -26,15 +26,22 @@ decoded objects; past the budget the least recently used sessions are evicted
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 from .base import StoredMessage
 
 # What a decoded message takes: measured with tracemalloc on chat messages of 5 to 400 words, its
 # dicts, strings, `StoredMessage` and chain hash take about 650 bytes plus its JSON text's length
-# (ASCII); a character of other scripts takes 2-4 bytes, hence the factor.
-MESSAGE_OVERHEAD = 700
-TEXT_FACTOR = 2
+# (ASCII). Its text is counted as the JSON text's own size in memory (`sys.getsizeof`: 1, 2 or 4
+# bytes a character, by its widest), which its decoded strings never exceed. A message of many
+# small parts (2,000 one-letter text parts, 20,000 empty objects in a field) decodes to many
+# objects, each costing far more than its few characters of JSON: each object and string is
+# counted too.
+MESSAGE_OVERHEAD = 500
+OBJECT_BYTES = 200  # a decoded JSON object (a dict), per "{"
+ARRAY_BYTES = 60  # a list, per "["
+QUOTE_BYTES = 25  # half a decoded string (its object), per '"'
 DEFAULT_HISTORY_CACHE_BYTES = 64 << 20
 
 
@@ -46,4 +53,11 @@ class Cached(NamedTuple):
 
 
 def message_cost(body_text: str, compact_text: str | None) -> int:
-    return MESSAGE_OVERHEAD + TEXT_FACTOR * (len(body_text) + len(compact_text or ""))
+    """What a message read from its stored JSON (and its compact form's) takes decoded, in bytes: at
+    least as much, whatever its shape (tests/test_history_cache.py measures it)."""
+    return MESSAGE_OVERHEAD + _decoded(body_text) + (_decoded(compact_text) if compact_text else 0)
+
+
+def _decoded(text: str) -> int:
+    return (sys.getsizeof(text) + OBJECT_BYTES * text.count("{") + ARRAY_BYTES * text.count("[")
+            + QUOTE_BYTES * text.count('"'))

@@ -32,5 +32,6 @@ class SQLStore(SQLTurns, SQLRecall, SQLAdmin):
         self._history = SessionCache(history_cache_bytes)
         self._recall_index = SessionCache(recall_cache_bytes)
         self._stem_cache = {}
+        self._stem_chars = 0
         self._too_big = {}
         self._common = {}

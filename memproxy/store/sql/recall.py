@@ -30,7 +30,8 @@ _LINE_COLUMNS = ("m.session_pk, m.seq, m.role, m.unit_start, m.recall_text, m.re
 _OTHER_SESSIONS = 50  # the most of an end user's other sessions recall looks in, newest first
 _SEARCHED_SESSIONS = 1000  # the most sessions a search across sessions looks in, newest first
 _CHUNK = 100  # sessions a search statement looks in
-_STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`), a few MiB
+_STEMS_KEPT = 200_000  # words whose stems are kept (`SQLRecall._stems`)...
+_STEM_CHARS_KEPT = 2_000_000  # ...and their characters: at most some 30 MB, however long the words
 _LEAST_BYTES_PER_TOKEN = 16  # what a session's index in memory costs at least, a token of its messages
 _TOO_BIG_KEPT = 10_000  # sessions remembered as too big for the index in memory (`SQLRecall._too_big`)
 # The session's index in memory (`memproxy.store.recall_index`), checked and brought up to date in
@@ -70,6 +71,7 @@ class SQLRecall(SQLBase):
 
     _recall_index: SessionCache[SessionIndex]  # `SQLStore` sets them
     _stem_cache: dict[str, tuple[str, ...]]
+    _stem_chars: int  # the characters of the words in `_stem_cache`
     # Sessions whose index was found larger than the whole cache (by incarnation, and the length
     # it had then): recall asks the store's own index for them instead of building theirs again
     # every turn (a 10,000-message session of 400-word messages: 5 s a turn), until they shrink.
@@ -289,15 +291,22 @@ class SQLRecall(SQLBase):
         missing = [w for w in dict.fromkeys(words) if w not in cache]
         numbers = [w for w in missing if w.isascii() and w.isdigit()]
         if numbers:
-            if len(cache) + len(numbers) > _STEMS_KEPT:
-                cache.clear()
+            self._make_room_for_stems(numbers)
             cache.update((w, (w,)) for w in numbers)
             missing = [w for w in missing if w not in cache]
         if missing:
-            if len(cache) + len(missing) > _STEMS_KEPT:
-                cache.clear()
+            self._make_room_for_stems(missing)
             cache.update(zip(missing, await self._db.stems(missing)))
         return {w: cache[w] for w in words}
+
+    def _make_room_for_stems(self, words: Sequence[str]) -> None:
+        """The stem cache emptied where `words` would take it past its bounds, in words and in
+        characters (a word may be 200 characters of four bytes each: text with no spaces)."""
+        size = sum(map(len, words))
+        if len(self._stem_cache) + len(words) > _STEMS_KEPT or self._stem_chars + size > _STEM_CHARS_KEPT:
+            self._stem_cache.clear()
+            self._stem_chars = 0
+        self._stem_chars += size
 
     async def search(self, tenant: str | None, words: Sequence[str], limit: int,
                      session: SessionState | None = None, active_since: float | None = None) -> list[SearchHit]:
