@@ -110,28 +110,31 @@ async def test_the_summary_a_request_folds_for_itself_goes_with_what_recall_find
     assert any(str(m.get("content")).startswith("Summary of the earlier conversation") for m in received.messages)
 
 
-async def test_turns_that_give_way_to_recall_are_folded_not_left_out_of_both(
+async def test_the_preview_says_whether_a_request_folds_as_the_request_does(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
 ) -> None:
-    """Where recall's room is held back from older kept turns, those turns leave the request: with
-    `overflow: summarize` the request's own fold takes them too, so that no turn is left out of
-    both the request and the summary; the preview says beforehand whether a request will fold."""
+    """With `overflow: summarize` a request folds what its plan leaves out unsummarised, decided
+    before recall holds back room from older kept turns (those give way to recall and are not
+    folded for it: folding them too summarised on nearly every turn of a tight window). The
+    preview says beforehand whether a request will fold, by the same plan, where it read the plan
+    recall had cut and disagreed; and the request does not fold on every turn."""
     proxy = await start(start_proxy, make_storage, upstream, **RECALL, recall_min_tokens=600, summaries=True,
                         overflow="summarize", chunk_threshold_tokens=1_000_000)  # only the request's own fold
     upstream.summarizer = lambda _: Reply(content="Known facts: several.")
     api = api_for(http, proxy)
     talk = Conversation(proxy, upstream, "s1")
+    gave_way = 0
     for i in range(40):
         text = filler(i) if i else FACT
         expected = (await preview_of(api, "s1", text, model="small")) if i else None
         folds = len(upstream.summary_requests())
         new, reply = [user(text)], Reply(content=f"Answer {i}: " + " ".join(f"sun{i}y{j}" for j in range(20)))
-        received, headers = await talk.exchange(new, reply)
+        _, headers = await talk.exchange(new, reply)
         talk.remember(new, reply)
-        assert headers["x-memproxy-unsummarized-omitted"] == "0", f"turn {i}"
         if expected is not None:
             assert expected["would_summarize"] == (len(upstream.summary_requests()) > folds), f"turn {i}"
-    assert len(upstream.summary_requests()) >= 2
+        gave_way += headers["x-memproxy-unsummarized-omitted"] != "0"
+    assert 2 <= len(upstream.summary_requests()) <= 10 and gave_way  # folds now and then, not every turn
 
 
 async def test_kept_turns_stay_put_where_the_room_beside_them_holds_recall(

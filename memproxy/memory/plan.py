@@ -58,8 +58,9 @@ class PreparedTurn:
     # How the client's request was read, where its history was stored first (`resent_history`) and
     # the turn then planned as that history's continuation (`reconciled`): what headers report.
     read_as: Reconciled | None = None
-    # The stored messages the plan left out that no summary stands for, before recall gave back
-    # room it held and did not use: what a fold is for (the chat endpoint folds them first).
+    # The stored messages the plan left out that no summary stands for, as the request's own fold
+    # (`overflow: summarize`) decides on them: before recall held back room from older kept turns
+    # (those give way to recall, and are neither folded nor, unless recalled, sent).
     unsummarised: int = 0
 
     @property
@@ -226,41 +227,23 @@ async def _prepare(
         return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop",
                    reserve=reserve, head=head)
 
-    recall_room, floor = memory.recall_room(window), memory.recall_floor(window)
-
-    async def for_recall(session: SessionState | None, context: Context) -> tuple[Context, bool] | None:
-        """The fit recall fills (None: no recall): `context` itself, with the room it leaves beside
-        its kept turns, or, where that is less than recall is sure of, a fit whose older kept
-        turns gave way to `floor` (True)."""
-        if session is None or not context.omitted or recall_room <= 0:
-            return None
-        beside = room_beside(context, budget, recall_room, floor)
-        if beside is not None:
-            return dataclasses.replace(context, recall_room=beside), False
-        return await build(session, floor), True
-
     context = await build(session)
-    recalling = await for_recall(session, context)
-    # What a fold decides on is what would be sent, recall's room held back included: kept turns
-    # that gave way to it are folded too, never left out of both the request and the summary.
-    fitted = recalling[0] if recalling is not None else context
-    if fitted.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
+    if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
         # Recall plans again from the session as the fold left it: its summary, just saved, stays.
-        session = await _fold_left_out(summarizer, session, model, budget, memory, fitted, build,
-                                       floor if recalling is not None and recalling[1] else 0)
-        context = await build(session)
-        recalling = await for_recall(session, context)
-        fitted = recalling[0] if recalling is not None else context
-    if session is not None and recalling is not None:
+        context, session = await _fold_left_out(summarizer, session, model, budget, memory, context, build)
+    unsummarised = context.unsummarised_omitted
+    if session is not None and context.omitted and memory.recall_room(window) > 0:
         lap("budget")
         scope = end_user if memory.recall_scope == "user" else None
         checked = loaded.recall if loaded is not None and session is loaded.session else None
-        context = await _recall(store, session, fixed, recalling[0], recalling[1], memory.recall_context, scope, counter,
-                                context, build, checked, expired_before(idle_ttl))
+        floor = memory.recall_floor(window)
+        beside = room_beside(context, budget, memory.recall_room(window), floor)
+        context = await _recall(store, session, fixed, beside, floor, memory.recall_context, scope, counter, context,
+                                build, checked, expired_before(idle_ttl))
         lap("recall")
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
-                        end_user=end_user, unsummarised=fitted.unsummarised_omitted)
+                        end_user=end_user, unsummarised=unsummarised)
 
 
 def resent_history(reconciled: Reconciled) -> int:
@@ -307,21 +290,22 @@ async def opening_turns(store: TurnStore, session: SessionState, base: int, turn
 
 
 async def _recall(
-    store: TurnStore, session: SessionState, fixed: Fixed, held: Context, gave_way: bool, around: int,
+    store: TurnStore, session: SessionState, fixed: Fixed, beside: int | None, floor: int, around: int,
     end_user: str | None, counter: TokenCounter, context: Context,
     build: Callable[[SessionState, int], Awaitable[Context]], checked: object = None,
     active_since: float | None = None,
 ) -> Context:
     """The fit with recall (`memory.recall`): the store's best matches for the question, in the
-    room `held` holds for them (`held.recall_room`): what `context` leaves unused beside its kept
-    turns, or, where that is less than recall is sure of, room its older kept turns gave way to
-    (`gave_way`), whatever the block then leaves unused given back to them. `checked`: what the
-    turn's load noted for recall (`Loaded.recall`); `active_since`: the end user's other sessions
-    idle since before then have expired, and are not searched.
+    room the request leaves beside its kept turns (`beside`, from `room_beside`), or, where that
+    is less than recall is sure of, in `floor` tokens held back from older kept turns, whatever
+    the block then leaves unused given back to them. `checked`: what the turn's load noted for
+    recall (`Loaded.recall`); `active_since`: the end user's other sessions idle since before then
+    have expired, and are not searched.
 
     Where the spare room suffices, the kept turns stay as they would be without recall, so the
     prefix before the block (system prompt, opening turns, summary, kept turns) is the one the
     previous request sent, grown by its exchange: the provider's prompt cache keeps hitting."""
+    held = dataclasses.replace(context, recall_room=beside) if beside is not None else await build(session, floor)
     query = recall.question(fixed.new, context.messages)
     words = query.words
     if held.recall_room <= 0 or not words:
@@ -334,7 +318,7 @@ async def _recall(
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
         return context
-    if block.tokens < held.recall_room and gave_way:  # room held back: what is left goes back
+    if block.tokens < held.recall_room and beside is None:  # room held back: what is left goes back
         refit = await build(session, block.tokens)
         smaller = recall.without(block, ranked, words, session.session_id, refit.first_sent, counter)
         if smaller is None:  # all it found is sent as kept turns
@@ -350,14 +334,12 @@ async def _recall(
 async def _fold_left_out(
     summarizer: Summarizer, session: SessionState, model: ModelConfig, budget: Budget,
     memory: MemoryConfig, context: Context, build: Callable[[SessionState, int], Awaitable[Context]],
-    reserve: int,
-) -> SessionState:
-    """The overflow policy `summarize`: fold what was left out of `context` (planned with `reserve`
-    tokens held back for recall), and everything older than the verbatim tail, then plan again.
-    The room the new summary takes can push more turns out, so this repeats while folds apply,
-    all within `sync_summary_timeout_seconds`; past that the fold goes on in the background and
-    this request gets a marker meanwhile. The session as it is to be planned on (its newest
-    summary's version)."""
+) -> tuple[Context, SessionState]:
+    """The overflow policy `summarize`: fold what was left out, and everything older than the
+    verbatim tail, then plan again. The room the new summary takes can push more turns out, so
+    this repeats while folds apply, all within `sync_summary_timeout_seconds`; past that the fold
+    goes on in the background and this request gets a marker meanwhile. The plan, and the session
+    as it was planned on (its newest summary's version)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + memory.sync_summary_timeout_seconds
     tail = await summarizer.tail_start(session, budget.window)
@@ -373,7 +355,7 @@ async def _fold_left_out(
         if result is not None and result.summary is not None:
             # The session was read before this summary was saved; planning again must look for it.
             session = dataclasses.replace(session, summary_version=result.summary.version)
+        context = await build(session, 0)
         if result is None or result.outcome != "applied":
             break
-        context = await build(session, reserve)
-    return session
+    return context, session
