@@ -56,10 +56,11 @@ _SEND_CHECKS = 4  # checks of a response's writer per `send_timeout_seconds`
 async def send_deadline(request: web.Request, response: web.StreamResponse) -> None:
     """Drops the connection of a response whose client has taken nothing of it for
     `send_timeout_seconds` (an `on_response_prepare` signal: every response, streamed or not). A
-    timer checks the connection a few times a period while the request's task runs; nothing is
-    added to each write."""
+    timer checks the connection a few times a period while the task answering this request runs
+    (the one preparing the response: `request.task` is the connection's, which outlives each of
+    its keep-alive requests); nothing is added to each write."""
     transport, protocol = request.transport, request.protocol
-    task = request.task
+    task = asyncio.current_task()
     if transport is None or task is None:
         return
     limit = request.app[CONFIG].server.send_timeout_seconds

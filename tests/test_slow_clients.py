@@ -16,12 +16,17 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from conftest import PROXY_KEY
 from fake_upstream import FakeUpstream, Reply
-from memproxy.config import ConfigError, ServerConfig, parse_config
+from memproxy.config import Config, ConfigError, ServerConfig, parse_config
+from memproxy.deadlines import send_deadline
+from memproxy.typedefs import CONFIG
 from processes import Served, serve_one, sqlite_storage, write_config
 
 HEADER, BODY, KEEPALIVE, SEND = 1.0, 1.6, 2.4, 2.0  # seconds, far enough apart to tell which one fired
@@ -229,6 +234,39 @@ async def test_a_stream_its_client_stopped_reading_is_dropped_and_its_session_fr
             "SELECT m.body FROM messages m JOIN sessions s ON s.pk = m.session_pk WHERE s.session_id = 'unread'"
             " ORDER BY m.seq")]
     assert contents == ["still there?", "next"]
+
+
+async def test_the_send_deadline_watches_a_request_only_while_it_is_answered(http: Any) -> None:
+    """Each answer's watch ends with the request it answers, not with its keep-alive connection:
+    tied to the connection, 200 requests on one left 200 timers re-arming every few seconds for as
+    long as it stayed open. The watches are run at once here (the event loop's own timer list),
+    rather than waited for."""
+    app = web.Application()
+    app[CONFIG] = Config()
+    app.on_response_prepare.append(send_deadline)
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/x", answer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    loop = asyncio.get_running_loop()
+
+    def watches() -> list[asyncio.TimerHandle]:
+        return [h for h in loop._scheduled if not h.cancelled() and "check" in repr(h._callback)]  # type: ignore[attr-defined]
+
+    try:
+        for _ in range(20):  # one keep-alive connection
+            async with http.get(server.make_url("/x")) as response:
+                assert await response.text() == "ok"
+        assert len(watches()) == 20  # one each, armed as it was prepared
+        for handle in watches():
+            callback = handle._callback  # type: ignore[attr-defined]
+            handle.cancel()
+            callback()  # the watch comes round: its request is done
+        assert watches() == []
+    finally:
+        await server.close()
 
 
 def test_the_limits_are_read_from_the_config_and_must_be_positive() -> None:
