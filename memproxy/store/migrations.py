@@ -12,17 +12,16 @@ from importlib import resources
 from typing import Literal
 
 Dialect = Literal["sqlite", "postgres"]
-# The migration after whose statements each backend computes, in the same transaction, the
-# `search_text` of the messages stored before it (`memproxy.store.sql.recall.backfill_search`).
+# The migrations after whose statements each backend fills, in the same transaction, the search
+# text and recall lines of the messages that lack them (`memproxy.store.sql.recall.backfill_recall`):
+# the one that made the index, and `<number>_recall_repair` (numbered in each dialect's order) for
+# what earlier releases left short.
 BACKFILL_SEARCH = "0009_recall"
-# The migration (`<number>_recall_repair`, numbered in each dialect's order) after whose statements
-# each backend repairs the recall columns earlier releases left short
-# (`memproxy.store.sql.recall.repair_recall`).
 REPAIR_RECALL = "recall_repair"
 
 
-def is_repair_recall(migration_id: str) -> bool:
-    return migration_id.partition("_")[2] == REPAIR_RECALL
+def fills_recall(migration_id: str) -> bool:
+    return migration_id == BACKFILL_SEARCH or migration_id.partition("_")[2] == REPAIR_RECALL
 
 
 def newer_than_known(applied: set[str], dialect: Dialect) -> str | None:

@@ -29,8 +29,8 @@ from ..config import ConfigError, StorageConfig
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .recall_index import DEFAULT_RECALL_CACHE_BYTES
-from .migrations import BACKFILL_SEARCH, is_repair_recall, migrations, newer_than_known, statements
-from .sql import Outcome, Row, Script, SQLStore, Step, backfill_search, repair_recall, run_script_async
+from .migrations import fills_recall, migrations, newer_than_known, statements
+from .sql import Outcome, Row, Script, SQLStore, Step, backfill_recall, run_script_async
 
 
 T = TypeVar("T")
@@ -299,10 +299,8 @@ async def _migrate(url: str, search_path: dict[str, str]) -> None:
                     continue
                 for statement in statements(sql):
                     await conn.execute(statement)
-                if migration_id == BACKFILL_SEARCH:
-                    await run_script_async(backfill_search(fts=False), fetch)
-                if is_repair_recall(migration_id):
-                    await run_script_async(repair_recall(fts=False), fetch)
+                if fills_recall(migration_id):
+                    await run_script_async(backfill_recall(fts=False), fetch)
                 await conn.execute("INSERT INTO schema_migrations (id, applied_at)"
                                    " VALUES ($1, extract(epoch from now()))", migration_id)
     except BaseException:  # a failure, or a stop signal's cancel: the connection goes at once

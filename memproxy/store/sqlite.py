@@ -48,8 +48,8 @@ from .base import COMMON_WORD_POSITIONS
 from .errors import translated
 from .history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from .recall_index import DEFAULT_RECALL_CACHE_BYTES
-from .migrations import BACKFILL_SEARCH, is_repair_recall, migrations, newer_than_known, statements
-from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_search, repair_recall, run_script_async
+from .migrations import fills_recall, migrations, newer_than_known, statements
+from .sql import QUERIES, Outcome, Row, Script, SQLStore, Step, backfill_recall, run_script_async
 
 __all__ = ["QUERIES", "SQLiteStore", "checkpoint_log", "migrations", "sqlite_path"]
 
@@ -524,13 +524,12 @@ def _migration(migration_id: str, sql: str) -> Script[None]:
     if (yield "SELECT 1 FROM schema_migrations WHERE id = ?", (migration_id,)):
         return
     yield from _statements(statements(sql))
-    if migration_id == BACKFILL_SEARCH:
-        yield from backfill_search(fts=True)
-    if is_repair_recall(migration_id):
+    if fills_recall(migration_id):
+        # The columns `0009_recall` as first released lacked (SQLite has no ADD COLUMN IF NOT EXISTS).
         columns = {str(row[1]) for row in (yield "PRAGMA table_info(messages)", ())}
         yield from _statements([f"ALTER TABLE messages ADD COLUMN {name} {kind}" for name, kind in
                                 (("recall_text", "TEXT"), ("recall_tokens", "INTEGER")) if name not in columns])
-        yield from repair_recall(fts=True)
+        yield from backfill_recall(fts=True)
     yield "INSERT INTO schema_migrations (id, applied_at) VALUES (?, strftime('%s','now'))", (migration_id,)
 
 

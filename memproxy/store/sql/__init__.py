@@ -14,12 +14,12 @@ from ..history_cache import DEFAULT_HISTORY_CACHE_BYTES
 from ..recall_index import DEFAULT_RECALL_CACHE_BYTES
 from ..session_cache import SessionCache
 from .admin import SQLAdmin
-from .recall import SQLRecall, backfill_search, repair_recall
+from .recall import SQLRecall, backfill_recall
 from .script import Backend, Outcome, Row, Script, Step, run_script_async
 from .turns import QUERIES, SQLTurns
 
 __all__ = ["QUERIES", "Backend", "Outcome", "Row", "SQLAdmin", "SQLRecall", "SQLStore", "SQLTurns", "Script",
-           "Step", "backfill_search", "repair_recall", "run_script_async"]
+           "Step", "backfill_recall", "run_script_async"]
 
 
 class SQLStore(SQLTurns, SQLRecall, SQLAdmin):

@@ -411,13 +411,15 @@ def _positions(value: object) -> list[int]:
 _LINE_BREAKS = ("\n", "\r", "\t", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
 
 
-def repair_recall(fts: bool) -> Script[None]:
-    """The recall lines and search text that earlier releases left missing or stale
-    (`<number>_recall_repair`), in its transaction: a `recall_text` missing (a store migrated by
-    `0009_recall` as first released, with no such column) or spanning lines (stored before lines
-    were made one line), made anew, its token count left to be counted when recalled; a
-    `search_text` missing (written by a release before `0009_recall` that kept serving after
-    another migrated), made and, on SQLite (`fts`), indexed while active."""
+def backfill_recall(fts: bool) -> Script[None]:
+    """The search text and recall lines of messages that lack them, in a migration's transaction
+    (`memproxy.store.migrations.fills_recall`): every message stored before the index existed
+    (`0009_recall`); then, once more (`<number>_recall_repair`), what earlier releases left short:
+    a `recall_text` missing (a store migrated by `0009_recall` as first released, with no such
+    column) or spanning lines (stored before lines were made one line), a `search_text` missing
+    (written by a release before `0009_recall` that kept serving after another migrated). Their
+    `recall_tokens` become null (counted when recalled); `fts`: SQLite's FTS5 table, which its
+    triggers fill only as rows are inserted, gets each active message given its search text."""
     stale = " OR ".join(["recall_text IS NULL", "search_text IS NULL", *(["recall_text LIKE ?"] * len(_LINE_BREAKS))])
     breaks = tuple(f"%{c}%" for c in _LINE_BREAKS)
     sessions = yield "SELECT pk, tenant, session_id FROM sessions ORDER BY pk", ()
@@ -436,21 +438,3 @@ def repair_recall(fts: bool) -> Script[None]:
             if fts and int(active) == 1:
                 yield ("INSERT INTO messages_fts (rowid, search_text) VALUES (?, ?)",
                        (int(pk) * 4294967296 + int(seq), words))
-
-
-def backfill_search(fts: bool) -> Script[None]:
-    """The `search_text` and `recall_text` of messages stored before the index existed (migration
-    0009_recall), in its transaction; `fts`: SQLite's FTS5 table, which its triggers fill only for
-    later rows. Their `recall_tokens` stay null: counted when recalled."""
-    sessions = yield "SELECT pk, tenant, session_id FROM sessions ORDER BY pk", ()
-    for pk, tenant, session_id in sessions:
-        rows = yield ("SELECT id, body, compact_body, created_at FROM messages"
-                      " WHERE session_pk = ? AND search_text IS NULL", (pk,))
-        for message_id, body, compact, created_at in rows:
-            decoded = json.loads(body)
-            yield ("UPDATE messages SET search_text = ?, recall_text = ? WHERE id = ?",
-                   (search_text(tenant, session_id, decoded, float(created_at)),
-                    recall_text(decoded, json.loads(compact) if compact else None), message_id))
-    if fts:
-        yield ("INSERT INTO messages_fts (rowid, search_text) SELECT session_pk * 4294967296 + seq, search_text"
-               " FROM messages WHERE active = 1 AND search_text IS NOT NULL"), ()

@@ -6,4 +6,4 @@
 -- before recall lines were made one line, so that no stored text can pose as another recalled
 -- message) gets it anew, and every message stored without its `search_text` (by a release before
 -- `0009_recall`, still running beside the one that migrated) gets that too, indexed
--- (`memproxy.store.sql.recall.repair_recall`).
+-- (`memproxy.store.sql.recall.backfill_recall`).
