@@ -18,8 +18,8 @@ it counted where its message says so, else by `STEP`, and sent again: the client
 
 Small requests are not compared (`observed_from`): a provider's fixed additions (Anthropic's
 tool-use preamble, a few hundred tokens) would read as a large factor, and only requests near the
-window need it. Nor are requests holding media (`holds_media`): an image, a clip or a document is
-counted by an estimate of its own (`memproxy.tokens.attachment_tokens`), which says nothing of how
+window need it. Nor are requests holding media (`memproxy.tokens.holds_media`): an image, a clip or a document
+is counted by an estimate of its own (`memproxy.tokens.attachment_tokens`), which says nothing of how
 the model's tokenizer counts text, and one image-heavy request (gpt-4o-mini bills a low-detail
 image at some 2,800 tokens) would halve the history every other session of the model is planned
 with. The factors are per process and start at 1; each replica and worker learns its own
@@ -29,9 +29,6 @@ from its first large requests (and its first refusal at most, per model).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-
-from .messages import Message
 
 RELAX = 0.1  # of the way from the factor to a lower ratio, per request that shows one
 STEP = 1.15  # the factor's rise on a refusal whose message gives no count
@@ -77,21 +74,6 @@ class Calibration:
         factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)
         self._factors[model] = factor
         return factor
-
-
-_TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
-
-
-def holds_media(messages: Sequence[Message]) -> bool:
-    """Whether any message holds a part other than text (an image, a clip, a file) or a spoken
-    answer: counted by estimates, not by the model's tokenizer."""
-    for message in messages:
-        content = message.get("content")
-        if type(content) is list and any(not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS for p in content):
-            return True
-        if message.get("audio") is not None and message.get("role") == "assistant":
-            return True
-    return False
 
 
 def _reported(message: str, window: int) -> int | None:

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from .calibration import holds_media, observed_from
 from .bodies import json_object, requested_model
+from .calibration import observed_from
 from .config import Config, ModelConfig
 from .errors import (
     BadRequest,
@@ -59,6 +59,7 @@ from .store import StoreUnavailable, TurnRecord
 from .store.errors import SessionDeleted, StoreConflict
 from .streaming import StreamAssembler, hiding_usage
 from .timing import BEFORE_UPSTREAM, Timings, measured
+from .tokens import holds_media
 from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ import json
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .errors import BadRequest
 
@@ -253,17 +254,16 @@ _SIGNING_PARAMETERS = frozenset({
 def _stable_url(url: str) -> str:
     """A signed URL without its signing parameters, which a client that signs its media URLs for
     each request changes every time: the same image (any other URL: itself)."""
-    base, mark, query = url.partition("?")
-    if not mark or not base.startswith(("https://", "http://")):
+    parts = urlsplit(url)
+    if parts.scheme not in ("https", "http") or not parts.query:
         return url
-    query, hash_mark, fragment = query.partition("#")
-    pairs = query.split("&")
+    pairs = parts.query.split("&")
     names = [pair.partition("=")[0].lower() for pair in pairs]
     if not _SIGNATURE_PARAMETERS.intersection(names):
         return url
     kept = [pair for pair, name in zip(pairs, names)
             if not (name.startswith(_SIGNING_PREFIXES) or name in _SIGNING_PARAMETERS)]
-    return base + ("?" + "&".join(kept) if kept else "") + hash_mark + fragment
+    return urlunsplit(parts._replace(query="&".join(kept)))
 
 
 def _loose_arguments(arguments: Any) -> Any:

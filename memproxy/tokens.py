@@ -185,6 +185,21 @@ class TiktokenCounter:
         return total
 
 
+MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "input_file"})  # `attachment_tokens`
+
+
+def holds_media(messages: Sequence[Message]) -> bool:
+    """Whether any message holds a media part (`MEDIA_PARTS`) or a spoken answer: counted by
+    estimates (`attachment_tokens`, `answer_audio_tokens`), not by the model's tokenizer."""
+    for message in messages:
+        content = message.get("content")
+        if type(content) is list and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in content):
+            return True
+        if message.get("audio") is not None and message.get("role") == "assistant":
+            return True
+    return False
+
+
 def attachment_tokens(part: Any) -> int | None:
     """What a media content part costs the model, estimated (None for any other part): an image
     `TOKENS_PER_IMAGE`, never fetched to be sized (its URL is the client's, and litellm's counter
@@ -192,7 +207,7 @@ def attachment_tokens(part: Any) -> int | None:
     rate, else a low bit rate), a `file` or `input_file` holding its data by its pages (a PDF's
     page objects, else its size). A file named by id only is counted as its JSON: its size is the
     provider's to know."""
-    if not isinstance(part, dict):
+    if not isinstance(part, dict) or part.get("type") not in MEDIA_PARTS:
         return None
     kind = part.get("type")
     if kind in ("image_url", "input_image"):
