@@ -55,7 +55,7 @@ async def profile(args: argparse.Namespace) -> Path:
         config = workdir / "memproxy.yaml"
         config.write_text(memproxy_config(upstream.url, db, BENCH_MEMORY, WINDOW))
         memproxy = processes.start(
-            "memproxy", [sys.executable, "-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(out),
+            "memproxy", [sys.executable, "-m", "pyinstrument", "-r", args.renderer, "--show-all", "-o", str(out),
                          "-m", "memproxy.cli", "serve", "-c", str(config), "--port", "0"],
             env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, ready_line="memproxy listening on")
         target = make_targets(upstream.url, memproxy.url, None)[
@@ -116,12 +116,17 @@ def main() -> int:
                         help="profile one session seeded with this many ~400-token messages instead")
     parser.add_argument("--recall", type=int, default=0,
                         help="profile recall on one session seeded with this many LoCoMo turns instead")
+    parser.add_argument("--renderer", choices=("text", "pstats"), default="text",
+                        help="pyinstrument's report: a call tree, or pstats for `python -m pstats` (sort by tottime)")
     parser.add_argument("--out", help="where the text report goes (default: memproxy-profile.txt in the temp dir)")
     args = parser.parse_args()
     out = asyncio.run(profile(args))
     print(f"profile: report in {out}")
-    text = out.read_text(encoding="utf-8") if out.exists() else "(no report written)"
-    print("\n".join(text.splitlines()[:80]))
+    if args.renderer == "pstats":
+        print(f"profile: read it with `python -m pstats {out}` (sort tottime, stats 40)")
+    else:
+        text = out.read_text(encoding="utf-8") if out.exists() else "(no report written)"
+        print("\n".join(text.splitlines()[:80]))
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import http_exceptions, web
 
 from .auth import authenticate
+from .bodies import BodyBudget
 from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
@@ -40,7 +41,8 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def create_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[observe, _errors, guard(config), header_deadline, _auth, body_deadline],
+        middlewares=[observe, _errors, guard(config), header_deadline, _auth, BodyBudget(config.server).middleware,
+                     body_deadline],
         client_max_size=config.server.max_body_bytes,
     )
     app[CONFIG] = config
@@ -137,8 +139,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         noted.error = exc.code or exc.type  # a 400 without a code of its own: its type
         if isinstance(exc, UpstreamError):
             noted.upstream_status = exc.upstream_status
-        response = web.json_response(exc.body(), status=exc.status,
-                                     headers=exc.headers if isinstance(exc, UpstreamError) else None)
+        response = web.json_response(exc.body(), status=exc.status, headers=exc.headers or None)
         if isinstance(exc.__cause__, web.RequestPayloadError):
             response.force_close()  # the rest of a body that failed to decode cannot be skipped
         return response

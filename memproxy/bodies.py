@@ -21,16 +21,52 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from .config import Config, ModelConfig
-from .errors import BadRequest, NotFound
+from .config import Config, ModelConfig, ServerConfig
+from .errors import BadRequest, NotFound, ServerBusy
 
 MAX_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BodyBudget:
+    """The request bodies a process holds at once, at most `server.max_body_bytes_in_flight` bytes
+    as sent (0: no limit). `server.max_body_bytes` bounds one request; this bounds them all, so
+    many large requests at once (the clients of many sessions, or many requests queued on one
+    session's lock, each holding its body and what was parsed from it: a few times its size) get
+    503 `server_busy` with `Retry-After` instead of exhausting the process's memory. A request is
+    charged its `Content-Length` from before its body is read until its answer is done (a stream:
+    until it ends); one without (a chunked body) is charged `max_body_bytes`, the most it may be.
+    A middleware after authentication: a caller without a valid key is refused before it is
+    charged anything. Per process: `serve --workers N` holds N times as much."""
+
+    def __init__(self, server: ServerConfig) -> None:
+        self._limit = server.max_body_bytes_in_flight
+        self._largest = server.max_body_bytes
+        self.held = 0
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not self._limit or not request.body_exists:
+            return await handler(request)
+        length = request.content_length
+        size = self._largest if length is None else min(length, self._largest)  # a longer one is a 413
+        if self.held + size > self._limit:
+            raise ServerBusy("This server is handling as many request bytes as server.max_body_bytes_in_flight "
+                             "allows; retry shortly.")
+        self.held += size
+        try:
+            return await handler(request)
+        finally:
+            self.held -= size
 
 
 async def json_object(request: web.Request, optional: bool = False) -> dict[str, Any]:

@@ -111,6 +111,8 @@ class ServerConfig:
     host: Text = "127.0.0.1"
     port: Annotated[Int, Field(ge=0, le=65535)] = 8080
     max_body_bytes: Annotated[Int, Field(ge=1024)] = 10 * 1024 * 1024
+    # Request bodies a process handles at once, in bytes as sent (`bodies.BodyBudget`); 0: no limit.
+    max_body_bytes_in_flight: Count = 128 * 1024 * 1024
     allow_unauthenticated: Flag = False
     access_log: Flag = False
     header_timeout_seconds: Positive = 10.0  # first byte of a request to the end of its headers
@@ -408,7 +410,10 @@ def _cross_check(config: Config) -> None:
     if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
         raise ConfigError("storage.url", f"unsupported store {url!r}: use sqlite:///path/to/file.db "
                                          "or postgresql://user@host:port/database")
-    storage = config.storage
+    server, storage = config.server, config.storage
+    if 0 < server.max_body_bytes_in_flight < server.max_body_bytes:  # the largest request would never be taken
+        raise ConfigError("server.max_body_bytes_in_flight",
+                          f"must be 0 (no limit) or >= max_body_bytes ({server.max_body_bytes})")
     if storage.pool_max_size < storage.pool_min_size:
         raise ConfigError("storage.pool_max_size", f"must be >= pool_min_size ({storage.pool_min_size})")
     names: set[str] = set()

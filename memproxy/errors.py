@@ -48,6 +48,7 @@ class ProxyError(Exception):
     # The class's OpenAI error type where it is not the table's for its status.
     error_type: ErrorType | None = None
     code: str | None = None
+    headers: Mapping[str, str] = MappingProxyType({})  # sent with the error (`Retry-After`)
 
     def __init__(
         self,
@@ -115,15 +116,23 @@ class Conflict(ProxyError):
         return error
 
 
+class ServerBusy(ProxyError):
+    """This process holds as many request bodies as `server.max_body_bytes_in_flight` allows: a
+    503 with `Retry-After`, which the OpenAI SDKs wait for and retry."""
+
+    status = 503
+    code = "server_busy"
+    headers = MappingProxyType({"Retry-After": "1"})
+
+
 class UpstreamError(ProxyError):
     """An error reported by (or on the way to) the model provider; keeps its status."""
 
     status = 502
     code = "upstream_error"
     upstream_status: int | None = None  # the provider's own HTTP status, where it answered with one
-    # What the provider's error response said a client should back off by (`retry-after`,
-    # `x-ratelimit-*`), relayed with the error (`memproxy.upstream.backoff_headers`).
-    headers: Mapping[str, str] = MappingProxyType({})
+    # `headers`: what the provider's error response said a client should back off by
+    # (`retry-after`, `x-ratelimit-*`), relayed with the error (`memproxy.upstream.backoff_headers`).
 
     @staticmethod
     def _type_of(status: int) -> ErrorType:

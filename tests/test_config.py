@@ -120,6 +120,8 @@ def test_every_config_key_is_documented_in_the_example() -> None:
     ("memory: {overflow: compress}", "memory.overflow", "must be one of summarize, marker, drop"),
     ("storage: {on_failure: ignore}", "storage.on_failure", "must be one of error, passthrough"),
     ("storage: {pool_min_size: 5, pool_max_size: 2}", "storage.pool_max_size", ">= pool_min_size (5)"),
+    ("server: {max_body_bytes: 4096, max_body_bytes_in_flight: 2048}", "server.max_body_bytes_in_flight",
+     "0 (no limit) or >= max_body_bytes (4096)"),
     ("storage: {schema: 'a b'}", "storage.schema", "plain identifier"),
     ("memory: {tool_output_max_tokens: 10}", "memory.tool_output_max_tokens", "0 (off) or at least 64"),
     ("auth: {admin_keys: [short]}", "auth.admin_keys[0]", "at least 8"),
