@@ -277,11 +277,6 @@ class Bench:
         async with self.sessions[DIRECT].post(f"{self.upstream.url}/_control", json=settings) as response:
             response.raise_for_status()
 
-    async def upstream_stats(self) -> dict[str, int]:
-        async with self.sessions[DIRECT].get(f"{self.upstream.url}/_stats") as response:
-            stats: dict[str, int] = await response.json()
-            return stats
-
 
 @contextlib.asynccontextmanager
 async def client_sessions(bench: Bench) -> AsyncIterator[None]:

@@ -237,13 +237,6 @@ def provider_problems(config: Config) -> list[ConfigError]:
     return problems
 
 
-def check_provider(config: Config) -> None:
-    """`provider_problems`, the first of them raised."""
-    problems = provider_problems(config)
-    if problems:
-        raise problems[0]
-
-
 class Provider:
     def __init__(self, config: Config, litellm: Any = None) -> None:
         self._litellm = litellm or load_litellm()

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from memproxy.config import Config, ConfigError, ModelConfig, parse_config
-from memproxy.provider import (_SLOW_TOKENIZER_SECONDS, LitellmCounter, Provider, check_provider, load_litellm,
+from memproxy.provider import (_SLOW_TOKENIZER_SECONDS, LitellmCounter, Provider, load_litellm, provider_problems,
                                transport)
 from memproxy.tokens import TiktokenCounter
 from threaded_server import ThreadedServer
@@ -109,7 +109,7 @@ models:
 def test_the_readme_provider_configs_start_offline() -> None:
     config = parse_config(PROVIDER_EXAMPLES, {"ANTHROPIC_API_KEY": "sk-ant-x", "GEMINI_API_KEY": "g-x",
                                               "AZURE_API_KEY": "az-x"})
-    check_provider(config)
+    assert provider_problems(config) == []
     provider = Provider(config)
     by_name = {m.name: m for m in config.models}
     assert {name: provider.window(m) for name, m in by_name.items()} == {
