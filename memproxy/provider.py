@@ -499,10 +499,28 @@ class Provider:
         request = _responses_bridge().transform_responses_api_request_to_chat_completion_request(
             model=model.model, input=[], responses_api_request=params)
         chat = {k: v for k, v in request.items() if k not in ("messages", "model", "stream", "stream_options")}
+        # Where the bridge falls short of what chat completions take: `reasoning` goes as it came
+        # (`{"effort", "summary"}`), but `reasoning_effort` is a string there and a summary has no
+        # chat form; `max_output_tokens` goes as `max_tokens`, which OpenAI's reasoning models refuse
+        # (litellm renames it on its own path, not on memproxy's client); a JSON schema's
+        # `description` is left out.
+        effort = chat.get("reasoning_effort")
+        if isinstance(effort, dict):
+            if isinstance(effort.get("effort"), str):
+                chat["reasoning_effort"] = effort["effort"]
+            else:
+                del chat["reasoning_effort"]
+        if self._reasoning[model.name] and "max_tokens" in chat:
+            chat["max_completion_tokens"] = chat.pop("max_tokens")
+        text = params.get("text")
+        wanted = text.get("format") if isinstance(text, dict) else None
+        schema = (chat.get("response_format") or {}).get("json_schema")
+        if isinstance(wanted, dict) and isinstance(wanted.get("description"), str) and isinstance(schema, dict):
+            chat["response_format"] = {**chat["response_format"],
+                                       "json_schema": {**schema, "description": wanted["description"]}}
         for name in _CHAT_TOO:
             if params.get(name) is not None:
                 chat.setdefault(name, params[name])
-        text = params.get("text")
         if isinstance(text, dict) and text.get("verbosity") is not None:
             chat.setdefault("verbosity", text["verbosity"])
         include = params.get("include")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -41,8 +41,8 @@ from .observe import notes
 from .params import check_params
 from .provider import Provider
 from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, input_items,
-                             new_id, output_items, parse_request, response_object, responses_usage, sse,
-                             status_of)
+                             item_ids, new_id, output_items, parse_request, response_object, response_of_item,
+                             responses_usage, sse, status_of)
 from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
@@ -71,7 +71,8 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     app = request.app
     provider = app[PROVIDER]
     body = await json_object(request)
-    parsed = parse_request(body)
+    tenant = caller_tenant(request)
+    parsed = await _referenced(app[STORE], tenant, parse_request(body))
     model = requested_model(app[CONFIG], parsed.model)
     if model.responses_api != "native":
         check_bridge_input(parsed)
@@ -85,7 +86,6 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     timings.lap("parse")
     noted = notes(request)
     noted.model, noted.stream, noted.timings = model.name, parsed.stream, timings
-    tenant = caller_tenant(request)
     response_id = new_id("resp")
     wire = ResponsesWire(provider, parsed, response_id, model.name, native=model.responses_api == "native")
     exchange = Exchange(model=model, messages=messages, params={**params, "stream": parsed.stream},
@@ -100,6 +100,34 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     if session_id is None and parsed.store:
         session_id = response_id  # a kept response always has a session: its chain has memory
     return await serve_turn(request, exchange, tenant, session_id, planning)
+
+
+async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -> ResponsesRequest:
+    """The request with each `item_reference` in its input replaced by the item it names: an item
+    of a kept response of the tenant's (its output, or its input), found by that response, whose
+    id the item's names (`response_of_item`). What the Vercel AI SDK sends back for the answers of
+    kept responses. A reference to no such item is a 404, as OpenAI answers one."""
+    if not isinstance(parsed.input, list) or not any(item.get("type") == "item_reference" for item in parsed.input):
+        return parsed
+    responses: dict[str, StoredResponse | None] = {}
+    items: list[Item] = []
+    for i, item in enumerate(parsed.input):
+        if item.get("type") != "item_reference":
+            items.append(item)
+            continue
+        item_id, found = item["id"], None
+        response_id = response_of_item(item_id)
+        if response_id is not None:
+            if response_id not in responses:
+                responses[response_id] = await _stored(store, tenant, response_id)
+            kept = responses[response_id]
+            if kept is not None:
+                found = next((x for x in [*(kept.body.get("output") or []), *kept.input_items]
+                              if isinstance(x, dict) and x.get("id") == item_id), None)
+        if found is None:
+            raise NotFound(f"Item with id '{item_id}' not found.", param=f"input[{i}]")
+        items.append(found)
+    return dataclasses.replace(parsed, input=items)
 
 
 def _messages(provider: Provider, parsed: ResponsesRequest) -> list[Message]:
@@ -182,7 +210,9 @@ class ResponsesWire:
         self._created_at = time.time()  # one creation time, in every event and the kept object
         created = response_object(response_id, request, model, [], None, status="in_progress",
                                   created_at=self._created_at)
-        self._events = ChatEvents(created)
+        self._make_id = item_ids(response_id)  # an item_reference to any of them finds this response
+        self._renamed: dict[str, str] = {}  # a native provider's item ids -> this response's
+        self._events = ChatEvents(created, self._make_id)
         self._assembler = StreamAssembler()
         self._started = False
         self._closing: list[dict[str, Any]] = []
@@ -204,7 +234,7 @@ class ResponsesWire:
             choice = (completion.get("choices") or [{}])[0]
             reply = choice.get("message") or {}
             usage = completion.get("usage")
-            body = response_object(self.id, self._request, self._model, output_items(reply),
+            body = response_object(self.id, self._request, self._model, output_items(reply, self._make_id),
                                    responses_usage(usage), status_of(choice.get("finish_reason")),
                                    created_at=self._created_at)
         self._final = body
@@ -217,9 +247,25 @@ class ResponsesWire:
         body = {**result, "id": self.id, "model": self._model, "store": self._request.store,
                 "previous_response_id": self._request.previous_response_id,
                 "instructions": self._request.instructions}
+        if isinstance(body.get("output"), list):
+            body["output"] = [self._item(item) for item in body["output"]]
         if self._request.conversation is not None:
             body["conversation"] = {"id": self._request.conversation}
         return body
+
+    def _item(self, item: Any) -> Any:
+        """A native provider's output item under this response's id for it (`item_ids`): the
+        provider keeps nothing (`store: false`), memproxy keeps the response, and a later
+        `item_reference` to the item finds it here."""
+        return {**item, "id": self._item_id(item["id"])} if isinstance(item, dict) and isinstance(
+            item.get("id"), str) else item
+
+    def _item_id(self, provider_id: str) -> str:
+        ours = self._renamed.get(provider_id)
+        if ours is None:
+            prefix = provider_id.partition("_")[0]
+            ours = self._renamed[provider_id] = self._make_id(prefix if prefix.isalpha() and prefix.islower() else "item")
+        return ours
 
     async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:
         if self._native:
@@ -247,6 +293,10 @@ class ResponsesWire:
             raise UpstreamError(f"upstream response failed: {message or kind}", code="upstream_error")
         if isinstance(event.get("response"), dict):
             event = {**event, "response": self._native_body(event["response"])}
+        if isinstance(event.get("item"), dict):
+            event = {**event, "item": self._item(event["item"])}
+        if isinstance(event.get("item_id"), str):
+            event = {**event, "item_id": self._item_id(event["item_id"])}
         if kind in _TERMINAL:
             self._held = event  # sent once the turn is recorded (`done`)
             return b""
@@ -271,7 +321,7 @@ class ResponsesWire:
             record = dataclasses.replace(record, pinned=True)
         if not self._request.store or self._final is None:
             return record
-        kept = NewResponse(self.id, self._final, _with_ids(self._request.input_list))
+        kept = NewResponse(self.id, self._final, _with_ids(self._request.input_list, self._make_id))
         return dataclasses.replace(record, response=kept)
 
     def done(self) -> bytes:
@@ -310,9 +360,9 @@ def _reply_from(provider: Provider, response: dict[str, Any]) -> Message:
     return reply
 
 
-def _with_ids(items: list[Item]) -> list[Item]:
+def _with_ids(items: list[Item], make_id: Callable[[str], str]) -> list[Item]:
     """Input items as `input_items` lists them: each with an id (the client's, else a new one)."""
-    return [item if item.get("id") else {"id": new_id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")),
+    return [item if item.get("id") else {"id": make_id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")),
                                         **item} for item in items]
 
 

@@ -15,13 +15,16 @@ codec:
   Responses API itself (`responses_api: native`);
 - the usage both ways.
 
-Ids are memproxy's own (`resp_`, `msg_`, `fc_`, `rs_` and 24 hex digits): a response is kept and
-found by its id whatever the provider.
+Ids are memproxy's own (`resp_` and 24 hex digits; an item's `msg_`, `fc_`, `rs_`, those digits and
+its place, `item_ids`): a response is kept and found by its id whatever the provider, and an item
+by its response's.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -47,6 +50,24 @@ _DEFAULTS: dict[str, Any] = {"parallel_tool_calls": True, "tool_choice": "auto",
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def item_ids(response_id: str) -> Callable[[str], str]:
+    """Ids for the items of one response (its output, and input items the client sent without one)
+    that name it: `msg_<the response id's hex>_<n>`, so that an `item_reference` to one is looked
+    up by its response's key (`response_of_item`), as OpenAI resolves those it stored."""
+    own = response_id.removeprefix("resp_")
+    counter = itertools.count()
+    return lambda prefix: f"{prefix}_{own}_{next(counter)}"
+
+
+_ITEM_ID = re.compile(r"[a-z]+_([0-9a-f]{24})_[0-9]+")
+
+
+def response_of_item(item_id: str) -> str | None:
+    """The id of the response an item id of memproxy's names (`item_ids`); None for any other."""
+    match = _ITEM_ID.fullmatch(item_id)
+    return f"resp_{match[1]}" if match else None
 
 
 @dataclass(frozen=True)
@@ -129,7 +150,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
                             conversation=conversation, body=body)
 
 
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # The message content parts memory keeps; any other would be dropped or emptied on the way.
@@ -172,6 +193,9 @@ def _check_item(item: Any, where: str) -> None:
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
                 raise BadRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    elif kind == "item_reference":
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            raise BadRequest(f"{where}.id must be an item id", param=f"{where}.id")
     elif kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise BadRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")

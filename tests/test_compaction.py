@@ -134,6 +134,7 @@ class Agent(Conversation):
         reply = reply or Reply(content=f"answer {len(self.history)}")
         received, headers = await self.exchange(new, reply, **params)
         messages = received.messages
+        print("DBG", [COUNTER.message(m) for m in messages], COUNTER.tools(TOOLS), headers.get("x-memproxy-context-tokens"))
         assert int(headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, messages, TOOLS)
         assert int(headers["x-memproxy-context-tokens"]) <= int(headers["x-memproxy-input-budget"])
         assert messages[: len(SYSTEM)] == SYSTEM
@@ -205,10 +206,50 @@ def test_a_huge_tool_output_keeps_head_and_tail_and_names_its_full_size(
     {"role": "assistant", "content": big_output("assistant")},
     {"role": "system", "content": big_output("system")},
     {"role": "tool", "tool_call_id": "call_1",
-     "content": [{"type": "text", "text": big_output("x")}, {"type": "image_url", "image_url": {"url": "u"}}]},
+     "content": [{"type": "text", "text": "short"}, {"type": "image_url", "image_url": {"url": "u"}}]},
 ])
-def test_only_text_tool_outputs_are_ever_trimmed(message: Message) -> None:
+def test_only_tool_outputs_with_text_over_the_limit_are_ever_trimmed(message: Message) -> None:
     assert trimmed_tool_output(message, LIMIT, COUNTER) is None
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def text_tokens(message: Message) -> int:
+    return sum(COUNTER.text(p["text"]) for p in message["content"] if p["type"] == "text")
+
+
+@pytest.mark.parametrize("layout", ["text-image", "image-text", "short-image-long"])
+def test_a_tool_output_with_pictures_keeps_them_whole_in_place_and_cuts_its_text(layout: str) -> None:
+    """A screenshot beside a page's text (computer use, MCP): the picture cannot be cut, the text can."""
+    long = big_output("page", 2000)
+    parts = {"text-image": [{"type": "text", "text": long}, IMAGE],
+             "image-text": [IMAGE, {"type": "text", "text": long}],
+             "short-image-long": [{"type": "text", "text": "Title: a page"}, IMAGE, {"type": "text", "text": long}]}[layout]
+    message = {"role": "tool", "tool_call_id": "call_1", "content": parts}
+    trimmed = trimmed_tool_output(message, LIMIT, COUNTER)
+    assert trimmed is not None
+    assert [p["type"] for p in trimmed["content"]] == [p["type"] for p in parts]
+    assert [p for p in trimmed["content"] if p["type"] != "text"] == [IMAGE]
+    assert LIMIT // 2 < text_tokens(trimmed) <= LIMIT
+    if layout == "short-image-long":
+        assert trimmed["content"][0] == parts[0], "a short part is kept whole"
+    [cut] = [p for p in trimmed["content"] if p["type"] == "text" and p["text"] != "Title: a page"]
+    assert_preview_of({"role": "tool", "content": cut["text"]}, long)
+    assert trimmed_tool_output(trimmed, LIMIT, COUNTER) is None
+
+
+def test_many_long_text_parts_beside_a_picture_are_joined_and_cut_as_one() -> None:
+    """Ten long parts in a limit of 100: a cap of 10 tokens each could not even say what it cut."""
+    texts = [big_output(f"part{i}", 300) for i in range(10)]
+    message = {"role": "tool", "tool_call_id": "call_1",
+               "content": [IMAGE, *({"type": "text", "text": t} for t in texts)]}
+    trimmed = trimmed_tool_output(message, LIMIT, COUNTER)
+    assert trimmed is not None
+    assert trimmed["content"][0] == IMAGE and len(trimmed["content"]) == 2
+    assert_preview_of({"role": "tool", "content": trimmed["content"][1]["text"]}, "".join(texts))
+    assert text_tokens(trimmed) <= LIMIT
+    assert trimmed_tool_output(trimmed, LIMIT, COUNTER) is None
 
 
 def test_a_message_cannot_close_the_summarisers_transcript_frame() -> None:
@@ -305,6 +346,24 @@ async def test_an_older_tool_output_is_sent_as_head_and_tail_and_stored_in_full(
     assert tool_rows[1] == ({"role": "tool", "tool_call_id": "call_2", "content": small}, None)
     assert all(compact is None for role, _, compact in rows if role != "tool")
     assert trimmed_tool_output(sent[2], LIMIT, COUNTER) is None
+
+
+async def test_an_older_tool_output_with_a_picture_is_sent_with_it_whole_and_its_text_cut(
+    make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
+) -> None:
+    proxy = await start_proxy(compaction_config(make_storage, upstream))
+    agent = Agent(proxy, upstream, "screenshot", "new")
+    page = big_output("page.html")
+    output = [{"type": "text", "text": page}, IMAGE]
+    await agent.ask("look at the page", tool_call("call_1"))
+    await agent.results({"call_1": output})
+    later = await agent.ask("and now?")
+    assert later.trimmed == 1
+    sent = later.history[2]
+    assert sent["tool_call_id"] == "call_1" and sent["content"][1] == IMAGE
+    assert_preview_of({"role": "tool", "content": sent["content"][0]["text"]}, page)
+    [(body, compact)] = [(body, compact) for role, body, compact in stored_rows(proxy) if role == "tool"]
+    assert (body["content"], compact) == (output, sent)  # stored whole; the compact form is what went
 
 
 @pytest.mark.parametrize("style", ["full", "new"])

@@ -155,6 +155,29 @@ async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy:
     assert (sent["prompt_cache_key"], sent["safety_identifier"], sent["verbosity"]) == ("k1", "u-9", "low")
 
 
+@pytest.mark.both_transports
+async def test_a_reasoning_models_parameters_reach_it_in_the_chat_form_it_takes(
+    start_proxy: Any, config: Config, upstream: FakeUpstream, transport: str
+) -> None:
+    """What the AI SDK sends a reasoning model (`max_output_tokens`, `reasoning` with a summary) and
+    a structured output's description, through the bridge on either transport: chat completions'
+    `max_completion_tokens` (the fake refuses `max_tokens`, as OpenAI does), `reasoning_effort` as
+    a string, `json_schema.description` kept."""
+    thinker = ModelConfig(name="thinker", model="openai/o4-mini", api_base=upstream.url, api_key="upstream-secret",
+                          context_window=8000, max_output_tokens=256, transport=transport)
+    proxy: Proxy = await start_proxy(replace(config, models=(*config.models, thinker)))
+    answer = await proxy.client("thinking").responses.create(
+        model="thinker", input="hi", max_output_tokens=200, reasoning={"effort": "low", "summary": "auto"},
+        text={"format": {"type": "json_schema", "name": "person", "description": "A person",
+                         "schema": {"type": "object", "properties": {}}, "strict": True}})
+    assert answer.output_text
+    sent = upstream.last().body
+    assert (sent.get("max_completion_tokens"), "max_tokens" in sent, sent["reasoning_effort"]) == (200, False, "low")
+    assert sent["response_format"]["json_schema"]["description"] == "A person"
+    await proxy.client("thinking-2").responses.create(model="thinker", input="hi", reasoning={"summary": "auto"})
+    assert "reasoning_effort" not in upstream.last().body  # a summary alone has no chat form
+
+
 async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     wire.enqueue(Reply(content="Hi Ada."), Reply(content="Ada."), Reply(content="Hi Bob."))
@@ -221,6 +244,41 @@ async def test_a_tool_round_trip_through_previous_response_id(proxy: Proxy, wire
         assert body["messages"][2] == {"role": "tool", "tool_call_id": "call_w1", "content": "sunny"}
     else:
         assert body["tools"][0]["name"] == "get_weather" and body["store"] is False
+
+
+async def test_item_references_to_kept_items_are_read_as_those_items(proxy: Proxy, wire: Upstream) -> None:
+    """How the Vercel AI SDK resends a history by default (`store` left true): each earlier answer
+    as `{"type": "item_reference", "id": ...}`, the id of an item of a response memproxy kept."""
+    client = proxy.client("refs")
+    wire.enqueue(Reply(tool_calls=[{"id": "call_r1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]),
+                 Reply(content="Sunny in Paris."), Reply(content="You asked about Paris."))
+    asked = {"role": "user", "content": "Weather in Paris?"}
+    result = {"type": "function_call_output", "call_id": "call_r1", "output": "sunny"}
+    first = await client.responses.create(model=wire.model, input=[asked], tools=[WEATHER_TOOL])
+    [called] = [item for item in first.output if item.type == "function_call"]
+    second = await client.responses.create(model=wire.model, tools=[WEATHER_TOOL], input=[
+        asked, {"type": "item_reference", "id": called.id}, result])
+    [answered] = [item for item in second.output if item.type == "message"]
+    third = await client.responses.create(model=wire.model, tools=[WEATHER_TOOL], input=[
+        asked, {"type": "item_reference", "id": called.id}, result, {"type": "item_reference", "id": answered.id},
+        {"role": "user", "content": "What did I ask?"}])
+    assert third.output_text == "You asked about Paris."
+    assert wire.conversation() == [("user", "Weather in Paris?"), ("call", 'get_weather {"city":"Paris"}'),
+                                   ("tool", "sunny"), ("assistant", "Sunny in Paris."), ("user", "What did I ask?"),
+                                   ]
+    stored = await session_messages(proxy, "refs")
+    assert len(stored["messages"]) == 6 and not stored.get("superseded")  # each turn went on from the last
+
+    # A reference to no item kept, or to another tenant's, is a 404 that sends and stores nothing.
+    sent = len(wire.requests())
+    for key, item_id in ((PROXY_KEY, "msg_" + "0" * 24 + "_0"), (PROXY_KEY, "msg_not_ours"), (OTHER_KEY, answered.id)):
+        with pytest.raises(openai.NotFoundError) as missing:
+            await proxy.client("refs", key=key).responses.create(model=wire.model, input=[
+                {"role": "user", "content": "again"}, {"type": "item_reference", "id": item_id}])
+        assert missing.value.body["param"] == "input[1]"  # type: ignore[index]
+    assert len(wire.requests()) == sent
+    assert len((await session_messages(proxy, "refs"))["messages"]) == 6
 
 
 # --- streams ----------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ the result must fit a token count): the compact form of a tool output and the su
 transcript both cut long texts through it.
 
 - A tool result larger than `tool_output_max_tokens` is sent, once it is older than the newest
-  exchange, as its head and tail around a marker giving the full size. The compact form is computed
-  once, when the message is stored, and is itself under the limit, so trimming again changes nothing.
+  exchange, as its head and tail around a marker giving the full size (its pictures and files, if it
+  has any, whole). The compact form is computed once, when the message is stored, and its text is
+  itself under the limit, so trimming again changes nothing.
 - An assistant message's reasoning (`reasoning_content`, `reasoning`, `thinking_blocks`) is stored
   and shown but, once older than the newest exchange, not sent: its compact form is the message
   without it (`memproxy.messages.without_reasoning`), counted without it too.
@@ -73,13 +74,53 @@ def fit_head_and_tail(
 
 
 def trimmed_tool_output(message: Message, max_tokens: int, counter: TokenCounter) -> Message | None:
-    """The compact form of a tool result over `max_tokens`, or None if it is sent as it is."""
+    """The compact form of a tool result whose text is over `max_tokens`, or None if it is sent as
+    it is. A result of text alone becomes one text. In one that also holds pictures or files (a
+    screenshot beside a page's text), those are kept whole, where they were (media cannot be cut),
+    and the text parts are cut in place to one cap: the largest one under which they fit the limit
+    together, so a short part stays whole. Where that cap would leave a part too little to say what
+    was cut (many long parts), the text parts are joined into the first one's place and cut as one."""
     if max_tokens <= 0 or message.get("role") not in ("tool", "function"):
         return None
     text = content_text(message)
-    if text is None or counter.text(text) <= max_tokens:
+    if text is not None:
+        if counter.text(text) <= max_tokens:
+            return None
+        return {**message, "content": _cut(text, max_tokens, counter)}
+    parts = message.get("content")
+    if not isinstance(parts, list):
         return None
-    return {**message, "content": fit_head_and_tail(text, max_tokens, counter, _TRIM_MARKER, (2, 1, 3), (4, 5))}
+    sizes = {i: counter.text(p["text"]) for i, p in enumerate(parts)
+             if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)}
+    if sum(sizes.values()) <= max_tokens:
+        return None
+    cap, cut = _cap(sorted(sizes.values()), max_tokens), list(parts)
+    if cap >= _LEAST_CUT_TOKENS:
+        for i, size in sizes.items():
+            if size > cap:
+                cut[i] = {**parts[i], "text": _cut(parts[i]["text"], cap, counter)}
+        return {**message, "content": cut}
+    first, *rest = sizes
+    joined = "".join(parts[i]["text"] for i in sizes)
+    cut[first] = {**parts[first], "text": _cut(joined, max_tokens, counter)}
+    return {**message, "content": [p for i, p in enumerate(cut) if i not in rest]}
+
+
+_LEAST_CUT_TOKENS = 32  # a cut text part keeps at least this much: the marker alone takes about 20
+
+
+def _cap(sizes: list[int], budget: int) -> int:
+    """The largest cap such that `sizes` (ascending), each cut to it, sum to at most `budget`."""
+    for k, size in enumerate(sizes):
+        fair = budget // (len(sizes) - k)
+        if size > fair:
+            return fair
+        budget -= size
+    return budget
+
+
+def _cut(text: str, max_tokens: int, counter: TokenCounter) -> str:
+    return fit_head_and_tail(text, max_tokens, counter, _TRIM_MARKER, (2, 1, 3), (4, 5))
 
 
 def new_message(body: Message, chain: str, counter: TokenCounter, memory: MemoryConfig) -> NewMessage:
