@@ -50,7 +50,8 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
-from .tokens import TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens, encoding_name_for
+from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
+                     encoding_name_for, hoisted_image_words)
 from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
 
 log = logging.getLogger("memproxy")
@@ -160,7 +161,8 @@ class LitellmCounter:
 
     def message(self, message: Message) -> int:
         content = message.get("content")
-        attached = 0
+        hoisted = hoisted_image_words(message)
+        attached = 0 if hoisted is None else TOKENS_PER_MESSAGE + sum(self.text(word) for word in hoisted)
         if isinstance(content, list):  # only text parts go to litellm's counter
             kept = []
             for part in content:

@@ -134,7 +134,6 @@ class Agent(Conversation):
         reply = reply or Reply(content=f"answer {len(self.history)}")
         received, headers = await self.exchange(new, reply, **params)
         messages = received.messages
-        print("DBG", [COUNTER.message(m) for m in messages], COUNTER.tools(TOOLS), headers.get("x-memproxy-context-tokens"))
         assert int(headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, messages, TOOLS)
         assert int(headers["x-memproxy-context-tokens"]) <= int(headers["x-memproxy-input-budget"])
         assert messages[: len(SYSTEM)] == SYSTEM
@@ -351,19 +350,31 @@ async def test_an_older_tool_output_is_sent_as_head_and_tail_and_stored_in_full(
 async def test_an_older_tool_output_with_a_picture_is_sent_with_it_whole_and_its_text_cut(
     make_storage: MakeStorage, start_proxy: Any, upstream: FakeUpstream
 ) -> None:
+    """On litellm's path, where the picture leaves the tool message for a user message after it
+    (`tokens.hoisted_image_words`): the text is cut, the picture sent whole, and the count that
+    memproxy reports is an exact recount of what the provider received, picture moved and all."""
     proxy = await start_proxy(compaction_config(make_storage, upstream))
-    agent = Agent(proxy, upstream, "screenshot", "new")
+    talk = Conversation(proxy, upstream, "screenshot", style="new", system=SYSTEM, tools=TOOLS,
+                        **{"X-Memproxy-History": "new"})
     page = big_output("page.html")
     output = [{"type": "text", "text": page}, IMAGE]
-    await agent.ask("look at the page", tool_call("call_1"))
-    await agent.results({"call_1": output})
-    later = await agent.ask("and now?")
-    assert later.trimmed == 1
-    sent = later.history[2]
-    assert sent["tool_call_id"] == "call_1" and sent["content"][1] == IMAGE
-    assert_preview_of({"role": "tool", "content": sent["content"][0]["text"]}, page)
+    exchanges: list[tuple[list[Message], Reply]] = [
+        ([user("look at the page")], Reply(tool_calls=[tool_call("call_1")])),
+        ([{"role": "tool", "tool_call_id": "call_1", "content": output}], Reply(content="seen")),
+        ([user("and now?")], Reply(content="done"))]
+    for new, reply in exchanges:
+        received, headers = await talk.exchange(new, reply)
+        assert int(headers["x-memproxy-context-tokens"]) == request_tokens(COUNTER, received.messages, TOOLS)
+        talk.remember(new, reply)
+    assert headers["x-memproxy-tool-outputs-trimmed"] == "1"
+    [cut] = [m for m in received.messages if m["role"] == "tool"]
+    assert cut["tool_call_id"] == "call_1" and [p["type"] for p in cut["content"]] == ["text"]
+    assert_preview_of({"role": "tool", "content": cut["content"][0]["text"]}, page)
+    [moved] = [m for m in received.messages if m["role"] == "user" and isinstance(m["content"], list)]
+    assert moved["content"][1:] == [IMAGE]
     [(body, compact)] = [(body, compact) for role, body, compact in stored_rows(proxy) if role == "tool"]
-    assert (body["content"], compact) == (output, sent)  # stored whole; the compact form is what went
+    assert body["content"] == output and compact["content"][1] == IMAGE  # stored whole, sent in compact form
+    assert_preview_of({"role": "tool", "content": compact["content"][0]["text"]}, page)
 
 
 @pytest.mark.parametrize("style", ["full", "new"])

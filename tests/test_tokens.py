@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import json
 import os
 import sqlite3
@@ -24,8 +25,9 @@ from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 from memproxy.messages import Message
 from memproxy.provider import LitellmCounter, load_litellm
-from memproxy.tokens import (TOKENS_PER_AUDIO_SECOND, TOKENS_PER_DOCUMENT_PAGE, TOKENS_PER_IMAGE, TiktokenCounter,
-                             attachment_tokens, encoding_name_for, request_tokens)
+from memproxy.tokens import (HOISTED_IMAGES_BOUNDARY, HOISTED_IMAGES_PLACEHOLDER, TOKENS_PER_AUDIO_SECOND,
+                             TOKENS_PER_DOCUMENT_PAGE, TOKENS_PER_IMAGE, TiktokenCounter, attachment_tokens,
+                             encoding_name_for, request_tokens)
 from memproxy.typedefs import PROVIDER
 from test_budget import TOOLS, db_path, tool_call, words
 
@@ -420,3 +422,26 @@ def test_the_counts_kept_are_bounded_in_characters_too() -> None:
     kept = counter._short  # the cache itself: what memory holds
     assert sum(map(len, kept)) == counter._short_chars <= tokens._SHORT_CHARS
     assert len(kept) >= tokens._SHORT_CHARS // 3010  # as many as fit are kept: recent texts still hit
+
+
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": "the page reads: hello"}, {"type": "image_url", "image_url": {"url": "https://a.example/1.png"}}],
+    [{"type": "image_url", "image_url": {"url": "https://a.example/1.png"}}],
+    [{"type": "image_url", "image_url": {"url": "https://a.example/1.png"}},
+     {"type": "image_url", "image_url": {"url": "https://a.example/2.png"}}, {"type": "text", "text": "two shots"}],
+], ids=["text-and-picture", "picture-alone", "two-pictures"])
+@pytest.mark.parametrize("counter_kind", ["tiktoken", "litellm"])
+def test_a_tool_message_with_pictures_counts_what_litellm_sends_for_it(content: list[Any], counter_kind: str) -> None:
+    """litellm's OpenAI-compatible providers move a tool result's pictures into a user message after
+    it, opened by a text of litellm's (`hoist_images_from_tool_messages`): the count of the message
+    as stored is the count of what goes, and the texts memproxy counts are litellm's own."""
+    litellm = load_litellm()
+    common = importlib.import_module("litellm.litellm_core_utils.prompt_templates.common_utils")
+    assert (HOISTED_IMAGES_BOUNDARY, HOISTED_IMAGES_PLACEHOLDER) == (
+        common.TOOL_RESULT_IMAGE_BOUNDARY, common.TOOL_RESULT_IMAGE_PLACEHOLDER)
+    counter: Any = TiktokenCounter("o200k_base") if counter_kind == "tiktoken" else LitellmCounter(
+        litellm, "anthropic/claude-3-5-sonnet-20240620")
+    message = {"role": "tool", "tool_call_id": "call_1", "content": content}
+    sent = common.hoist_images_from_tool_messages([message])
+    assert len(sent) == 2 and sent[1]["role"] == "user"
+    assert counter.message(message) == sum(counter.message(m) for m in sent)
