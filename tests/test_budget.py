@@ -584,20 +584,28 @@ async def test_agent_loop_refuses_when_the_stored_call_and_its_results_cannot_fi
     assert stored_roles(proxy) == ["user", "assistant", "tool", "assistant"]
 
 
-async def test_a_call_the_client_abandoned_is_not_sent_unanswered(proxy: Proxy, upstream: FakeUpstream) -> None:
-    """A new-turn-only agent gets tool calls back, does not run them, and asks something else."""
+@pytest.mark.parametrize("ids", [("call_Zr8xKp2Qw9LmN4vB7yT1sD6f", "call_Qm3vB8nL1xT5rK9wZ2pY7cA4"), ("c", "d")],
+                         ids=["provider-ids", "one-letter-ids"])
+async def test_a_call_the_client_abandoned_goes_as_text_never_unanswered(
+    proxy: Proxy, upstream: FakeUpstream, ids: tuple[str, str]
+) -> None:
+    """A new-turn-only agent gets tool calls back, does not run them, and asks something else (or
+    took a structured answer given as a call, as pydantic-ai and instructor do, and never answers
+    it): the model still sees what it called, as text, never as a call without its result. Told
+    so only where that costs no more than the call did (one-letter ids: the call is left out)."""
     chat = Chat(proxy, upstream, "new", "abandoned", tools=TOOLS)
     await chat.send([{"role": "user", "content": "look two things up"}],
-                    Reply(tool_calls=[tool_call("call_1"), tool_call("call_2")]))
+                    Reply(tool_calls=[tool_call(ids[0]), tool_call(ids[1], '{"q": "y"}')]))
     raw = await chat.client.chat.completions.with_raw_response.create(
         model="small", tools=TOOLS, messages=[{"role": "user", "content": "never mind, say hi"}])  # type: ignore[arg-type]
     sent = upstream.last().messages
     assert_tool_units_whole(sent)
-    # The call-only assistant message is left out of what is sent; the store keeps it.
+    told = [{"role": "assistant", "content": '[called lookup {"q": "x"}, no result]\n[called lookup {"q": "y"}, no result]'}]
     assert sent == [{"role": "user", "content": "look two things up"},
+                    *(told if ids[0].startswith("call_") else []),
                     {"role": "user", "content": "never mind, say hi"}]
     assert int(raw.headers["X-Memproxy-Context-Tokens"]) == tokens(sent) + COUNTER.tools(TOOLS) + REPLY_PRIMING
-    assert stored_roles(proxy) == ["user", "assistant", "user", "assistant"]
+    assert stored_roles(proxy) == ["user", "assistant", "user", "assistant"]  # the store keeps the calls
 
 
 async def test_a_session_that_opens_on_a_tool_result_never_sends_it_without_its_call(

@@ -24,7 +24,7 @@ from helpers import assistant, tool, user
 from memproxy.config import MemoryConfig
 from memproxy.errors import ContextLengthExceeded
 from memproxy.memory import recall
-from memproxy.memory.fit import Budget, drop_unanswered_calls, fit, room_beside
+from memproxy.memory.fit import Budget, settle_unanswered_calls, fit, room_beside
 from memproxy.memory.shrink import new_message
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.memory.shrink import title_of
@@ -115,7 +115,7 @@ def test_recall_keeps_the_budget_properties(
     if held.head:  # the opening turns, verbatim, right after the system prompt
         event("head sent")
         n_system = int(system)
-        opening, _ = drop_unanswered_calls([m.body for m in head], [m.tokens for m in head], [], COUNTER)
+        opening, _ = settle_unanswered_calls([m.body for m in head], [m.tokens for m in head], [], COUNTER)
         assert held.messages[n_system : n_system + held.head] == opening
         assert held.first_sent >= held.head_end == len(head)
     before = held.first_sent

@@ -8,8 +8,9 @@ What must be sent (system prompt, tool schemas, the new messages, and the stored
 result answers) is checked first: if that alone cannot fit, `ContextLengthExceeded` is raised before
 anything is sent or stored. Stored history fills what is left, newest first, in whole units (a
 message and the tool results answering it), so no tool result is sent without its call; a call the
-client never answered is left out of what is sent. The newest exchange (from the latest user
-message on) goes verbatim; older messages go in their compact form (`memproxy.memory.shrink`).
+client never answered goes as a line of its message's text (`settle_unanswered_calls`). The newest
+exchange (from the latest user message on) goes verbatim; older messages go in their compact form
+(`memproxy.memory.shrink`).
 
 The summary, when there is one, stands for every message before `covers`; only later messages are
 candidates. Unsummarised messages that do not fit are announced by a marker (policy permitting), so
@@ -29,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import BadRequest, ContextLengthExceeded
@@ -205,7 +206,7 @@ def fit(
     opening: list[Message] = []
     opening_tokens = 0
     if head and not whole and len(head) <= must_start:
-        opening, saved = drop_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
+        opening, saved = settle_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
                                               [], counter)
         opening_tokens = sum(m.tokens for m in head) - saved
         # Where history is left out, what is sent must say so: the opening turns never take the
@@ -375,7 +376,7 @@ def _history(
     stored: list[StoredMessage], newest: int, new: list[Message], counter: TokenCounter, memory: MemoryConfig
 ) -> tuple[list[Message], int, int, int]:
     """The stored messages as sent (compact when older than the newest exchange, repeats sent once,
-    unanswered calls left out), their tokens, and how many were trimmed and deduplicated."""
+    unanswered calls told as text), their tokens, and how many were trimmed and deduplicated."""
     split = bisect.bisect_left(stored, newest, key=lambda m: m.seq)
     old, recent = stored[:split], stored[split:]
     # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too;
@@ -387,21 +388,25 @@ def _history(
     old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
     deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)
     bodies = old_bodies + [m.body for m in recent]
-    history, unanswered_saved = drop_unanswered_calls(bodies, tokens, new, counter)
+    history, unanswered_saved = settle_unanswered_calls(bodies, tokens, new, counter)
     # A trimmed output sent as a reference to an earlier copy counts as deduplicated, not trimmed.
     trimmed = sum(1 for a, m in zip(old_bodies, old)
                   if trim and m.compact_body is not None and a is m.compact_body and not starts_unit(a))
     return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
 
 
-def drop_unanswered_calls(
+def settle_unanswered_calls(
     bodies: list[Message], tokens: list[int], new: list[Message], counter: TokenCounter
 ) -> tuple[list[Message], int]:
     """The stored messages to send, without tool calls that no tool result answers.
 
-    A client may get tool calls back and move on without running them; providers refuse a request
-    holding an unanswered call. Such calls are left out of what is sent (the store keeps them), and
-    a message left with neither calls nor content is not sent. Returns the tokens this saved.
+    A client may get tool calls back and move on without running them (a structured answer given
+    as a call, as pydantic-ai's output tool and instructor's tools mode give it, is never answered
+    either); providers refuse a request holding an unanswered call. Such a call goes as a line of
+    its message's text instead, `[called name {arguments}, no result]`, so the model still sees
+    what it answered (the store keeps the call): never more than the call cost, which the fit was
+    counted with; where it would cost more (a call of a very short id), the call is left out, and a
+    message left with neither calls nor content is not sent. Returns the tokens this saved.
     """
     callers = [i for i, message in enumerate(bodies) if message.get("tool_calls")]
     if not callers:  # most conversations: nothing to look at
@@ -427,12 +432,33 @@ def drop_unanswered_calls(
         body = {k: v for k, v in message.items() if k != "tool_calls"}
         if kept:
             body["tool_calls"] = kept
-        elif not body.get("content"):
+        told = _told(body, [call for call in calls if call.get("id") not in answered])
+        if told is not None and counter.message(told) <= count:
+            body = told
+        elif not kept and not body.get("content"):
             saved += count
             continue
         saved += count - counter.message(body)
         history.append(body)
     return history, saved
+
+
+def _told(body: Message, calls: list[Any]) -> Message | None:
+    """`body` with a line of its text saying each of `calls` (None: content it cannot add to)."""
+    lines = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        function = function if isinstance(function, dict) else {}
+        lines.append(f"[called {function.get('name') or 'a tool'} {function.get('arguments') or '{}'}, no result]")
+    text = "\n".join(lines)
+    content = body.get("content")
+    if content is None or content == "":
+        return {**body, "content": text}
+    if isinstance(content, str):
+        return {**body, "content": f"{content}\n{text}"}
+    if isinstance(content, list):
+        return {**body, "content": [*content, {"type": "text", "text": text}]}
+    return None
 
 
 def _check_fits(available: int, must_tokens: int, fixed: Fixed, budget: Budget, model: str) -> None:
