@@ -25,6 +25,7 @@ message cap has cut, cannot be continued (409 `session_conflict`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -137,9 +138,29 @@ def _messages(provider: Provider, parsed: ResponsesRequest) -> list[Message]:
     except Exception as exc:  # litellm's bridge refused the items: the client's input
         raise BadRequest(f"'input' could not be read: {type(exc).__name__}", param="input") from exc
     try:
-        return validate_messages(messages)
+        return validate_messages(_thinking_joined(messages))
     except BadRequest as exc:
         raise BadRequest(f"'input' does not make a valid conversation: {exc.message}", param="input") from exc
+
+
+_THINK = re.compile(r"\s*<think>\n?(.*?)\n?</think>\s*", re.DOTALL)
+
+
+def _thinking_joined(messages: list[Message]) -> list[Message]:
+    """An answer's reasoning, resent as an assistant message of its own holding only a `<think>`
+    block right before the answer (pydantic-ai's Responses model does so for a model it does not
+    know to reason, where memproxy returned a `reasoning` item), joined back into that answer as
+    its `reasoning_content`: the answer memproxy stored, not an edit of it with one message more."""
+    joined: list[Message] = []
+    for message in messages:
+        before = joined[-1] if joined else None
+        if (before is not None and before.get("role") == "assistant" and message.get("role") == "assistant"
+                and set(before) == {"role", "content"} and isinstance(before["content"], str)
+                and not message.get("reasoning_content") and (think := _THINK.fullmatch(before["content"]))):
+            joined[-1] = {**message, "reasoning_content": think[1]}
+            continue
+        joined.append(message)
+    return joined
 
 
 async def _session(request: web.Request, store: TurnStore, tenant: str, parsed: ResponsesRequest) -> str | None:

@@ -459,6 +459,24 @@ async def test_reasoning_is_kept_and_shown_but_not_resent(proxy: Proxy, wire: Up
     assert stored["messages"][1]["message"]["reasoning_content"] == "Six times seven."
 
 
+async def test_reasoning_resent_as_a_think_message_of_its_own_is_that_answers(proxy: Proxy, wire: Upstream) -> None:
+    """pydantic-ai's Responses model, for a model it does not know to reason, resends a reasoning
+    item as an assistant message holding only `<think>...</think>`, right before the answer: read
+    as the answer's reasoning, the history is the one stored (`continue`), not an edit of it."""
+    client = proxy.client("think-s")
+    wire.enqueue(Reply(content="Hello Ada.", reasoning_content="The user says their name."), Reply(content="Ada."))
+    first = await client.responses.create(model=wire.model, input="My name is Ada.")
+    assert [item.type for item in first.output] == ["reasoning", "message"]
+    history: Any = [{"role": "user", "content": "My name is Ada."},
+                    {"role": "assistant", "content": "<think>\nThe user says their name.\n</think>"},
+                    {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": "My name?"}]
+    raw = await client.responses.with_raw_response.create(model=wire.model, input=history)
+    assert (raw.headers["X-Memproxy-Reconcile"], raw.headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert wire.conversation() == [("user", "My name is Ada."), ("assistant", "Hello Ada."), ("user", "My name?")]
+    stored = await session_messages(proxy, "think-s")
+    assert [m["message"]["content"] for m in stored["messages"]] == ["My name is Ada.", "Hello Ada.", "My name?", "Ada."]
+
+
 async def test_responses_turns_are_summarised_and_recalled_like_chat(
         start_proxy: Any, config: Config, wire: Upstream) -> None:
     """A long Responses session on a 2,000-token window: older turns are folded into a rolling
