@@ -24,10 +24,11 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from .config import Config, ModelConfig, ServerConfig
 from .errors import BadRequest, NotFound, ServerBusy
+from .typedefs import CALLER
 
 MAX_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -39,14 +40,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class BodyBudget:
     """The request bodies a process holds at once, at most `server.max_body_bytes_in_flight` bytes
-    as sent (0: no limit). `server.max_body_bytes` bounds one request; this bounds them all, so
-    many large requests at once (the clients of many sessions, or many requests queued on one
-    session's lock, each holding its body and what was parsed from it: a few times its size) get
-    503 `server_busy` with `Retry-After` instead of exhausting the process's memory. A request is
-    charged its `Content-Length` from before its body is read until its answer is done (a stream:
-    until it ends); one without (a chunked body) is charged `max_body_bytes`, the most it may be.
-    A middleware after authentication: a caller without a valid key is refused before it is
-    charged anything. Per process: `serve --workers N` holds N times as much."""
+    (0: no limit). `server.max_body_bytes` bounds one request; this bounds them all, so many large
+    requests at once (the clients of many sessions, or many requests queued on one session's lock,
+    each holding its body and what was parsed from it: a few times its size) get 503
+    `server_busy` with `Retry-After` instead of exhausting the process's memory. An authenticated
+    request is charged from before its body is read until its answer is done (a stream: until it
+    ends): its `Content-Length`, or where the body's size is not known before it is read (chunked,
+    or compressed: aiohttp inflates it, up to `max_body_bytes`) the most it may be, lowered to its
+    size once read (`body_bytes`). A middleware after authentication: a caller without a valid
+    key, or a request to a route that takes none (whose body nothing reads), is charged nothing.
+    Per process: `serve --workers N` holds N times as much."""
 
     def __init__(self, server: ServerConfig) -> None:
         self._limit = server.max_body_bytes_in_flight
@@ -55,18 +58,36 @@ class BodyBudget:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not self._limit or not request.body_exists:
+        if not self._limit or not request.body_exists or CALLER not in request:
             return await handler(request)
         length = request.content_length
-        size = self._largest if length is None else min(length, self._largest)  # a longer one is a 413
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+        size = self._largest if length is None or encoding not in ("", "identity") else min(length, self._largest)
         if self.held + size > self._limit:
             raise ServerBusy("This server is handling as many request bytes as server.max_body_bytes_in_flight "
                              "allows; retry shortly.")
+        charge = request[BODY_CHARGE] = _Charge(self, size)
         self.held += size
         try:
             return await handler(request)
         finally:
-            self.held -= size
+            self.held -= charge.size
+
+
+class _Charge:
+    """What a request is charged (`BodyBudget`), lowered to its body's size once that is read."""
+
+    def __init__(self, budget: BodyBudget, size: int) -> None:
+        self._budget = budget
+        self.size = size
+
+    def settle(self, read: int) -> None:
+        if read < self.size:
+            self._budget.held -= self.size - read
+            self.size = read
+
+
+BODY_CHARGE: web.RequestKey[_Charge] = web.RequestKey("body_charge")
 
 
 async def json_object(request: web.Request, optional: bool = False) -> dict[str, Any]:
@@ -96,10 +117,14 @@ async def body_bytes(request: web.Request) -> bytes:
     """The raw body; one that fails to decode (a `Content-Encoding: gzip` body that is not gzip, a
     broken chunked encoding) is the client's fault, so a 400, not the 500 of an unknown error."""
     try:
-        return await request.read()
+        raw = await request.read()
     except web.RequestPayloadError as exc:  # what the parser found wrong with the payload
         raise BadRequest("the request body could not be decoded: its bytes do not match its "
                          "Content-Encoding or Transfer-Encoding", code="invalid_body_encoding") from exc
+    charge = request.get(BODY_CHARGE)
+    if charge is not None:
+        charge.settle(len(raw))
+    return raw
 
 
 def parse_json(raw: bytes | str, what: str = "the request body", surrogates: bool = False) -> Any:

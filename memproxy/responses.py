@@ -41,9 +41,9 @@ from .messages import Message, split_system, validate_messages
 from .observe import notes
 from .params import check_params
 from .provider import Provider
-from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, input_items,
-                             item_ids, new_id, output_items, parse_request, response_object, response_of_item,
-                             responses_usage, sse, status_of)
+from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, check_item,
+                             input_items, item_ids, new_id, output_items, parse_request, response_object,
+                             response_of_item, responses_usage, sse, status_of)
 from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
@@ -110,7 +110,7 @@ async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -
     kept responses. A reference to no such item is a 404, as OpenAI answers one."""
     if not isinstance(parsed.input, list) or not any(item.get("type") == "item_reference" for item in parsed.input):
         return parsed
-    responses: dict[str, StoredResponse | None] = {}
+    outputs: dict[str, list[Any]] = {}  # each response's output items: one answer, not its history
     items: list[Item] = []
     for i, item in enumerate(parsed.input):
         if item.get("type") != "item_reference":
@@ -119,16 +119,22 @@ async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -
         item_id, found = item["id"], None
         response_id = response_of_item(item_id)
         if response_id is not None:
-            if response_id not in responses:
-                responses[response_id] = await _stored(store, tenant, response_id)
-            kept = responses[response_id]
-            if kept is not None:
-                found = next((x for x in [*(kept.body.get("output") or []), *kept.input_items]
-                              if isinstance(x, dict) and x.get("id") == item_id), None)
+            if response_id not in outputs:
+                kept = await _stored(store, tenant, response_id, with_input=False)
+                outputs[response_id] = (kept.body.get("output") or []) if kept is not None else []
+            found = _item_of(outputs[response_id], item_id)
+            if found is None and outputs[response_id]:  # an input item it was given: read its history
+                kept = await _stored(store, tenant, response_id)
+                found = _item_of(kept.input_items if kept is not None else [], item_id)
         if found is None:
             raise NotFound(f"Item with id '{item_id}' not found.", param=f"input[{i}]")
+        check_item(found, f"input[{i}]")  # a kind memory cannot keep (a native built-in tool's) is refused
         items.append(found)
     return dataclasses.replace(parsed, input=items)
+
+
+def _item_of(items: list[Any], item_id: str) -> Item | None:
+    return next((item for item in items if isinstance(item, dict) and item.get("id") == item_id), None)
 
 
 def _messages(provider: Provider, parsed: ResponsesRequest) -> list[Message]:
@@ -279,7 +285,7 @@ class ResponsesWire:
         provider keeps nothing (`store: false`), memproxy keeps the response, and a later
         `item_reference` to the item finds it here."""
         return {**item, "id": self._item_id(item["id"])} if isinstance(item, dict) and isinstance(
-            item.get("id"), str) else item
+            item.get("id"), str) and item["id"] else item  # an empty id names nothing: left so
 
     def _item_id(self, provider_id: str) -> str:
         ours = self._renamed.get(provider_id)
@@ -316,7 +322,7 @@ class ResponsesWire:
             event = {**event, "response": self._native_body(event["response"])}
         if isinstance(event.get("item"), dict):
             event = {**event, "item": self._item(event["item"])}
-        if isinstance(event.get("item_id"), str):
+        if isinstance(event.get("item_id"), str) and event["item_id"]:
             event = {**event, "item_id": self._item_id(event["item_id"])}
         if kind in _TERMINAL:
             self._held = event  # sent once the turn is recorded (`done`)
@@ -396,8 +402,8 @@ def _may_exist(response_id: str) -> bool:
     return len(response_id) <= 256 and response_id.isprintable()
 
 
-async def _stored(store: TurnStore, tenant: str, response_id: str) -> StoredResponse | None:
-    return await store.get_response(tenant, response_id) if _may_exist(response_id) else None
+async def _stored(store: TurnStore, tenant: str, response_id: str, with_input: bool = True) -> StoredResponse | None:
+    return await store.get_response(tenant, response_id, with_input) if _may_exist(response_id) else None
 
 
 async def _kept(request: web.Request) -> tuple[str, Any]:

@@ -118,7 +118,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             raise BadRequest("'input' must not be empty", param="input")
     elif isinstance(raw, list) and raw:
         for i, item in enumerate(raw):
-            _check_item(item, f"input[{i}]")
+            check_item(item, f"input[{i}]")
     else:
         raise BadRequest("'input' must be a string or a non-empty array of items", param="input")
     instructions = body.get("instructions")
@@ -157,7 +157,7 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _PARTS = _TEXT_PARTS | {"refusal", "input_image", "input_file", "input_audio"}
 
 
-def _check_item(item: Any, where: str) -> None:
+def check_item(item: Any, where: str) -> None:
     """An input item of the kinds memory keeps: messages (a role and content), function calls and
     their outputs, reasoning. Other kinds (built-in tool calls) are the provider's; memproxy cannot
     replay them on another provider, so they are refused rather than silently dropped."""

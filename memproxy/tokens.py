@@ -179,9 +179,11 @@ class TiktokenCounter:
         return total
 
     def _tool_call(self, call: Any) -> int:
-        function = call.get("function") or {}
+        # A function's call, or a custom tool's (`{"type": "custom", "custom": {"name", "input"}}`).
+        said = call.get(call.get("type") or "function")
+        said = said if isinstance(said, dict) else call.get("function") or {}
         total = TOKENS_PER_TOOL_CALL
-        for value in (call.get("id"), function.get("name"), function.get("arguments")):
+        for value in (call.get("id"), said.get("name"), said.get("arguments", said.get("input"))):
             if isinstance(value, str):
                 total += self.text(value)
         return total

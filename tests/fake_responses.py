@@ -104,7 +104,7 @@ class FakeResponsesUpstream(FakeUpstream):
 
 
 def _output(reply: Reply, number: int) -> list[dict[str, Any]]:
-    output: list[dict[str, Any]] = []
+    output: list[dict[str, Any]] = [dict(item) for item in reply.output_items or []]
     if reply.reasoning_content is not None:
         output.append({"type": "reasoning", "id": f"rs_{number}",
                        "summary": [{"type": "summary_text", "text": reply.reasoning_content}]})

@@ -47,6 +47,8 @@ class Reply:
     refusal: str | None = None  # not streamed: the message's `refusal` (OpenAI's structured outputs)
     headers: dict[str, str] | None = None  # an error response's headers (`retry-after`...)
     refusal_null: bool = False  # the message says `refusal: null`, as OpenAI's answers do
+    # The Responses fake's: output items sent before the others (a built-in tool's call, as is).
+    output_items: list[dict[str, Any]] | None = None
 
 
 @dataclass

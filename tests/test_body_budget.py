@@ -5,6 +5,7 @@ with nothing stored or sent upstream (`memproxy.bodies.BodyBudget`)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -13,9 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from fake_upstream import FakeUpstream, Reply
+from memproxy.app import create_app
 from memproxy.config import Config
 from test_errors import assert_shape
 
@@ -35,9 +39,10 @@ def padded(text: str, size: int) -> bytes:
 
 
 async def post(http: aiohttp.ClientSession, proxy: Proxy, data: bytes | AsyncIterator[bytes], session: str,
-               key: str = PROXY_KEY) -> tuple[int, dict[str, str], Any]:
+               key: str = PROXY_KEY, **headers: str) -> tuple[int, dict[str, str], Any]:
     async with http.post(proxy.server.make_url("/v1/chat/completions"), data=data, headers={
-            "Authorization": f"Bearer {key}", "X-Session-Id": session, "Content-Type": "application/json"}) as response:
+            "Authorization": f"Bearer {key}", "X-Session-Id": session, "Content-Type": "application/json",
+            **headers}) as response:
         return response.status, dict(response.headers), await response.json()
 
 
@@ -106,8 +111,36 @@ async def test_a_body_of_unknown_length_is_charged_the_most_a_body_may_be(
     finally:
         gate.set()
     assert (await first)[0] == 200
-    upstream.enqueue(Reply(content="chunked answer"))
-    assert (await post(http, proxy, chunked(padded("chunked", 1_000)), "s2"))[0] == 200
+    # Once read, a chunked body is charged its size: a near-largest request fits beside it.
+    gate = threading.Event()
+    try:
+        first = await held(upstream, gate, lambda: post(http, proxy, chunked(padded("chunked", 1_000)), "s2"))
+        upstream.enqueue(Reply(content="beside it"))
+        assert (await post(http, proxy, padded("large", LARGEST - 2_000), "s4"))[0] == 200
+    finally:
+        gate.set()
+    assert (await first)[0] == 200
+
+
+async def test_a_compressed_body_is_charged_as_inflated(
+    start_proxy: Callable[[Config], Any], config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """aiohttp inflates a gzip body (up to max_body_bytes): 40 kB in 200 bytes is charged the most
+    a body may be until read, then its 40 kB, never its 200 bytes on the wire."""
+    proxy: Proxy = await start_proxy(limited(config, LARGEST + 500))
+    inflated = padded("zipped", 40_000)
+    zipped = gzip.compress(inflated)
+    assert len(zipped) < 1_000
+    gate = threading.Event()
+    try:
+        first = await held(upstream, gate, lambda: post(http, proxy, zipped, "s1", **{"Content-Encoding": "gzip"}))
+        assert (await post(http, proxy, padded("second", 30_000), "s2"))[0] == 503
+        upstream.enqueue(Reply(content="fits"))
+        assert (await post(http, proxy, padded("third", 20_000), "s3"))[0] == 200
+    finally:
+        gate.set()
+    assert (await first)[0] == 200
+    assert upstream.chat_requests()[0].messages[-1]["content"] == "zipped"
 
 
 async def test_the_bytes_are_given_back_whatever_the_answer(
@@ -152,3 +185,37 @@ async def test_zero_sets_no_limit(
     finally:
         gate.set()
     assert (await first)[0] == 200
+
+
+async def test_a_route_that_takes_no_key_is_charged_nothing(
+    config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Only an authenticated request is charged: a body sent to a route that takes no key (whose
+    body nothing reads) cannot take the budget from the tenants, however large and slow it is."""
+    app = create_app(limited(config, LARGEST))
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hold(request: web.Request) -> web.Response:
+        entered.set()
+        await release.wait()
+        return web.Response(text="held")
+
+    app.router.add_post("/held", hold)  # a route outside /v1/, as /healthz is
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async def unknown_caller() -> int:
+            async with http.post(server.make_url("/held"), data=b" " * (LARGEST - 100)) as response:
+                return response.status
+
+        holding = asyncio.ensure_future(unknown_caller())
+        await entered.wait()
+        upstream.enqueue(Reply(content="served"))
+        async with http.post(server.make_url("/v1/chat/completions"), data=padded("tenant", 30_000), headers={
+                "Authorization": f"Bearer {PROXY_KEY}", "Content-Type": "application/json"}) as response:
+            assert response.status == 200
+        release.set()
+        assert await holding == 200
+    finally:
+        release.set()
+        await server.close()

@@ -26,6 +26,7 @@ from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from helpers import Conversation
 from memproxy.logs import fields
+from memproxy.memory.fit import settle_unanswered_calls
 from memproxy.store.sqlite import sqlite_path
 from memproxy.timing import PARTS
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter, encoding_name_for, request_tokens
@@ -606,6 +607,20 @@ async def test_a_call_the_client_abandoned_goes_as_text_never_unanswered(
                     {"role": "user", "content": "never mind, say hi"}]
     assert int(raw.headers["X-Memproxy-Context-Tokens"]) == tokens(sent) + COUNTER.tools(TOOLS) + REPLY_PRIMING
     assert stored_roles(proxy) == ["user", "assistant", "user", "assistant"]  # the store keeps the calls
+
+
+def test_an_unanswered_custom_tool_call_is_told_with_its_input() -> None:
+    """A custom tool's call (`{"type": "custom", "custom": {"name", "input"}}`) is told as a
+    function's is, its input as it was given; text before it stays."""
+    calls = [{"id": "call_Zr8xKp2Qw9LmN4vB7yT1sD6f", "type": "custom", "custom": {"name": "patch", "input": "*** a"}}]
+    stored = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "Patching.", "tool_calls": calls}]
+    counts = [COUNTER.message(m) for m in stored]
+    sent, saved = settle_unanswered_calls(stored, counts, [{"role": "user", "content": "thanks"}], COUNTER)
+    assert sent[1] == {"role": "assistant", "content": "Patching.\n[called patch *** a, no result]"}
+    assert saved == counts[1] - COUNTER.message(sent[1]) >= 0
+    # The call itself counts its name and input, as a function's counts its name and arguments.
+    bare = {"role": "assistant", "content": None, "tool_calls": [{**calls[0], "custom": {"name": "", "input": ""}}]}
+    assert COUNTER.message(stored[1]) - COUNTER.message({**bare, "content": "Patching."}) == COUNTER.text("patch") + COUNTER.text("*** a")
 
 
 async def test_a_session_that_opens_on_a_tool_result_never_sends_it_without_its_call(

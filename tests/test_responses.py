@@ -281,6 +281,25 @@ async def test_item_references_to_kept_items_are_read_as_those_items(proxy: Prox
     assert len((await session_messages(proxy, "refs"))["messages"]) == 6
 
 
+async def test_a_reference_to_an_item_memory_cannot_keep_is_refused_as_the_item_is(
+    proxy: Proxy, native_upstream: FakeResponsesUpstream
+) -> None:
+    """A native provider's built-in tool item (a web search) is kept in its response, but memory
+    cannot replay it: by reference, as sent whole, a 400 naming it, never silently dropped."""
+    client = proxy.client("builtin-refs")
+    native_upstream.enqueue(Reply(content="A proxy.", output_items=[
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}}]))
+    first = await client.responses.create(model="native", input="look it up")
+    [searched] = [item for item in first.output if item.type == "web_search_call"]
+    sent = len(native_upstream.responses_requests())
+    for given in ({"type": "item_reference", "id": searched.id}, searched.model_dump(exclude_none=True)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="native", input=[
+                {"role": "user", "content": "look it up"}, given, {"role": "user", "content": "and?"}])  # type: ignore[list-item]
+        assert refused.value.body["param"] == "input[1].type"  # type: ignore[index]
+    assert len(native_upstream.responses_requests()) == sent
+
+
 # --- streams ----------------------------------------------------------------------------------------
 
 

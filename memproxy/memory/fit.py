@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -447,9 +448,12 @@ def _told(body: Message, calls: list[Any]) -> Message | None:
     """`body` with a line of its text saying each of `calls` (None: content it cannot add to)."""
     lines = []
     for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        function = function if isinstance(function, dict) else {}
-        lines.append(f"[called {function.get('name') or 'a tool'} {function.get('arguments') or '{}'}, no result]")
+        # A function's call, or a custom tool's (`{"type": "custom", "custom": {"name", "input"}}`).
+        said = call.get(call.get("type") or "function") if isinstance(call, dict) else None
+        said = said if isinstance(said, dict) else {}
+        given = said.get("arguments", said.get("input"))
+        given = given if isinstance(given, str) else json.dumps(given if given is not None else {}, ensure_ascii=False)
+        lines.append(f"[called {said.get('name') or 'a tool'} {given}, no result]")
     text = "\n".join(lines)
     content = body.get("content")
     if content is None or content == "":

@@ -526,8 +526,10 @@ class TurnStore(Protocol):
         after the new head; anything else raises `StoreConflict` and writes nothing."""
         ...
 
-    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
-        """The tenant's kept response of that id (None: no such response, or another tenant's)."""
+    async def get_response(self, tenant: str, response_id: str, with_input: bool = True) -> StoredResponse | None:
+        """The tenant's kept response of that id (None: no such response, or another tenant's);
+        without `with_input`, its `input_items` are not read (left empty): they hold the whole
+        history a full-history client sent, where its output is one answer."""
         ...
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
