@@ -5,6 +5,7 @@ with nothing stored or sent upstream (`memproxy.bodies.BodyBudget`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import threading
@@ -60,12 +61,20 @@ async def stored(http: aiohttp.ClientSession, proxy: Proxy, session: str) -> lis
         return [m["message"]["content"] for m in (await response.json())["messages"]]
 
 
-async def held(upstream: FakeUpstream, gate: threading.Event, send: Callable[[], Any]) -> asyncio.Task[Any]:
-    """`send()` as a task, once its request is at the upstream, answered when `gate` is set."""
+@contextlib.asynccontextmanager
+async def held(upstream: FakeUpstream, send: Callable[[], Any]) -> AsyncIterator[None]:
+    """`send()` held at the upstream for the block (its body read, its bytes still charged), then
+    answered: 200 "held answer"."""
+    gate = threading.Event()
     upstream.enqueue(Reply(content="held answer", gate=gate))
     task = asyncio.ensure_future(send())
-    await asyncio.to_thread(upstream.wait_for_request)
-    return task
+    try:
+        await asyncio.to_thread(upstream.wait_for_request)
+        yield
+    finally:
+        gate.set()
+        status, _, body = await task
+    assert (status, body["choices"][0]["message"]["content"]) == (200, "held answer")
 
 
 @pytest.mark.both_stores
@@ -73,9 +82,7 @@ async def test_a_request_beyond_the_bytes_in_flight_is_refused_until_they_are_do
     start_proxy: Callable[[Config], Any], config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     proxy: Proxy = await start_proxy(limited(config, LARGEST))
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, padded("first", 40_000), "s1"))
+    async with held(upstream, lambda: post(http, proxy, padded("first", 40_000), "s1")):
         status, headers, body = await post(http, proxy, padded("second", 30_000), "s2")
         assert status == 503 and headers.get("Retry-After") == "1"
         assert_shape(body, type="server_error", code="server_busy", param=None)
@@ -84,10 +91,6 @@ async def test_a_request_beyond_the_bytes_in_flight_is_refused_until_they_are_do
         upstream.enqueue(Reply(content="small answer"))
         status, _, body = await post(http, proxy, padded("small", 1_000), "s3")
         assert (status, body["choices"][0]["message"]["content"]) == (200, "small answer")
-    finally:
-        gate.set()
-    status, _, body = await first
-    assert (status, body["choices"][0]["message"]["content"]) == (200, "held answer")
     assert await stored(http, proxy, "s2") == []  # refused: nothing stored, nothing sent
     assert [r.messages[-1]["content"] for r in upstream.chat_requests()] == ["first", "small"]
     upstream.enqueue(Reply(content="second answer"))
@@ -100,26 +103,16 @@ async def test_a_body_of_unknown_length_is_charged_the_most_a_body_may_be(
     start_proxy: Callable[[Config], Any], config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     proxy: Proxy = await start_proxy(limited(config, LARGEST + 500))
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, padded("first", 1_000), "s1"))
+    async with held(upstream, lambda: post(http, proxy, padded("first", 1_000), "s1")):
         status, _, body = await post(http, proxy, chunked(padded("chunked", 1_000)), "s2")
         assert status == 503 and body["error"]["code"] == "server_busy"
         upstream.enqueue(Reply(content="sized answer"))
         status, _, _ = await post(http, proxy, padded("sized", 1_000), "s3")
         assert status == 200
-    finally:
-        gate.set()
-    assert (await first)[0] == 200
     # Once read, a chunked body is charged its size: a near-largest request fits beside it.
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, chunked(padded("chunked", 1_000)), "s2"))
+    async with held(upstream, lambda: post(http, proxy, chunked(padded("chunked", 1_000)), "s2")):
         upstream.enqueue(Reply(content="beside it"))
         assert (await post(http, proxy, padded("large", LARGEST - 2_000), "s4"))[0] == 200
-    finally:
-        gate.set()
-    assert (await first)[0] == 200
 
 
 async def test_a_compressed_body_is_charged_as_inflated(
@@ -131,15 +124,10 @@ async def test_a_compressed_body_is_charged_as_inflated(
     inflated = padded("zipped", 40_000)
     zipped = gzip.compress(inflated)
     assert len(zipped) < 1_000
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, zipped, "s1", **{"Content-Encoding": "gzip"}))
+    async with held(upstream, lambda: post(http, proxy, zipped, "s1", **{"Content-Encoding": "gzip"})):
         assert (await post(http, proxy, padded("second", 30_000), "s2"))[0] == 503
         upstream.enqueue(Reply(content="fits"))
         assert (await post(http, proxy, padded("third", 20_000), "s3"))[0] == 200
-    finally:
-        gate.set()
-    assert (await first)[0] == 200
     assert upstream.chat_requests()[0].messages[-1]["content"] == "zipped"
 
 
@@ -161,30 +149,20 @@ async def test_a_caller_without_a_valid_key_is_refused_as_such_before_any_charge
     start_proxy: Callable[[Config], Any], config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     proxy: Proxy = await start_proxy(limited(config, LARGEST))
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, padded("first", 40_000), "s1"))
+    async with held(upstream, lambda: post(http, proxy, padded("first", 40_000), "s1")):
         status, _, body = await post(http, proxy, padded("who", 30_000), "s2", key="not-a-key")
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         status, _, body = await post(http, proxy, padded("other tenant", 30_000), "s2", key=OTHER_KEY)
         assert status == 503  # the budget is the process's, whoever's the bytes are
-    finally:
-        gate.set()
-    assert (await first)[0] == 200
 
 
 async def test_zero_sets_no_limit(
     start_proxy: Callable[[Config], Any], config: Config, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     proxy: Proxy = await start_proxy(limited(config, 0))
-    gate = threading.Event()
-    try:
-        first = await held(upstream, gate, lambda: post(http, proxy, padded("first", 60_000), "s1"))
+    async with held(upstream, lambda: post(http, proxy, padded("first", 60_000), "s1")):
         upstream.enqueue(Reply(content="beside it"))
         assert (await post(http, proxy, padded("second", 60_000), "s2"))[0] == 200
-    finally:
-        gate.set()
-    assert (await first)[0] == 200
 
 
 async def test_a_route_that_takes_no_key_is_charged_nothing(
