@@ -95,6 +95,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": (("t", "s1", 50), "messages_active_seq"),
         "get_response": (("t", "resp_s1_3"), "responses_pkey"),
+        "get_response_output": (("t", "resp_s1_3"), "responses_pkey"),
     }
 
 

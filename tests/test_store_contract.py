@@ -449,6 +449,9 @@ async def test_a_response_is_kept_with_its_turn_for_its_tenant_alone(open_store:
     assert kept.active and kept.head
     assert await reader.get_response("other-tenant", "resp_1") is None  # ids are scoped by tenant
     assert await reader.get_response("t", "resp_2") is None
+    output_only = await reader.get_response("t", "resp_1", with_input=False)  # what an item_reference reads
+    assert output_only == dataclasses.replace(kept, input_items=[])
+    assert await reader.get_response("other-tenant", "resp_1", with_input=False) is None
 
     # A later turn moves the head; an edit back at the start supersedes the response's answer.
     session = await reader.get_session("t", "s")

@@ -86,7 +86,12 @@ QUERIES = {
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
     # A kept response with its session, whether its answer is still active, and the session's head.
-    "get_response": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, {input}, r.created_at,"
+    "get_response": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, r.input_items, r.created_at,"
+    " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1 AND m.seq = r.seq"
+    " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
+    " WHERE r.tenant = ? AND r.id = ?",
+    # The same without its input items (a full-history client's whole history): `item_reference`s.
+    "get_response_output": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, '[]', r.created_at,"
     " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1 AND m.seq = r.seq"
     " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
     " WHERE r.tenant = ? AND r.id = ?",
@@ -412,8 +417,7 @@ class SQLTurns(SQLBase):
                                    base_totals=Totals(head_cum, head_compact_cum), messages=messages)
 
     async def get_response(self, tenant: str, response_id: str, with_input: bool = True) -> StoredResponse | None:
-        sql = QUERIES["get_response"].format(input="r.input_items" if with_input else "'[]'")
-        row = await self._one(sql, (tenant, response_id))
+        row = await self._one(QUERIES["get_response" if with_input else "get_response_output"], (tenant, response_id))
         if row is None:
             return None
         return StoredResponse(id=row[0], tenant=tenant, session_id=row[1], seq=row[2], chain_hash=row[3],
