@@ -111,7 +111,7 @@ class ServerConfig:
     host: Text = "127.0.0.1"
     port: Annotated[Int, Field(ge=0, le=65535)] = 8080
     max_body_bytes: Annotated[Int, Field(ge=1024)] = 10 * 1024 * 1024
-    # Request bodies a process handles at once, in bytes as sent (`bodies.BodyBudget`); 0: no limit.
+    # Request bodies a process holds at once, in bytes (`bodies.BodyBudget`); 0: no limit.
     max_body_bytes_in_flight: Count = 128 * 1024 * 1024
     allow_unauthenticated: Flag = False
     access_log: Flag = False

@@ -303,6 +303,17 @@ def history_end(messages: Sequence[Message]) -> int:
     return users[-1]
 
 
+def called(call: Any) -> tuple[Any, Any]:
+    """A tool call's name and what it was given: a function's `name` and `arguments`, or a custom
+    tool's `name` and `input` (`{"type": "custom", "custom": {...}}`, which OpenAI's models may
+    answer with), as they are (either may be missing)."""
+    if not isinstance(call, dict):
+        return None, None
+    said = call.get(call.get("type") or "function")
+    said = said if isinstance(said, dict) else call.get("function") or {}
+    return said.get("name"), said.get("arguments", said.get("input"))
+
+
 def starts_unit(message: Message) -> bool:
     """Whether a cut may fall before this message: tool results belong to the call before them."""
     return message.get("role") not in ("tool", "function")

@@ -51,6 +51,7 @@ from .timing import Timings, measured
 from .typedefs import CONFIG, PROVIDER, STORE
 
 _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_PREFIX = re.compile("[a-z]+")
 _TERMINAL = frozenset({"response.completed", "response.incomplete"})
 _FAILED = frozenset({"response.failed", "error"})
 
@@ -110,7 +111,7 @@ async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -
     kept responses. A reference to no such item is a 404, as OpenAI answers one."""
     if not isinstance(parsed.input, list) or not any(item.get("type") == "item_reference" for item in parsed.input):
         return parsed
-    outputs: dict[str, list[Any]] = {}  # each response's output items: one answer, not its history
+    outputs: dict[str, list[Any] | None] = {}  # each kept response's output items (None: none kept)
     items: list[Item] = []
     for i, item in enumerate(parsed.input):
         if item.get("type") != "item_reference":
@@ -119,11 +120,12 @@ async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -
         item_id, found = item["id"], None
         response_id = response_of_item(item_id)
         if response_id is not None:
-            if response_id not in outputs:
+            if response_id not in outputs:  # its output alone: one answer, not the history it was sent
                 kept = await _stored(store, tenant, response_id, with_input=False)
-                outputs[response_id] = (kept.body.get("output") or []) if kept is not None else []
-            found = _item_of(outputs[response_id], item_id)
-            if found is None and outputs[response_id]:  # an input item it was given: read its history
+                outputs[response_id] = None if kept is None else kept.body.get("output") or []
+            output = outputs[response_id]
+            found = None if output is None else _item_of(output, item_id)
+            if found is None and output is not None:  # an input item it was given: read its history
                 kept = await _stored(store, tenant, response_id)
                 found = _item_of(kept.input_items if kept is not None else [], item_id)
         if found is None:
@@ -290,8 +292,8 @@ class ResponsesWire:
     def _item_id(self, provider_id: str) -> str:
         ours = self._renamed.get(provider_id)
         if ours is None:
-            prefix = provider_id.partition("_")[0]
-            ours = self._renamed[provider_id] = self._make_id(prefix if prefix.isalpha() and prefix.islower() else "item")
+            prefix = provider_id.partition("_")[0]  # `msg`, `fc`, `rs`: the kind, as `response_of_item` reads it
+            ours = self._renamed[provider_id] = self._make_id(prefix if _PREFIX.fullmatch(prefix) else "item")
         return ours
 
     async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:

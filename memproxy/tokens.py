@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import tiktoken
 
-from .messages import Message
+from .messages import Message, called
 
 TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
@@ -179,11 +179,8 @@ class TiktokenCounter:
         return total
 
     def _tool_call(self, call: Any) -> int:
-        # A function's call, or a custom tool's (`{"type": "custom", "custom": {"name", "input"}}`).
-        said = call.get(call.get("type") or "function")
-        said = said if isinstance(said, dict) else call.get("function") or {}
         total = TOKENS_PER_TOOL_CALL
-        for value in (call.get("id"), said.get("name"), said.get("arguments", said.get("input"))):
+        for value in (call.get("id"), *called(call)):
             if isinstance(value, str):
                 total += self.text(value)
         return total

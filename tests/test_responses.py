@@ -260,9 +260,11 @@ async def test_item_references_to_kept_items_are_read_as_those_items(proxy: Prox
     second = await client.responses.create(model=wire.model, tools=[WEATHER_TOOL], input=[
         asked, {"type": "item_reference", "id": called.id}, result])
     [answered] = [item for item in second.output if item.type == "message"]
+    # An input item it was given is kept too (`input_items` lists it with an id of memproxy's).
+    [asked_item] = (await client.responses.input_items.list(first.id)).data
     third = await client.responses.create(model=wire.model, tools=[WEATHER_TOOL], input=[
-        asked, {"type": "item_reference", "id": called.id}, result, {"type": "item_reference", "id": answered.id},
-        {"role": "user", "content": "What did I ask?"}])
+        {"type": "item_reference", "id": asked_item.id}, {"type": "item_reference", "id": called.id}, result,
+        {"type": "item_reference", "id": answered.id}, {"role": "user", "content": "What did I ask?"}])
     assert third.output_text == "You asked about Paris."
     assert wire.conversation() == [("user", "Weather in Paris?"), ("call", 'get_weather {"city":"Paris"}'),
                                    ("tool", "sunny"), ("assistant", "Sunny in Paris."), ("user", "What did I ask?"),

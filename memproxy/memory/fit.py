@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,7 +34,7 @@ from typing import Any, NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import BadRequest, ContextLengthExceeded
-from ..messages import Message, starts_unit
+from ..messages import Message, called, starts_unit
 from ..store import Snapshot, StoredMessage, Summary, Totals
 from ..tokens import TokenCounter
 from .shrink import dedupe_repeats
@@ -434,27 +433,23 @@ def settle_unanswered_calls(
         if kept:
             body["tool_calls"] = kept
         told = _told(body, [call for call in calls if call.get("id") not in answered])
-        if told is not None and counter.message(told) <= count:
+        if told is not None and (cost := counter.message(told)) <= count:
             body = told
         elif not kept and not body.get("content"):
             saved += count
             continue
-        saved += count - counter.message(body)
+        else:
+            cost = counter.message(body)
+        saved += count - cost
         history.append(body)
     return history, saved
 
 
 def _told(body: Message, calls: list[Any]) -> Message | None:
     """`body` with a line of its text saying each of `calls` (None: content it cannot add to)."""
-    lines = []
-    for call in calls:
-        # A function's call, or a custom tool's (`{"type": "custom", "custom": {"name", "input"}}`).
-        said = call.get(call.get("type") or "function") if isinstance(call, dict) else None
-        said = said if isinstance(said, dict) else {}
-        given = said.get("arguments", said.get("input"))
-        given = given if isinstance(given, str) else json.dumps(given if given is not None else {}, ensure_ascii=False)
-        lines.append(f"[called {said.get('name') or 'a tool'} {given}, no result]")
-    text = "\n".join(lines)
+    text = "\n".join(f"[called {name if isinstance(name, str) and name else 'a tool'} "
+                     f"{given if isinstance(given, str) and given else '{}'}, no result]"
+                     for name, given in map(called, calls))
     content = body.get("content")
     if content is None or content == "":
         return {**body, "content": text}

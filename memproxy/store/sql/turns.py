@@ -57,6 +57,12 @@ _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it r
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
 # length of a session's history.
+# A kept response with its session, whether its answer is still active, and the session's head.
+_GET_RESPONSE = ("SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, {input_items}, r.created_at,"
+                 " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1"
+                 " AND m.seq = r.seq AND m.chain_hash = r.chain_hash), s.head_hash"
+                 " FROM responses r JOIN sessions s ON s.pk = r.session_pk WHERE r.tenant = ? AND r.id = ?")
+
 QUERIES = {
     "get_session": "SELECT s.pk, s.tenant, s.session_id, s.length, s.head_hash, s.head_cum, s.head_compact_cum,"
     " s.system_prompt, s.created_at, s.updated_at, s.summary_version, m.body, s.tokenizer, s.incarnation"
@@ -85,16 +91,9 @@ QUERIES = {
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
-    # A kept response with its session, whether its answer is still active, and the session's head.
-    "get_response": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, r.input_items, r.created_at,"
-    " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1 AND m.seq = r.seq"
-    " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
-    " WHERE r.tenant = ? AND r.id = ?",
+    "get_response": _GET_RESPONSE.format(input_items="r.input_items"),
     # The same without its input items (a full-history client's whole history): `item_reference`s.
-    "get_response_output": "SELECT r.id, s.session_id, r.seq, r.chain_hash, r.body, '[]', r.created_at,"
-    " EXISTS (SELECT 1 FROM messages m WHERE m.session_pk = r.session_pk AND m.active = 1 AND m.seq = r.seq"
-    " AND m.chain_hash = r.chain_hash), s.head_hash FROM responses r JOIN sessions s ON s.pk = r.session_pk"
-    " WHERE r.tenant = ? AND r.id = ?",
+    "get_response_output": _GET_RESPONSE.format(input_items="'[]'"),
     # `load`: a session and its snapshot at the head, in one statement (one read of one state, one
     # trip), its rows told apart by the first column. `h`, worked out once (materialised: a planner
     # that folded it into the message scans would work it out again for every message of the
