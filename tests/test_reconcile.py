@@ -14,6 +14,7 @@ import json
 import logging
 from typing import Any
 
+import openai
 import pytest
 
 from conftest import Proxy
@@ -251,6 +252,42 @@ async def test_an_echo_that_could_also_be_an_edit_keeps_the_memory(
     assert headers["X-Memproxy-Reconcile"] == "window"
     assert stored(config) == [user("q"), assistant("ok"), user("q"), assistant("ok"), user("x"), assistant(reply)]
     assert_chain_consistent(config)
+
+
+@pytest.mark.parametrize("history", ["auto", "new"])
+async def test_a_turn_resent_without_the_calls_its_results_answer_continues_them(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, history: str
+) -> None:
+    """The Vercel AI SDK on a Responses `conversation`: its second step resends the turn's user
+    message and then the tool result, leaving out the call it answers (the server holds it). A
+    result can follow nothing but its call, so the user message is an echo, not a new one."""
+    client = proxy.client(**{"X-Memproxy-History": history})
+    upstream.enqueue(Reply(content="Hi."), Reply(tool_calls=[call("call_1", "Paris"), call("call_2", "Lima")]))
+    await chat(client, [user("hello")], tools=TOOLS)
+    await chat(client, [user("weather in Paris and Lima?")], tools=TOOLS)
+    reply, headers = await chat(client, [user("weather in Paris and Lima?"), result("call_1", "18C"),
+                                         result("call_2", "25C")], tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "window" and headers["X-Memproxy-Superseded"] == "0"
+    calls = calls_message(call("call_1", "Paris"), call("call_2", "Lima"))
+    history = [user("hello"), assistant("Hi."), user("weather in Paris and Lima?"), calls,
+               result("call_1", "18C"), result("call_2", "25C")]
+    sent_calls = {k: v for k, v in calls.items() if v is not None}  # an empty content goes as none
+    assert upstream.last().messages == [*history[:3], sent_calls, *history[4:]]
+    assert stored(config) == [*history, assistant(reply)]
+    assert_chain_consistent(config)
+
+
+async def test_a_message_before_a_result_that_is_not_the_stored_turn_is_refused(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Only an exact echo of what precedes the calls reads so: another message before a result
+    still puts the result after something other than its call, which no provider accepts."""
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    await chat(client, [user("weather in Paris?")], tools=TOOLS)
+    with pytest.raises(openai.BadRequestError):
+        await chat(client, [user("weather in Lima?"), result("call_1", "18C")], tools=TOOLS)
+    assert stored(config) == [user("weather in Paris?"), calls_message(call("call_1", "Paris"))]
 
 
 # --- superseding is visible ---------------------------------------------------------------------------

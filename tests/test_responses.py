@@ -246,6 +246,24 @@ async def test_a_tool_round_trip_through_previous_response_id(proxy: Proxy, wire
         assert body["tools"][0]["name"] == "get_weather" and body["store"] is False
 
 
+async def test_a_conversation_step_that_resends_its_input_before_the_tool_result(proxy: Proxy, wire: Upstream) -> None:
+    """The Vercel AI SDK with `conversation` set: the second step of its tool loop sends the step's
+    user message again and then the function's output, not the call (the conversation holds it)."""
+    client = proxy.client(session=None)
+    wire.enqueue(Reply(tool_calls=[{"id": "call_c1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]),
+                 Reply(content="Sunny in Paris."))
+    asked = {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
+    await client.responses.create(model=wire.model, input=[asked], tools=[WEATHER_TOOL], conversation="conv_tools")
+    second = await client.responses.create(model=wire.model, tools=[WEATHER_TOOL], conversation="conv_tools", input=[
+        asked, {"type": "function_call_output", "call_id": "call_c1", "output": "sunny"}])
+    assert second.output_text == "Sunny in Paris."
+    assert wire.conversation() == [("user", "Weather in Paris?"), ("call", 'get_weather {"city":"Paris"}'),
+                                   ("tool", "sunny")]
+    stored = await session_messages(proxy, "conv_tools")
+    assert len(stored["messages"]) == 4 and not stored.get("superseded")
+
+
 async def test_item_references_to_kept_items_are_read_as_those_items(proxy: Proxy, wire: Upstream) -> None:
     """How the Vercel AI SDK resends a history by default (`store` left true): each earlier answer
     as `{"type": "item_reference", "id": ...}`, the id of an item of a response memproxy kept."""

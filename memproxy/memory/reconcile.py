@@ -10,7 +10,10 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 - `continue`: the client resent the stored history (its hash at the stored length is the head's);
   only what follows is new.
 - `window`: the client's messages start with a tail of the stored history, up to its head (a client
-  that trims its history, or echoes the last answer before its tool results), or with a history all
+  that trims its history, or echoes the last answer before its tool results), or up to the head's
+  tool calls and then results of those calls (a client that resends its turn's own messages but not
+  the calls it answers, which it holds to be the server's: the Vercel AI SDK on a Responses
+  `conversation`), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
   another client writes to between them; where it edited one of them, what is stored up to there);
   only what follows is new, after the head.
@@ -75,7 +78,8 @@ async def reconcile(
     if not conversation:  # a system prompt alone: nothing to match, and nothing to forget
         return Reconciled("append", stored, head, conversation)
     if requested == "new":
-        echoed = await _echoed_tail(store, session, conversation, held)
+        echoed = await _echoed_tail(store, session, conversation, held) \
+            or await _echoed_before_calls(store, session, conversation, held)
         return Reconciled("window" if echoed else "append", stored, head, conversation[echoed:])
     hashes = chain_hashes(ROOT_HASH, conversation)
     if len(hashes) >= stored and hashes[stored - 1] == head:
@@ -84,6 +88,9 @@ async def reconcile(
     echoed = await _echoed_tail(store, session, conversation, held)
     if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
         return Reconciled("continue", stored, head, conversation[stored:])
+    if echoed:
+        return Reconciled("window", stored, head, conversation[echoed:])
+    echoed = await _echoed_before_calls(store, session, conversation, held)
     if echoed:
         return Reconciled("window", stored, head, conversation[echoed:])
     matched = await _matched_prefix(store, session, hashes, held)
@@ -160,6 +167,24 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
         if j < len(tail) and tail[len(tail) - 1 - j:] == [loose_json(m) for m in conversation[: j + 1]]:
             return j + 1
     return 0
+
+
+async def _echoed_before_calls(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                               held: Sequence[StoredMessage]) -> int:
+    """Where the stored head is an assistant message's tool calls: the k >= 1 such that the client's
+    first k messages repeat the k stored before it and its next message is a result of one of those
+    calls (the calls themselves left out); 0 if none. A result answers the call it names and can
+    follow nothing but that call, so the messages before it are an echo whatever they say; one
+    read, as long as the echo."""
+    head = session.head_message
+    if head is None or head.get("role") != "assistant" or not isinstance(head.get("tool_calls"), list):
+        return 0
+    ids = {call.get("id") for call in head["tool_calls"] if isinstance(call, dict)}
+    k = next((i for i, m in enumerate(conversation) if m.get("role") == "tool"), 0)
+    if not 0 < k < session.length or conversation[k].get("tool_call_id") not in ids:
+        return 0
+    before = await _active_range(store, session, held, session.length - 1 - k, session.length - 1)
+    return k if [loose_json(m.body) for m in before] == [loose_json(m) for m in conversation[:k]] else 0
 
 
 async def _resent_among(store: TurnStore, session: SessionState, conversation: Sequence[Message],
