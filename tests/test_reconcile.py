@@ -277,6 +277,25 @@ async def test_a_turn_resent_without_the_calls_its_results_answer_continues_them
     assert_chain_consistent(config)
 
 
+async def test_a_turn_resent_without_its_calls_then_a_user_message_continues_them(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """instructor retrying a structured answer on the Responses API: its input again, then the
+    validation error as a user message, without the call that failed validation. The input is an
+    echo, not a second copy of the turn; the call stays stored (sent as text: it has no result)."""
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]), Reply(content="Fixed."))
+    await chat(client, [user("weather in Paris?")], tools=TOOLS)
+    reply, headers = await chat(client, [user("weather in Paris?"), user("Validation error: fix the city.")],
+                                tools=TOOLS)
+    assert headers["X-Memproxy-Reconcile"] == "window" and headers["X-Memproxy-Superseded"] == "0"
+    assert [m for m in upstream.last().messages if m.get("role") == "user"] == [
+        user("weather in Paris?"), user("Validation error: fix the city.")]
+    assert stored(config) == [user("weather in Paris?"), calls_message(call("call_1", "Paris")),
+                              user("Validation error: fix the city."), assistant(reply)]
+    assert_chain_consistent(config)
+
+
 async def test_a_message_before_a_result_that_is_not_the_stored_turn_is_refused(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

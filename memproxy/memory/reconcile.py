@@ -11,9 +11,9 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
   only what follows is new.
 - `window`: the client's messages start with a tail of the stored history, up to its head (a client
   that trims its history, or echoes the last answer before its tool results), or up to the head's
-  tool calls and then results of those calls (a client that resends its turn's own messages but not
-  the calls it answers, which it holds to be the server's: the Vercel AI SDK on a Responses
-  `conversation`), or with a history all
+  tool calls and then results of those calls or a user message (a client that resends its turn's own
+  messages but not the calls, which it holds to be the server's: the Vercel AI SDK on a Responses
+  `conversation`, instructor retrying a structured answer), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
   another client writes to between them; where it edited one of them, what is stored up to there);
   only what follows is new, after the head.
@@ -172,19 +172,33 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
 async def _echoed_before_calls(store: TurnStore, session: SessionState, conversation: Sequence[Message],
                                held: Sequence[StoredMessage]) -> int:
     """Where the stored head is an assistant message's tool calls: the k >= 1 such that the client's
-    first k messages repeat the k stored before it and its next message is a result of one of those
-    calls (the calls themselves left out); 0 if none. A result answers the call it names and can
-    follow nothing but that call, so the messages before it are an echo whatever they say; one
-    read, as long as the echo."""
+    first k messages repeat the k stored before it, and the message after them is a result of one of
+    those calls or a user message (the calls themselves left out); 0 if none. What a client sends
+    that resends its turn but holds the calls to be the server's: the Vercel AI SDK's next step on a
+    Responses `conversation` (the results), instructor's retry of a structured answer on the
+    Responses API (the validation error, as a user message). Read as new, its messages would be
+    stored twice, and results after anything but their call are refused; read as an echo, nothing is
+    lost (the calls stay, and go as text where no result follows). One read, as long as the echo."""
     head = session.head_message
     if head is None or head.get("role") != "assistant" or not isinstance(head.get("tool_calls"), list):
         return 0
-    ids = {call.get("id") for call in head["tool_calls"] if isinstance(call, dict)}
-    k = next((i for i, m in enumerate(conversation) if m.get("role") == "tool"), 0)
-    if not 0 < k < session.length or conversation[k].get("tool_call_id") not in ids:
+    most = min(len(conversation) - 1, session.length - 1)
+    first_result = next((i for i, m in enumerate(conversation) if m.get("role") == "tool"), None)
+    if first_result is not None:
+        ids = {call.get("id") for call in head["tool_calls"] if isinstance(call, dict)}
+        if conversation[first_result].get("tool_call_id") not in ids:
+            return 0
+        candidates = [first_result] if 0 < first_result <= most else []
+    else:
+        candidates = [k for k in range(most, 0, -1) if conversation[k].get("role") == "user"]
+    if not candidates:
         return 0
-    before = await _active_range(store, session, held, session.length - 1 - k, session.length - 1)
-    return k if [loose_json(m.body) for m in before] == [loose_json(m) for m in conversation[:k]] else 0
+    before = [loose_json(m.body) for m in
+              await _active_range(store, session, held, session.length - 1 - candidates[0], session.length - 1)]
+    for k in candidates:  # longest first
+        if k <= len(before) and before[len(before) - k:] == [loose_json(m) for m in conversation[:k]]:
+            return k
+    return 0
 
 
 async def _resent_among(store: TurnStore, session: SessionState, conversation: Sequence[Message],
