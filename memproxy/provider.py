@@ -169,7 +169,7 @@ class LitellmCounter:
                 if isinstance(part, dict) and part.get("type") == "text":
                     kept.append(part)
                     continue
-                tokens = attachment_tokens(part)
+                tokens = attachment_tokens(part, openai=False)  # another provider's model
                 attached += tokens if tokens is not None else self.text(json.dumps(part, separators=(",", ":")))
             if len(kept) < len(content):
                 message = {**message, "content": kept or ""}

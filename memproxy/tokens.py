@@ -6,10 +6,11 @@ count their id, name and arguments; tool schemas count as their compact JSON, wh
 than the form the provider renders, so the budget errs on the safe side. A message's count is computed
 once, when it first arrives, and stored with it.
 
-Audio and documents are not text: their base64 data counted as text would be hundreds of thousands
-of tokens for a few seconds of speech or a few pages (and a request the provider takes would be
-refused as too long). `attachment_tokens` estimates them as providers bill them, audio by its
-duration and a document by its pages, and both counters use it; litellm's counter cannot count them.
+Images, audio and documents are not text: their base64 data counted as text would be hundreds of
+thousands of tokens for a few seconds of speech or a few pages (and a request the provider takes
+would be refused as too long). `attachment_tokens` estimates them as providers bill them, an inline
+image by its size, audio by its duration and a document by its pages, and both counters use it;
+litellm's counter cannot count audio or documents, and sizes an image by downloading it.
 
 tiktoken downloads encodings on first use, which fails offline. litellm ships `cl100k_base` and
 `o200k_base`; `load_encoding` points tiktoken at that copy (found without importing litellm) unless
@@ -21,10 +22,12 @@ from __future__ import annotations
 import base64
 import binascii
 import importlib.util
+import io
 import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -38,7 +41,16 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
 TOKENS_PER_TOOL_CALL = 3
-TOKENS_PER_IMAGE = 765  # a high-detail 512px tile set; images are never cut, so err high
+TOKENS_PER_IMAGE = 765  # an image of unknown size: a 4:3 photo at high detail (four 512px tiles)
+# OpenAI's accounting of an image at high detail (GPT-4o, GPT-4.1, the o-series), by its size: fitted
+# into 2048x2048, its shortest side then cut to 768, 170 tokens a 512px tile and 85 more (85 alone
+# at `detail: low`).
+_IMAGE_BASE_TOKENS, _IMAGE_TILE_TOKENS, _IMAGE_TILE = 85, 170, 512
+_IMAGE_FIT, _IMAGE_SHORT_SIDE = 2048, 768
+# Anthropic's: a pixel area over 750, once scaled to at most 1568 px a side and about 1,600 tokens.
+_AREA_PER_TOKEN, _AREA_LONG_SIDE, _AREA_MOST_TOKENS = 750, 1568, 1600
+_IMAGE_HEADER_BYTES = 256 * 1024  # where an image's size is found: JPEG's frame header follows its
+# metadata segments, of at most 64 KiB each
 TOKENS_PER_AUDIO_SECOND = 32  # Gemini's published rate, the highest (OpenAI's is about 17)
 _AUDIO_BYTES_PER_SECOND = 4000  # 32 kbit/s: speech is rarely compressed below, so a duration errs long
 # A document page as providers send it to the model (Anthropic: 1,500 to 3,000 tokens a page; OpenAI
@@ -201,18 +213,23 @@ def holds_media(messages: Sequence[Message]) -> bool:
     return False
 
 
-def attachment_tokens(part: Any) -> int | None:
+def attachment_tokens(part: Any, openai: bool = True) -> int | None:
     """What a media content part costs the model, estimated (None for any other part): an image
-    `TOKENS_PER_IMAGE`, never fetched to be sized (its URL is the client's, and litellm's counter
-    would download it on the event loop); `input_audio` by its duration (a WAV header's byte
-    rate, else a low bit rate), a `file` or `input_file` holding its data by its pages (a PDF's
-    page objects, else its size). A file named by id only is counted as its JSON: its size is the
-    provider's to know."""
+    by its size where it is inline (`image_tokens`), else `TOKENS_PER_IMAGE`, never fetched to be
+    sized (its URL is the client's, and litellm's counter would download it on the event loop);
+    `input_audio` by its duration (a WAV header's byte rate, else a low bit rate), a `file` or
+    `input_file` holding its data by its pages (a PDF's page objects, else its size). A file named
+    by id only is counted as its JSON: its size is the provider's to know. `openai`: the model is
+    OpenAI's or one served like it (tiktoken's counter); else images are counted for any provider."""
     if not isinstance(part, dict) or part.get("type") not in MEDIA_PARTS:
         return None
     kind = part.get("type")
     if kind in ("image_url", "input_image"):
-        return TOKENS_PER_IMAGE
+        source = part.get(kind) if kind == "image_url" else part
+        if not isinstance(source, dict):
+            source = {"url": source}
+        url = source.get("url") if kind == "image_url" else source.get("image_url")
+        return image_tokens(url, source.get("detail"), openai)
     if kind == "input_audio":
         audio = part.get("input_audio")
         encoded = _base64(audio.get("data") if isinstance(audio, dict) else None)
@@ -262,6 +279,49 @@ def answer_audio_tokens(message: Message) -> int | None:
     if message.get("role") != "assistant" or not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
         return None
     return attachment_tokens({"type": "input_audio", "input_audio": {"data": audio["data"]}})
+
+
+def image_tokens(url: Any, detail: Any, openai: bool = True) -> int:
+    """An image's tokens by its size, read from the header of an inline one (a base64 data URL):
+    OpenAI's tiles at its `detail` (`openai`), else the most of OpenAI's at high detail and
+    Anthropic's (another provider's may read either way, and an image is never cut to fit).
+    `TOKENS_PER_IMAGE` where the size is unknown: a URL, or data no image reader knows."""
+    size = _image_size(url)
+    if size is None:
+        return TOKENS_PER_IMAGE
+    if openai and detail == "low":
+        return _IMAGE_BASE_TOKENS
+    width, height = size
+    fit = min(1.0, _IMAGE_FIT / max(width, height))
+    fit *= min(1.0, _IMAGE_SHORT_SIDE / (min(width, height) * fit))
+    tiles = math.ceil(width * fit / _IMAGE_TILE) * math.ceil(height * fit / _IMAGE_TILE)
+    tokens = _IMAGE_BASE_TOKENS + _IMAGE_TILE_TOKENS * tiles
+    if openai:
+        return tokens
+    scale = min(1.0, _AREA_LONG_SIDE / max(width, height))
+    area = math.ceil(width * scale * height * scale / _AREA_PER_TOKEN)
+    return max(tokens, min(area, _AREA_MOST_TOKENS))
+
+
+def _image_size(url: Any) -> tuple[int, int] | None:
+    """The width and height of an inline image (PNG, JPEG, GIF, WebP and whatever else Pillow opens),
+    from the first bytes of its data alone; None where there is none, or no size in those bytes."""
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100]:
+        return None
+    chars = _IMAGE_HEADER_BYTES // 3 * 4
+    head = _decoded(url.partition(",")[2][:chars])
+    if not head:
+        return None
+    from PIL import Image  # the first inline image's reader: a command that counts none never loads it
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized, never decoded
+            with Image.open(io.BytesIO(head)) as image:
+                width, height = image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    return (width, height) if width > 0 and height > 0 else None
 
 
 def _base64(value: Any) -> str | None:

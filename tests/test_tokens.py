@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import importlib
+import io
 import json
+import math
 import os
 import sqlite3
 import subprocess
@@ -18,6 +20,7 @@ import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 import memproxy
 from conftest import Proxy
@@ -347,6 +350,56 @@ def audio_part(data: str) -> dict[str, Any]:
 
 def file_part(data: str) -> dict[str, Any]:
     return {"type": "file", "file": {"filename": "report.pdf", "file_data": data}}
+
+
+def picture(width: int, height: int, kind: str = "PNG", **options: Any) -> str:
+    """A real image of that size as a data URL."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, kind, **options)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "GIF", "WEBP"])
+def test_an_inline_image_costs_what_its_size_does(kind: str) -> None:
+    """OpenAI's tiles by the image's size (fitted into 2048 px, its short side cut to 768, 170 a
+    512 px tile and 85), not a flat 765: a 1280x800 screenshot is six tiles (1,105 tokens), and a
+    computer-use agent sending a screenshot a step was counted hundreds of tokens short each."""
+    for (width, height), tiles in (((1280, 800), 6), ((100, 100), 1), ((4000, 1000), 4), ((768, 2000), 8),
+                                   ((3000, 3000), 4)):
+        url = picture(width, height, kind)
+        assert attachment_tokens({"type": "image_url", "image_url": {"url": url, "detail": "high"}}) == 85 + 170 * tiles
+        assert attachment_tokens({"type": "image_url", "image_url": {"url": url}}) == 85 + 170 * tiles  # auto
+        assert attachment_tokens({"type": "input_image", "image_url": url, "detail": "auto"}) == 85 + 170 * tiles
+        assert attachment_tokens({"type": "image_url", "image_url": {"url": url, "detail": "low"}}) == 85
+    # For another provider's model the most of OpenAI's count and Anthropic's (area / 750, at most
+    # about 1,600), whatever the detail: Anthropic reads none.
+    screenshot = {"type": "image_url", "image_url": {"url": picture(1280, 800, kind), "detail": "low"}}
+    assert attachment_tokens(screenshot, openai=False) == math.ceil(1280 * 800 / 750)
+    assert attachment_tokens({"type": "image_url", "image_url": {"url": picture(768, 2000, kind)}}, openai=False) \
+        == 85 + 170 * 8
+
+
+def test_an_image_of_unknown_size_costs_a_photo() -> None:
+    """A URL is never fetched to be sized, and data no reader knows is not an image's size: both
+    count `TOKENS_PER_IMAGE`. A JPEG whose metadata runs long is still sized from its header."""
+    assert attachment_tokens({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}) == TOKENS_PER_IMAGE
+    for junk in ("data:image/png;base64,AAAA", "data:image/png;base64,not base64!",
+                 "data:image/png;base64," + base64.b64encode(os.urandom(3000)).decode(), "data:image/png,raw"):
+        assert attachment_tokens({"type": "image_url", "image_url": {"url": junk}}) == TOKENS_PER_IMAGE
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 60_000  # an image description: one long metadata segment before the frame
+    url = picture(1280, 800, "JPEG", exif=exif.tobytes(), comment=b"y" * 60_000)
+    assert len(url) > 160_000 and attachment_tokens({"type": "image_url", "image_url": {"url": url}}) == 85 + 170 * 6
+
+
+def test_both_counters_count_an_inline_image_by_its_size() -> None:
+    text: Message = {"role": "user", "content": [{"type": "text", "text": "What is in it?"}]}
+    image: Message = {"role": "user", "content": [*text["content"], {"type": "image_url", "image_url": {
+        "url": picture(1280, 800)}}]}
+    tiktoken_counter = TiktokenCounter("o200k_base")
+    assert tiktoken_counter.message(image) == tiktoken_counter.message(text) + 85 + 170 * 6
+    claude = LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")
+    assert claude.message(image) == claude.message(text) + math.ceil(1280 * 800 / 750)
 
 
 def test_audio_and_documents_cost_their_length_not_their_bytes() -> None:
