@@ -23,6 +23,7 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import BodyPartReader, MultipartReader, StreamReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .bodies import body_bytes, json_object, requested_model
 from .config import ModelConfig
@@ -245,7 +246,7 @@ async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]
                 audio = AudioFile(part.filename or "audio", bytes(await part.read()), content_type)
             elif part.filename is None:
                 fields.append((part.name, await part.text()))
-    except (ValueError, AssertionError, UnicodeDecodeError) as exc:  # what aiohttp's parser raises
+    except (ValueError, AssertionError, UnicodeDecodeError, HttpProcessingError) as exc:  # aiohttp's parser's
         raise BadRequest(f"the form could not be read: {type(exc).__name__}") from exc
     if audio is None:
         raise BadRequest("'file' is required: the audio to transcribe", param="file")

@@ -269,6 +269,10 @@ def _stable_url(url: str) -> str:
 def _loose_arguments(arguments: Any) -> Any:
     if not isinstance(arguments, str):
         return arguments
+    if not arguments.strip():
+        # A call without parameters: some servers give its arguments as "" (llama.cpp, older vLLM
+        # parsers), which clients parse as {} and send back so (LangChain).
+        return "{}"
     try:
         value = json.loads(arguments)
     except ValueError:

@@ -218,13 +218,20 @@ def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> li
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         items.append(call_item(make_id("fc"), str(call.get("id") or make_id("call")), str(function.get("name") or ""),
-                               str(function.get("arguments") or "")))
+                               _arguments(function)))
     return items
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> Item:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _arguments(function: dict[str, Any]) -> str:
+    """A chat tool call's arguments as a Responses `function_call` gives them: `{}` for a call
+    without parameters whose provider gave none or "" (OpenAI's Responses API never does, and
+    clients parse its arguments as JSON)."""
+    return str(function.get("arguments") or "") or "{}"
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> Item:
@@ -402,6 +409,7 @@ class ChatEvents:
                                        content_index=0, part=dict(part))]
             else:
                 item["status"] = "completed"
+                item["arguments"] = item["arguments"] or "{}"  # a call without parameters: see `_arguments`
                 events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                           output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self._event("response.output_item.done", output_index=index, item=item))
@@ -447,7 +455,7 @@ def input_items(messages: Iterable[Message]) -> list[Item]:
                 function = call.get("function") or {}
                 items.append({"type": "function_call", "call_id": str(call.get("id") or ""),
                               "name": str(function.get("name") or ""),
-                              "arguments": str(function.get("arguments") or "")})
+                              "arguments": _arguments(function)})
         else:
             items.append({"type": "message", "role": role if role in SYSTEM_ROLES or role == "user" else "user",
                           "content": _input_content(content)})

@@ -204,7 +204,7 @@ async def put_metadata(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     if not is_session_id(session_id):
         raise BadRequest("not a session id", param="session_id")
-    metadata = await json_object(request, optional=True)
+    metadata = await json_object(request)  # an empty body says nothing: it never clears the metadata
     await request.app[STORE].set_metadata(tenant, session_id, metadata, _expired_before(request))
     return web.json_response(metadata)
 

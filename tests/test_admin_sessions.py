@@ -438,7 +438,13 @@ async def test_metadata_put_replaces_patch_merges_and_values_are_never_logged(
         for method in ("PUT", "PATCH"):
             assert_error(await api.call(method, "/sessions/agent-7/metadata", data=bad, status=400),
                          type="invalid_request_error")
+    # An empty body says nothing: it once replaced the metadata with {} (and created a session).
+    for empty in (b"", b"  \n"):
+        for session in ("agent-7", "nobody"):
+            assert_error(await api.call("PUT", f"/sessions/{session}/metadata", data=empty, status=400),
+                         type="invalid_request_error")
     assert await api.get("/sessions/agent-7/metadata") == {"card": secrets[2]}
+    assert [s["id"] for s in (await api.get("/sessions"))["data"]] == ["agent-7"]
 
     assert caplog.records, "the run logged nothing: the check below would prove nothing"
     for record in caplog.records:

@@ -60,7 +60,7 @@ async def usage_of(proxy: Proxy, key: str = PROXY_KEY) -> dict[str, Any]:
 
 async def post(proxy: Proxy, path: str, key: str | None = PROXY_KEY, **kwargs: Any) -> tuple[int, Any, Any]:
     """A raw request: its status, JSON body and headers."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **kwargs.pop("headers", {})}
     async with aiohttp.ClientSession() as http:
         async with http.request(kwargs.pop("method", "POST"), f"{proxy.server.make_url(path)}", headers=headers,
                                 **kwargs) as response:
@@ -392,6 +392,11 @@ async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream:
     status, body, _ = await post(proxy, "/v1/audio/transcriptions", data=form)
     assert status == 400
     assert_error(body, type="invalid_request_error", code=None, param="file")
+    # A part whose header line is broken (no colon): aiohttp's parser raises its own error, once a 500.
+    status, body, _ = await post(proxy, "/v1/audio/transcriptions", data=b"--zz\r\nbroken\r\n\r\nx\r\n--zz--\r\n",
+                                 headers={"Content-Type": "multipart/form-data; boundary=zz"})
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None)
     assert upstream.received == []
 
 

@@ -157,6 +157,25 @@ async def test_tool_arguments_reserialised_by_the_client_are_not_an_edit(
     assert_chain_consistent(config)
 
 
+async def test_empty_arguments_sent_back_as_an_empty_object_are_the_same_call(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A tool without parameters: llama.cpp and older vLLM parsers give its arguments as "", and
+    LangChain sends them back as "{}". The same call, not an edit (which superseded every such
+    call of a tool loop)."""
+    client = proxy.client()
+    bare = {"id": "call_t", "type": "function", "function": {"name": "get_time", "arguments": ""}}
+    upstream.enqueue(Reply(tool_calls=[bare]))
+    await chat(client, [user("what time is it?")], tools=TOOLS)
+    resent = {**bare, "function": {"name": "get_time", "arguments": "{}"}}
+    reply, headers = await chat(client, [user("what time is it?"), calls_message(resent), result("call_t", "12:00")],
+                                tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert stored(config) == [user("what time is it?"), calls_message(bare), result("call_t", "12:00"),
+                              assistant(reply)]
+    assert stored(config, active=0) == []
+
+
 async def test_edit_behind_reserialised_arguments_forks_where_the_text_changed(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

@@ -356,6 +356,22 @@ async def test_a_stream_is_the_sdks_to_assemble_and_is_kept(proxy: Proxy, wire: 
                                    ("call", 'get_weather {"city":"Oslo"}'), ("tool", "cold")]
 
 
+async def test_a_call_without_arguments_gives_an_empty_object(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A chat provider that gives a parameterless call's arguments as "" (llama.cpp, older vLLM
+    parsers): the bridge's `function_call` says `{}`, as OpenAI's Responses API always does, plain
+    and streamed (clients parse the arguments as JSON: LangChain made an invalid call of "")."""
+    client = proxy.client("no-args")
+    bare = {"id": "call_t", "type": "function", "function": {"name": "get_time", "arguments": ""}}
+    upstream.enqueue(Reply(tool_calls=[bare]), Reply(tool_calls=[bare]))
+    plain = await client.responses.create(model="small", input="Time?", tools=[WEATHER_TOOL])
+    assert [(i.call_id, i.arguments) for i in plain.output if i.type == "function_call"] == [("call_t", "{}")]
+    events = [e async for e in await client.responses.create(model="small", input="Time again?", tools=[WEATHER_TOOL],
+                                                               stream=True)]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == "{}"
+    assert [i.arguments for i in events[-1].response.output if i.type == "function_call"] == ["{}"]
+
+
 async def test_a_cut_stream_ends_with_an_error_event_and_stores_nothing(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client("cut-s")
     wire.enqueue(Reply(content="This will be cut off.", cut_stream=True))
