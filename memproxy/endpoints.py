@@ -47,8 +47,32 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 
 def _require(endpoint: str, body: dict[str, Any]) -> None:
     for name in _REQUIRED[endpoint]:
-        if body.get(name) is None:
+        value = body.get(name)
+        if value is None:
             raise BadRequest(f"'{name}' is required", param=name)
+        if not _shaped(endpoint, value):
+            raise BadRequest(f"'{name}' must be {_SHAPES[endpoint]}", param=name)
+
+
+_SHAPES = {
+    "embeddings": "a string or a non-empty array of strings or of token arrays",
+    "completions": "a string or a non-empty array of strings or of token arrays",
+    "moderations": "a string or a non-empty array", "images": "a string", "speech": "a string",
+}
+
+
+def _shaped(endpoint: str, value: Any) -> bool:
+    """Whether a required input has the shape OpenAI's API takes (`_SHAPES`): litellm refuses
+    another in its own code, which reads as a failed upstream call (a 502 an SDK retries)."""
+    if isinstance(value, str):
+        return True
+    if endpoint in ("images", "speech") or not isinstance(value, list) or not value:
+        return False
+    if endpoint == "moderations":
+        return all(isinstance(v, (str, dict)) for v in value)
+    tokens = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return tokens or all(isinstance(v, str) or (isinstance(v, list) and v and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v)) for v in value)
 
 
 def add_routes(app: web.Application) -> None:

@@ -41,6 +41,18 @@ class _Params(BaseModel):
     stream: StrictBool | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    modalities: list[StrictStr] | None = None
+    reasoning_effort: StrictStr | None = None
+    service_tier: StrictStr | None = None
 
 
 _EXPECTED = {
@@ -49,6 +61,10 @@ _EXPECTED = {
     "seed": "an integer", "logprobs": "a boolean", "top_logprobs": "an integer of at least 0",
     "parallel_tool_calls": "a boolean", "store": "a boolean", "user": "a string",
     "stop": "a string or an array of strings", "stream": "a boolean", "tools": "an array", "functions": "an array",
+    "tool_choice": "a string or an object", "function_call": "a string or an object", "response_format": "an object",
+    "stream_options": "an object", "web_search_options": "an object", "metadata": "an object",
+    "logit_bias": "an object", "audio": "an object", "prediction": "an object", "modalities": "an array of strings",
+    "reasoning_effort": "a string", "service_tier": "a string",
 }
 
 

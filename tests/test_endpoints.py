@@ -400,6 +400,28 @@ async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream:
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt"), ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt"), ("/v1/embeddings", {"input": 5}, "input"),
+    ("/v1/embeddings", {"input": [True]}, "input"), ("/v1/moderations", {"input": [1]}, "input"),
+    ("/v1/images/generations", {"prompt": ["a"]}, "prompt"), ("/v1/audio/speech", {"input": 1, "voice": "x"}, "input"),
+])
+async def test_an_input_of_the_wrong_shape_is_a_400(proxy: Proxy, upstream: FakeUpstream, path: str,
+                                                    body: dict[str, Any], param: str) -> None:
+    """Inputs OpenAI's API refuses: litellm refused them in its own code, which read as a failed
+    upstream call (502)."""
+    status, answer, _ = await post(proxy, path, json={"model": "small", **body})
+    assert status == 400
+    assert_error(answer, type="invalid_request_error", code=None, param=param)
+    assert upstream.received == []
+
+
+async def test_inputs_of_every_accepted_shape_go_upstream(proxy: Proxy, upstream: FakeUpstream) -> None:
+    for prompt in ("one", ["one", "two"], [1, 2, 3], [[1, 2], [3]]):
+        status, answer, _ = await post(proxy, "/v1/embeddings", json={"model": "small", "input": prompt})
+        assert status == 200, answer
+
+
 async def test_a_client_cannot_redirect_the_upstream_call(proxy: Proxy, upstream: FakeUpstream) -> None:
     """`api_base`, `api_key` in the body are the client's parameters, never the proxy's settings:
     the call goes to the configured provider with the configured key."""

@@ -140,7 +140,11 @@ async def test_bad_request_is_openai_shaped_and_stores_nothing(
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "lots"), ("temperature", "hot"), ("n", 0),
-                                          ("stop", {"at": "."}), ("stream", "yes"), ("tools", {"type": "function"})])
+                                          ("stop", {"at": "."}), ("stream", "yes"), ("tools", {"type": "function"}),
+                                          # litellm refused these in its own code: a 502, which SDKs retry
+                                          ("tool_choice", 5), ("response_format", "json"),
+                                          ("web_search_options", "x"), ("stream_options", "x"),
+                                          ("modalities", "text"), ("reasoning_effort", 1)])
 async def test_a_parameter_of_the_wrong_type_is_refused_without_a_session_too(
     proxy: Proxy, upstream: FakeUpstream, field: str, value: Any
 ) -> None:
