@@ -340,7 +340,7 @@ def test_what_an_answer_said_aloud_or_refused_is_found_and_shown() -> None:
     assert {"xylophone", "attic"} <= set(message_words(spoken, 0)) and "uklgriqaaabxqvzf" not in message_words(spoken, 0)
     assert line_text(spoken) == "The xylophone is in the attic."
     assert "locks" in message_words(refused, 0) and line_text(refused) == "[refused] I cannot open locks."
-    assert render_message(spoken) == "Assistant: The xylophone is\nin the attic."
+    assert render_message(spoken) == "Assistant: The xylophone is\n  in the attic."
     assert render_message(refused) == "Assistant: [refused] I cannot open locks."
     as_part = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot open locks."}]}
     assert line_text(as_part) == line_text(refused)
