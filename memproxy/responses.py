@@ -64,6 +64,11 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/responses/{response_id}/input_items", list_input_items)
 
 
+# The Responses parameters that are chat's too, type-checked as chat's are (`memproxy.params`).
+_CHAT_PARAMS = frozenset({"temperature", "top_p", "parallel_tool_calls", "user", "top_logprobs", "tool_choice",
+                          "metadata", "service_tier"})
+
+
 async def create(request: web.Request) -> web.StreamResponse:
     with measured() as timings:
         return await _create(request, timings)
@@ -78,7 +83,7 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     model = requested_model(app[CONFIG], parsed.model)
     if model.responses_api != "native":
         check_bridge_input(parsed)
-    check_params({k: v for k, v in body.items() if k in ("temperature", "top_p", "parallel_tool_calls", "user")})
+    check_params({k: v for k, v in body.items() if k in _CHAT_PARAMS})
     messages = _messages(provider, parsed)
     try:
         params = provider.responses_chat_params(model, parsed.params)

@@ -142,6 +142,15 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     for key in ("tools", "include"):
         if body.get(key) is not None and not isinstance(body[key], list):
             raise BadRequest(f"'{key}' must be an array", param=key)
+    for key in ("text", "reasoning"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise BadRequest(f"'{key}' must be an object", param=key)
+    for key in ("effort", "summary"):
+        value = (body.get("reasoning") or {}).get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"'reasoning.{key}' must be a string", param=f"reasoning.{key}")
+    if body.get("truncation") is not None and not isinstance(body["truncation"], str):
+        raise BadRequest("'truncation' must be a string", param="truncation")
     max_output = body.get("max_output_tokens")
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
         raise BadRequest("'max_output_tokens' must be a positive integer", param="max_output_tokens")
@@ -186,6 +195,10 @@ def check_item(item: Any, where: str) -> None:
                 if part["type"] == "input_image" and not any(isinstance(part.get(k), str) and part[k]
                                                              for k in ("image_url", "file_id")):
                     raise BadRequest(f"{where}.content[{j}] needs an image_url or a file_id",
+                                     param=f"{where}.content[{j}]")
+                if part["type"] == "input_file" and not any(isinstance(part.get(k), str) and part[k]
+                                                            for k in ("file_data", "file_id", "file_url")):
+                    raise BadRequest(f"{where}.content[{j}] needs a file_data, a file_id or a file_url",
                                      param=f"{where}.content[{j}]")
         elif not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")

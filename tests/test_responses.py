@@ -478,6 +478,18 @@ async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "input[0].content[0]"),
     ({"model": "small", "input": [{"role": "user", "content": [
         {"type": "input_file", "file_url": "https://example.invalid/report.pdf"}]}]}, "input[0].content[0]"),
+    # Fields of the wrong type were dropped or emptied (a file of `file_data: 5` went as an empty
+    # part and was stored so).
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_file", "file_data": 5}]}]},
+     "input[0].content[0]"),
+    ({"model": "small", "input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
+    ({"model": "small", "input": "x", "tool_choice": 5}, "tool_choice"),
+    ({"model": "small", "input": "x", "text": 5}, "text"),
+    ({"model": "small", "input": "x", "reasoning": 5}, "reasoning"),
+    ({"model": "small", "input": "x", "reasoning": {"effort": 5}}, "reasoning.effort"),
+    ({"model": "small", "input": "x", "metadata": 5}, "metadata"),
+    ({"model": "small", "input": "x", "truncation": 5}, "truncation"),
+    ({"model": "small", "input": "x", "top_logprobs": "x"}, "top_logprobs"),
 ])
 async def test_bad_input_is_an_openai_error_and_stores_nothing(
         proxy: Proxy, upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
