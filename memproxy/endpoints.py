@@ -50,7 +50,10 @@ def _require(endpoint: str, body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is None:
             raise BadRequest(f"'{name}' is required", param=name)
-        if not _shaped(endpoint, value):
+        if name == "voice":  # a name, or a custom voice: {"id": ...}
+            if not isinstance(value, (str, dict)):
+                raise BadRequest("'voice' must be a string or an object", param=name)
+        elif not _shaped(endpoint, value):
             raise BadRequest(f"'{name}' must be {_SHAPES[endpoint]}", param=name)
 
 

@@ -49,6 +49,7 @@ _IMAGE_BASE_TOKENS, _IMAGE_TILE_TOKENS, _IMAGE_TILE = 85, 170, 512
 _IMAGE_FIT, _IMAGE_SHORT_SIDE = 2048, 768
 # Anthropic's: a pixel area over 750, once scaled to at most 1568 px a side and about 1,600 tokens.
 _AREA_PER_TOKEN, _AREA_LONG_SIDE, _AREA_MOST_TOKENS = 750, 1568, 1600
+_URL_SAFE = str.maketrans("-_", "+/")  # base64's URL-safe alphabet, read as the standard one
 _IMAGE_HEADER_BYTES = 256 * 1024  # where an image's size is found: JPEG's frame header follows its
 # metadata segments, of at most 64 KiB each
 TOKENS_PER_AUDIO_SECOND = 32  # Gemini's published rate, the highest (OpenAI's is about 17)
@@ -283,19 +284,21 @@ def answer_audio_tokens(message: Message) -> int | None:
 
 def image_tokens(url: Any, detail: Any, openai: bool = True) -> int:
     """An image's tokens by its size, read from the header of an inline one (a base64 data URL):
-    OpenAI's tiles at its `detail` (`openai`), else the most of OpenAI's at high detail and
-    Anthropic's (another provider's may read either way, and an image is never cut to fit).
-    `TOKENS_PER_IMAGE` where the size is unknown: a URL, or data no image reader knows."""
+    OpenAI's tiles (`openai`), else the most of OpenAI's and Anthropic's (another provider's may
+    read either way, and an image is never cut to fit). `TOKENS_PER_IMAGE` where the size is
+    unknown: a URL, or data no image reader knows. `detail: low` (85 tokens at OpenAI) counts no
+    more than that either: a model served behind an OpenAI-compatible API (vLLM, llama.cpp) may
+    not read `detail`, and under-counting an image can overflow the window."""
     size = _image_size(url)
     if size is None:
         return TOKENS_PER_IMAGE
-    if openai and detail == "low":
-        return _IMAGE_BASE_TOKENS
     width, height = size
     fit = min(1.0, _IMAGE_FIT / max(width, height))
     fit *= min(1.0, _IMAGE_SHORT_SIDE / (min(width, height) * fit))
     tiles = math.ceil(width * fit / _IMAGE_TILE) * math.ceil(height * fit / _IMAGE_TILE)
     tokens = _IMAGE_BASE_TOKENS + _IMAGE_TILE_TOKENS * tiles
+    if detail == "low":
+        tokens = min(tokens, TOKENS_PER_IMAGE)
     if openai:
         return tokens
     scale = min(1.0, _AREA_LONG_SIDE / max(width, height))
@@ -306,17 +309,20 @@ def image_tokens(url: Any, detail: Any, openai: bool = True) -> int:
 def _image_size(url: Any) -> tuple[int, int] | None:
     """The width and height of an inline image (PNG, JPEG, GIF, WebP and whatever else Pillow opens),
     from the first bytes of its data alone; None where there is none, or no size in those bytes."""
-    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100]:
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100].lower():
         return None
     chars = _IMAGE_HEADER_BYTES // 3 * 4
-    head = _decoded(url.partition(",")[2][:chars])
+    data = url.partition(",")[2]
+    encoded = "".join(data[: chars + chars // 64].split())[:chars]  # wrapped at 64 or 76: line breaks out
+    encoded = encoded[: len(encoded) // 4 * 4].translate(_URL_SAFE)
+    head = _decoded(encoded)
     if not head:
         return None
     from PIL import Image  # the first inline image's reader: a command that counts none never loads it
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized, never decoded
+            warnings.simplefilter("ignore")  # a bomb, corrupt metadata: sized, never decoded
             with Image.open(io.BytesIO(head)) as image:
                 width, height = image.size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):

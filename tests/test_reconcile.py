@@ -315,6 +315,46 @@ async def test_a_turn_resent_without_its_calls_then_a_user_message_continues_the
     assert_chain_consistent(config)
 
 
+async def test_later_steps_resent_without_the_assistants_messages_continue_them(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The same clients a step or a retry later: the Vercel AI SDK's third step sends the turn's
+    user message and every result so far, none of the calls; instructor's second retry sends the
+    input and both validation errors; a full-history client leaves out only the call it answers."""
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]), Reply(content="Paris is mild.", tool_calls=[
+        call("call_2", "Lima")]), Reply(content="Both done."))
+    await chat(client, [user("weather in Paris, then Lima?")], tools=TOOLS)
+    await chat(client, [user("weather in Paris, then Lima?"), result("call_1", "18C")], tools=TOOLS)
+    reply, headers = await chat(client, [user("weather in Paris, then Lima?"), result("call_1", "18C"),
+                                         result("call_2", "25C")], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    turn = [user("weather in Paris, then Lima?"), calls_message(call("call_1", "Paris")), result("call_1", "18C"),
+            {"role": "assistant", "content": "Paris is mild.", "tool_calls": [call("call_2", "Lima")]},
+            result("call_2", "25C"), assistant(reply)]
+    assert stored(config) == turn
+
+    upstream.enqueue(Reply(tool_calls=[call("call_3", "Oslo")]), Reply(tool_calls=[call("call_4", "Oslo")]),
+                     Reply(content="Oslo: cold."))
+    await chat(client, [user("and Oslo?")], tools=TOOLS)
+    await chat(client, [user("and Oslo?"), user("Validation error 1.")], tools=TOOLS)
+    reply, headers = await chat(client, [user("and Oslo?"), user("Validation error 1."), user("Validation error 2.")],
+                                tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    retries = [user("and Oslo?"), calls_message(call("call_3", "Oslo")), user("Validation error 1."),
+               calls_message(call("call_4", "Oslo")), user("Validation error 2."), assistant(reply)]
+    assert stored(config) == [*turn, *retries]
+
+    upstream.enqueue(Reply(tool_calls=[call("call_5", "Rome")]), Reply(content="Rome: warm."))
+    history = [*turn, *retries, user("and Rome?")]
+    await chat(client, history, tools=TOOLS)
+    reply, headers = await chat(client, [*history, result("call_5", "30C")], tools=TOOLS)  # the call left out
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert stored(config)[-3:] == [calls_message(call("call_5", "Rome")), result("call_5", "30C"), assistant(reply)]
+    assert_no_duplicates(stored(config, active=None))
+    assert_chain_consistent(config)
+
+
 async def test_a_message_before_a_result_that_is_not_the_stored_turn_is_refused(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

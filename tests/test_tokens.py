@@ -364,19 +364,38 @@ def test_an_inline_image_costs_what_its_size_does(kind: str) -> None:
     """OpenAI's tiles by the image's size (fitted into 2048 px, its short side cut to 768, 170 a
     512 px tile and 85), not a flat 765: a 1280x800 screenshot is six tiles (1,105 tokens), and a
     computer-use agent sending a screenshot a step was counted hundreds of tokens short each."""
-    for (width, height), tiles in (((1280, 800), 6), ((100, 100), 1), ((4000, 1000), 4), ((768, 2000), 8),
-                                   ((3000, 3000), 4)):
+    # Fitted into 2048 px first (3000x1000: 2048x683, eight tiles; cut to 768 first, ten), the short
+    # side cut to 768 (1280x800: 1229x768, six), never grown (100x100: one).
+    for (width, height), tiles in (((1280, 800), 6), ((100, 100), 1), ((3000, 1000), 8), ((768, 2000), 8),
+                                   ((700, 1100), 6)):
         url = picture(width, height, kind)
-        assert attachment_tokens({"type": "image_url", "image_url": {"url": url, "detail": "high"}}) == 85 + 170 * tiles
+        high = {"type": "image_url", "image_url": {"url": url, "detail": "high"}}
+        assert attachment_tokens(high) == 85 + 170 * tiles
         assert attachment_tokens({"type": "image_url", "image_url": {"url": url}}) == 85 + 170 * tiles  # auto
         assert attachment_tokens({"type": "input_image", "image_url": url, "detail": "auto"}) == 85 + 170 * tiles
-        assert attachment_tokens({"type": "image_url", "image_url": {"url": url, "detail": "low"}}) == 85
+        # `detail: low` is 85 at OpenAI, but a model behind an OpenAI-compatible server may not read
+        # it: never more than an image of unknown size, never more than its tiles.
+        low = attachment_tokens({"type": "image_url", "image_url": {"url": url, "detail": "low"}})
+        assert low == min(85 + 170 * tiles, TOKENS_PER_IMAGE)
     # For another provider's model the most of OpenAI's count and Anthropic's (area / 750, at most
     # about 1,600), whatever the detail: Anthropic reads none.
     screenshot = {"type": "image_url", "image_url": {"url": picture(1280, 800, kind), "detail": "low"}}
     assert attachment_tokens(screenshot, openai=False) == math.ceil(1280 * 800 / 750)
     assert attachment_tokens({"type": "image_url", "image_url": {"url": picture(768, 2000, kind)}}, openai=False) \
         == 85 + 170 * 8
+
+
+def test_an_image_is_sized_however_its_base64_is_written() -> None:
+    """Wrapped at 76 characters (`base64.encodebytes`, GNU `base64`), URL-safe, `;BASE64,`: the same
+    image, past the first 256 KiB too (a picture of noise does not compress)."""
+    out = io.BytesIO()
+    Image.effect_noise((1280, 800), 64).convert("RGB").save(out, "PNG")
+    raw = out.getvalue()
+    assert len(raw) > 2 * 256 * 1024
+    for url in ("data:image/png;base64," + base64.encodebytes(raw).decode(),
+                "data:image/png;base64," + base64.urlsafe_b64encode(raw).decode(),
+                "data:image/png;BASE64," + base64.b64encode(raw).decode()):
+        assert attachment_tokens({"type": "image_url", "image_url": {"url": url}}) == 85 + 170 * 6
 
 
 def test_an_image_of_unknown_size_costs_a_photo() -> None:

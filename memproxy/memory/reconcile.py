@@ -10,10 +10,10 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 - `continue`: the client resent the stored history (its hash at the stored length is the head's);
   only what follows is new.
 - `window`: the client's messages start with a tail of the stored history, up to its head (a client
-  that trims its history, or echoes the last answer before its tool results), or up to the head's
-  tool calls and then results of those calls or a user message (a client that resends its turn's own
-  messages but not the calls, which it holds to be the server's: the Vercel AI SDK on a Responses
-  `conversation`, instructor retrying a structured answer), or with a history all
+  that trims its history, or echoes the last answer before its tool results), or its messages
+  without the assistant's up to the head's tool calls, then results of those calls or a user
+  message (a client that resends its turn but holds the assistant's messages to be the server's:
+  the Vercel AI SDK on a Responses `conversation`, instructor retrying a structured answer), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
   another client writes to between them; where it edited one of them, what is stored up to there);
   only what follows is new, after the head.
@@ -172,31 +172,41 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
 async def _echoed_before_calls(store: TurnStore, session: SessionState, conversation: Sequence[Message],
                                held: Sequence[StoredMessage]) -> int:
     """Where the stored head is an assistant message's tool calls: the k >= 1 such that the client's
-    first k messages repeat the k stored before it, and the message after them is a result of one of
-    those calls or a user message (the calls themselves left out); 0 if none. What a client sends
-    that resends its turn but holds the calls to be the server's: the Vercel AI SDK's next step on a
-    Responses `conversation` (the results), instructor's retry of a structured answer on the
-    Responses API (the validation error, as a user message). Read as new, its messages would be
-    stored twice, and results after anything but their call are refused; read as an echo, nothing is
-    lost (the calls stay, and go as text where no result follows). One read, as long as the echo."""
+    first k messages, its assistant messages left aside, repeat the stored messages before the head,
+    theirs left aside too, and its next message is a result of one of the head's calls or a user
+    message; 0 if none. What a client sends that resends its turn but holds the assistant's
+    messages to be the server's: the Vercel AI SDK's next step on a Responses `conversation` (the
+    results; at a later step, the earlier results too), instructor's retry of a structured answer
+    on the Responses API (the validation errors, as user messages), a full-history client that
+    leaves out the call it answers. Read as new, its messages would be stored twice, and results
+    after anything but their call are refused; read as an echo, nothing is lost (the calls stay,
+    and go as text where no result follows). One read, of at most twice the echo's length."""
     head = session.head_message
     if head is None or head.get("role") != "assistant" or not isinstance(head.get("tool_calls"), list):
         return 0
-    most = min(len(conversation) - 1, session.length - 1)
-    first_result = next((i for i, m in enumerate(conversation) if m.get("role") == "tool"), None)
-    if first_result is not None:
-        ids = {call.get("id") for call in head["tool_calls"] if isinstance(call, dict)}
-        if conversation[first_result].get("tool_call_id") not in ids:
-            return 0
-        candidates = [first_result] if 0 < first_result <= most else []
-    else:
-        candidates = [k for k in range(most, 0, -1) if conversation[k].get("role") == "user"]
+    ids = {call.get("id") for call in head["tool_calls"] if isinstance(call, dict)}
+    answer = next((i for i, m in enumerate(conversation) if m.get("role") == "tool" and m.get("tool_call_id") in ids),
+                  None)
+    if answer is not None:
+        candidates = [answer] if answer > 0 else []
+    else:  # a user message after the echo: one of the newest (new ones come last)
+        candidates = [k for k in range(len(conversation) - 1, 0, -1)
+                      if conversation[k].get("role") == "user"][:_WINDOW_CANDIDATES]
     if not candidates:
         return 0
-    before = [loose_json(m.body) for m in
-              await _active_range(store, session, held, session.length - 1 - candidates[0], session.length - 1)]
-    for k in candidates:  # longest first
-        if k <= len(before) and before[len(before) - k:] == [loose_json(m) for m in conversation[:k]]:
+    reach = min(2 * candidates[0] + 2, session.length - 1)  # an assistant message before each, and more
+    stored = [loose_json(m.body) for m in await _active_range(store, session, held, session.length - 1 - reach,
+                                                             session.length - 1)
+              if m.body.get("role") != "assistant"]
+    # Each candidate's echo ends with the stored message before the head: tried first, alone.
+    ends = [k for k in candidates if stored and any(m.get("role") != "assistant" for m in conversation[:k])
+            and loose_json(next(m for m in reversed(conversation[:k]) if m.get("role") != "assistant")) == stored[-1]]
+    if not ends:
+        return 0
+    sent = [loose_json(m) for m in conversation[:ends[0]] if m.get("role") != "assistant"]
+    for k in ends:  # longest first; a shorter echo is a prefix of the longest's messages
+        echo = sent[:sum(1 for m in conversation[:k] if m.get("role") != "assistant")]
+        if len(echo) <= len(stored) and stored[len(stored) - len(echo):] == echo:
             return k
     return 0
 

@@ -89,7 +89,8 @@ def render_message(message: Message) -> str:
         if len(text) > _TRANSCRIPT_TOOL_CHARS:
             half = _TRANSCRIPT_TOOL_CHARS // 2
             text = head_and_tail(text, half, half, " [... {omitted} characters left out ...] ")
-        return _unframed(f"Tool result ({message.get('name') or message.get('tool_call_id', '')}): {_indented(text)}")
+        named = " ".join(str(message.get("name") or message.get("tool_call_id") or "").split())  # one line
+        return _unframed(f"Tool result ({named}): {_indented(text)}")
     if not text.strip():  # an answer spoken or refused: what it said
         refusal = message.get("refusal")
         text = audio_transcript(message) or (f"[refused] {refusal}" if isinstance(refusal, str) and refusal else "")
@@ -144,7 +145,8 @@ def chunks(
     def close(indices: list[int], used: int) -> None:
         text = "\n\n".join(rendered[i] for i in indices)
         if used > room:  # a unit too large (alone or joining a small chunk): keep head and tail
-            text = fit_head_and_tail(text, room, counter, "\n[... left out ...]\n", (1, 1, 2), (9, 10))
+            # The tail goes on indented: cut anywhere, its first line is part of the message above.
+            text = fit_head_and_tail(text, room, counter, "\n  [... left out ...]\n  ", (1, 1, 2), (9, 10))
         result.append(([messages[i] for i in indices], text))
 
     current: list[int] = []
