@@ -258,6 +258,32 @@ async def test_a_conversation_past_claudes_window_always_opens_with_the_user(
     assert all(r.messages[0]["role"] == "user" for r in sent)
 
 
+async def test_a_tool_loop_past_claudes_window_opens_with_the_user(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic
+) -> None:
+    """Where the new messages are tool results, the newest exchange opens at the stored question
+    that made the calls, and the message before it is the last exchange's answer: kept alone, it
+    opened what Claude got (the fake, as the Messages API, refuses that)."""
+    config = claude_config(storage, anthropic, context_window=2000, overflow="marker", calibrate_tokens=False)
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("tools-past")
+    for i in range(6):
+        anthropic.enqueue(Reply(text=f"answer {i} " * 60))
+        await ask(client, user(f"question {i} " * 60))
+    # Large results and short answers: the room before the newest exchange holds the last answer
+    # and not the call and results before it.
+    for k in range(8):
+        anthropic.enqueue(Reply(text="Checking.", tool_uses=[ToolUse("weather", {"city": "Paris"}, f"toolu_{k}")]),
+                          Reply(text=f"Mild, {k}."))
+        asked = await ask(client, user(f"weather {k}?"), tools=TOOLS)
+        [called] = asked.choices[0].message.tool_calls
+        await ask(client, {"role": "tool", "tool_call_id": called.id, "content": "mild " * (500 + 100 * (k % 5))},
+                  tools=TOOLS)  # raises on a refusal
+    sent = anthropic.chat_requests()
+    assert len(sent) == 6 + 2 * 8
+    assert all(r.messages[0]["role"] == "user" for r in sent)
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 

@@ -85,7 +85,8 @@ def mandatory_tail(history: Sequence[Message], new: Sequence[Message]) -> int:
 def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int = 0) -> int:
     """The oracle: the longest suffix of `history` starting at a unit boundary that fits; where
     that leaves history out, from the first user message in it before the newest exchange (the
-    client's new user message, or with `must`, the latest stored user message), if there is one."""
+    client's new user message, or with `must`, the latest stored user message), else from the
+    newest exchange (an answer is never kept without its question)."""
     kept, total = 0, 0
     for i in range(len(history) - 1, -1, -1):
         total += COUNTER.message(history[i])
@@ -101,6 +102,8 @@ def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int
         opening = [u for u in users if len(history) - kept <= u < newest]
         if opening:
             return len(history) - opening[0]
+        if len(history) - kept < newest:
+            return len(history) - newest
     return kept
 
 
@@ -627,15 +630,16 @@ async def test_a_session_that_opens_on_a_tool_result_never_sends_it_without_its_
     proxy: Proxy, upstream: FakeUpstream
 ) -> None:
     """A client whose first message is a tool result (its call lived elsewhere): however short the
-    history, the result is never sent again without the call it answers."""
+    history, the result is never sent again without the call it answers, nor the answer to it
+    alone: a conversation never opens with the model's answer (Anthropic's and Gemini's APIs
+    refuse one)."""
     client = proxy.client(session="opens-on-a-result")
     orphan = {"role": "tool", "tool_call_id": "call_elsewhere", "content": "42"}
     await client.chat.completions.create(model="small", messages=[orphan])  # type: ignore[list-item]
     raw = await client.chat.completions.with_raw_response.create(
         model="small", messages=[{"role": "user", "content": "and then?"}])
-    assert upstream.last().messages == [{"role": "assistant", "content": "reply 1"},
-                                        {"role": "user", "content": "and then?"}]
-    assert raw.headers["X-Memproxy-Stored-Omitted"] == raw.headers["X-Memproxy-Unsummarized-Omitted"] == "1"
+    assert upstream.last().messages == [{"role": "user", "content": "and then?"}]
+    assert raw.headers["X-Memproxy-Stored-Omitted"] == raw.headers["X-Memproxy-Unsummarized-Omitted"] == "2"
 
 
 async def test_function_and_output_schemas_count_against_the_budget(proxy: Proxy, upstream: FakeUpstream) -> None:

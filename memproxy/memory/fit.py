@@ -346,20 +346,21 @@ def _cut(snapshot: Snapshot, newest: int, floor: int, available: int, trim: bool
         found = _first_fitting_unit_start(snapshot, floor, older - (available - verbatim), trim)
         if found is None or found >= newest:
             return newest
-        # History is left out: what is kept opens with a user message where one comes before the
-        # newest exchange. An answer without its question tells little, and Gemini's API refuses a
-        # conversation that opens with the model (as Anthropic's did, and as tests/fake_anthropic.py does).
+        # History is left out: what is kept opens with a user message, the newest exchange's where
+        # none comes before it (the last exchange's answer alone, its question and calls left out).
+        # An answer without its question tells little, and Gemini's API refuses a conversation that
+        # opens with the model (as Anthropic's did, and as tests/fake_anthropic.py does).
         return _next_user_message(snapshot, found, newest) if found > floor else found
     found = _first_fitting_unit_start(snapshot, max(floor, newest), base_totals.full - available, False)
     return snapshot.must_start if found is None or found > snapshot.must_start else found
 
 
 def _next_user_message(snapshot: Snapshot, start: int, newest: int) -> int:
-    """The first user message from position `start` to before `newest`, else `start`."""
+    """The first user message from position `start` to before `newest`, else `newest`."""
     for m in itertools.islice(snapshot.messages, snapshot.index(start), snapshot.index(newest)):
         if m.body.get("role") == "user":
             return m.seq
-    return start
+    return newest
 
 
 def _first_fitting_unit_start(snapshot: Snapshot, floor: int, min_cum_before: int, compact: bool) -> int | None:
