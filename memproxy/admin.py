@@ -17,7 +17,7 @@ from typing import Any
 
 from .bodies import parse_json
 from .config import Config, ModelConfig
-from .errors import BadRequest, NotFound
+from .errors import BadRequest, Conflict, NotFound
 from .exports import has_gap, summaries_in_use
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
 from .memory.summaries import FoldResult, Summarizer
@@ -233,13 +233,19 @@ async def fork(store: AdminStore, session: SessionState, tenant: str, new_id: An
     if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= session.length:
         raise BadRequest(f"'at' must be an integer from 0 to {session.length}", param="at")
     records = await store.export_session(session)
+    exported = next((r for r in records if r["type"] == "session"), None)
+    if exported is None or (exported["length"], exported["head_hash"]) != (session.length, session.head_hash):
+        # A turn, an edit or a clear on another request or replica, between the session's read and
+        # its export: `at` was read from a session that is no longer there.
+        raise Conflict("the session changed while it was being forked (a turn, an edit or a clear "
+                       "landed meanwhile); retry the fork")
     active = {r["seq"]: r for r in records if r["type"] == "message" and r["active"]}
     if at < session.length and not (at in active and active[at]["unit_start"]):
         raise BadRequest(f"'at' must be the position of a message that starts a unit, or {session.length}: "
                          f"position {at} lies between a tool call and its results, or is no longer stored",
                          param="at")
     kept = [active[seq] for seq in sorted(active) if seq < at]
-    head = dict(next(r for r in records if r["type"] == "session"))
+    head = dict(exported)
     last = kept[-1] if kept else None
     head.update(
         length=at,

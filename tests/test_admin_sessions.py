@@ -38,7 +38,10 @@ from conftest import OTHER_KEY
 from db import rows
 from fake_upstream import FakeUpstream, Reply
 from helpers import assistant, send_turn, user
+from memproxy.admin import fork
+from memproxy.errors import Conflict
 from memproxy.memory.fit import SUMMARY_PREFIX
+from memproxy.typedefs import STORE
 
 pytestmark = pytest.mark.both_stores
 
@@ -364,6 +367,28 @@ async def test_fork_at_a_message_continues_independently(
         assert_error(await api.post("/sessions/s1/fork", json=bad, status=400),
                      type="invalid_request_error", param=param)
     assert (await api.get("/sessions/x", status=404))["error"]["code"] == "session_not_found"
+
+
+async def test_a_fork_that_races_a_change_of_its_session_is_a_conflict(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """The fork reads the session, then exports it: an edit, a clear or a turn landing between the
+    two (another replica's) made a 400 that blamed the message cap. A 409 that says to retry, and
+    no fork."""
+    proxy = await start(start_proxy, make_storage, upstream)
+    api = api_for(http, proxy)
+    store = proxy.app[STORE]
+    await send_turn(proxy, "s1", [user("q1")])
+    await send_turn(proxy, "s1", [user("q2")])
+    read = await store.get_session("a", "s1")
+    assert read is not None and read.length == 4
+    await api.post("/sessions/s1/clear", status=200)  # lands after the fork's read
+    with pytest.raises(Conflict):
+        await fork(store, read, "a", "s1-fork")
+    await api.get("/sessions/s1-fork", status=404)
+    # Read afresh, the fork goes through.
+    fresh = await store.get_session("a", "s1")
+    assert fresh is not None and await fork(store, fresh, "a", "s1-fork") == 0
 
 
 async def test_fork_never_cuts_between_a_tool_call_and_its_results(
