@@ -314,9 +314,10 @@ class Client:
 
         # No whole unit that would still have fit was left out (compact forms counted, before
         # deduplication, with the room the largest marker would take). Kept history that opens
-        # with a user message may leave out units that would open it with the assistant: from the
-        # nearest user message left out, nothing would have fit.
-        opens_with_user = start < base and self.history[start]["role"] == "user"
+        # with a user message (or is the newest exchange alone, which does) may leave out units
+        # that would open it with the assistant: from the nearest user message left out, nothing
+        # would have fit.
+        opens_with_user = start == exchange_start or (start < base and self.history[start]["role"] == "user")
         users_out = [j for j in range(covers, start) if self.history[j]["role"] == "user"]
         if start > covers and (users_out or not opens_with_user):
             unit = users_out[-1] if opens_with_user else \
