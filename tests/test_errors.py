@@ -4,6 +4,7 @@ with its status, calls no upstream when the request itself is at fault, and stor
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -137,6 +138,20 @@ async def test_bad_request_is_openai_shaped_and_stores_nothing(
             assert_shape(await response.json(), type=error_type, code=code, param=param)
     assert upstream.received == []
     assert stored_rows(config) == {table: [] for table in TABLES}
+
+
+async def test_an_output_reserve_that_leaves_no_input_room_says_so(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """`max_tokens` below the window but with the safety margin over it: the 400 said the model
+    "allows -19" input tokens. It says the output's reserve leaves no room, and to lower it."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=chat(max_completion_tokens=1999),
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+            assert response.status == 400
+            body = await response.json()
+    assert_shape(body, type="invalid_request_error", code="context_length_exceeded", param="messages")
+    message = body["error"]["message"]
+    assert "leaves no room for input" in message and not re.search(r"-\d", message)
+    assert upstream.received == []
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "lots"), ("temperature", "hot"), ("n", 0),

@@ -464,6 +464,14 @@ def _told(body: Message, calls: list[Any]) -> Message | None:
 def _check_fits(available: int, must_tokens: int, fixed: Fixed, budget: Budget, model: str) -> None:
     if must_tokens <= available:
         return
+    if budget.input_tokens <= 0:  # the output's reserve and the margin take the whole window
+        raise ContextLengthExceeded(
+            f"The output's reserve leaves no room for input: model '{model}' has a context window of "
+            f"{budget.window}, of which {budget.output_reserve} are reserved for the output (max_tokens or "
+            f"max_completion_tokens, else the model's max_output_tokens) and {budget.margin} are a safety "
+            "margin for counting. Lower max_tokens.",
+            param="messages",
+        )
     raise ContextLengthExceeded(
         f"This request needs at least {fixed.tokens + must_tokens} input tokens (system prompt, tools "
         f"and the new messages), but model '{model}' allows {budget.input_tokens}: a context window of "
