@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -50,32 +50,33 @@ def _require(endpoint: str, body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is None:
             raise BadRequest(f"'{name}' is required", param=name)
-        if name == "voice":  # a name, or a custom voice: {"id": ...}
-            if not isinstance(value, (str, dict)):
-                raise BadRequest("'voice' must be a string or an object", param=name)
-        elif not _shaped(endpoint, value):
-            raise BadRequest(f"'{name}' must be {_SHAPES[endpoint]}", param=name)
+        shaped, shape = _SHAPES.get(name, _SHAPES[endpoint])
+        if not isinstance(value, str) and not shaped(value):
+            raise BadRequest(f"'{name}' must be {shape}", param=name)
 
 
-_SHAPES = {
-    "embeddings": "a string or a non-empty array of strings or of token arrays",
-    "completions": "a string or a non-empty array of strings or of token arrays",
-    "moderations": "a string or a non-empty array", "images": "a string", "speech": "a string",
+def _tokens(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _texts(value: Any) -> bool:
+    return _tokens(value) or isinstance(value, list) and bool(value) and all(
+        isinstance(v, str) or _tokens(v) for v in value)
+
+
+# The shapes OpenAI's API takes for each required input besides a string, by endpoint or, where it
+# differs, by field: litellm refuses another in its own code, which reads as a failed upstream call
+# (a 502 an SDK retries).
+_SHAPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "embeddings": (_texts, "a string or a non-empty array of strings or of token arrays"),
+    "completions": (_texts, "a string or a non-empty array of strings or of token arrays"),
+    "moderations": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(p, (str, dict)) for p in v),
+                    "a string or a non-empty array"),
+    "images": (lambda v: False, "a string"),
+    "speech": (lambda v: False, "a string"),
+    "voice": (lambda v: isinstance(v, dict), "a string or an object"),  # a custom voice: {"id": ...}
 }
-
-
-def _shaped(endpoint: str, value: Any) -> bool:
-    """Whether a required input has the shape OpenAI's API takes (`_SHAPES`): litellm refuses
-    another in its own code, which reads as a failed upstream call (a 502 an SDK retries)."""
-    if isinstance(value, str):
-        return True
-    if endpoint in ("images", "speech") or not isinstance(value, list) or not value:
-        return False
-    if endpoint == "moderations":
-        return all(isinstance(v, (str, dict)) for v in value)
-    tokens = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    return tokens or all(isinstance(v, str) or (isinstance(v, list) and v and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in v)) for v in value)
 
 
 def add_routes(app: web.Application) -> None:

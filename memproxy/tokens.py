@@ -50,8 +50,9 @@ _IMAGE_FIT, _IMAGE_SHORT_SIDE = 2048, 768
 # Anthropic's: a pixel area over 750, once scaled to at most 1568 px a side and about 1,600 tokens.
 _AREA_PER_TOKEN, _AREA_LONG_SIDE, _AREA_MOST_TOKENS = 750, 1568, 1600
 _URL_SAFE = str.maketrans("-_", "+/")  # base64's URL-safe alphabet, read as the standard one
-_IMAGE_HEADER_BYTES = 256 * 1024  # where an image's size is found: JPEG's frame header follows its
-# metadata segments, of at most 64 KiB each
+# Where an image's size is found: in its first few KiB, or, for a JPEG, after its metadata segments
+# (of at most 64 KiB each).
+_IMAGE_HEADER_READS = (4 * 1024, 256 * 1024)
 TOKENS_PER_AUDIO_SECOND = 32  # Gemini's published rate, the highest (OpenAI's is about 17)
 _AUDIO_BYTES_PER_SECOND = 4000  # 32 kbit/s: speech is rarely compressed below, so a duration errs long
 # A document page as providers send it to the model (Anthropic: 1,500 to 3,000 tokens a page; OpenAI
@@ -308,16 +309,25 @@ def image_tokens(url: Any, detail: Any, openai: bool = True) -> int:
 
 def _image_size(url: Any) -> tuple[int, int] | None:
     """The width and height of an inline image (PNG, JPEG, GIF, WebP and whatever else Pillow opens),
-    from the first bytes of its data alone; None where there is none, or no size in those bytes."""
+    from the first bytes of its data alone: a few KiB, and where its size is not in those (a JPEG
+    whose metadata runs long), up to 256 KiB (`_IMAGE_HEADER_READS`); None where there is none."""
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100].lower():
         return None
-    chars = _IMAGE_HEADER_BYTES // 3 * 4
-    data = url.partition(",")[2]
-    encoded = "".join(data[: chars + chars // 64].split())[:chars]  # wrapped at 64 or 76: line breaks out
-    encoded = encoded[: len(encoded) // 4 * 4].translate(_URL_SAFE)
-    head = _decoded(encoded)
-    if not head:
-        return None
+    start = url.index(",") + 1  # the data's first characters alone: never a copy of the whole image
+    for size in _IMAGE_HEADER_READS:
+        chars = size // 3 * 4
+        data = url[start : start + chars + chars // 32]  # room for line breaks, \r\n every 64 characters
+        encoded = "".join(data.split())[:chars]
+        head = _decoded(encoded[: len(encoded) // 4 * 4].translate(_URL_SAFE))
+        if not head:
+            return None
+        found = _pillow_size(head)
+        if found is not None or len(data) < chars:  # sized, or the whole image read
+            return found
+    return None
+
+
+def _pillow_size(head: bytes) -> tuple[int, int] | None:
     from PIL import Image  # the first inline image's reader: a command that counts none never loads it
 
     try:

@@ -198,15 +198,10 @@ async def _echoed_before_calls(store: TurnStore, session: SessionState, conversa
     stored = [loose_json(m.body) for m in await _active_range(store, session, held, session.length - 1 - reach,
                                                              session.length - 1)
               if m.body.get("role") != "assistant"]
-    # Each candidate's echo ends with the stored message before the head: tried first, alone.
-    ends = [k for k in candidates if stored and any(m.get("role") != "assistant" for m in conversation[:k])
-            and loose_json(next(m for m in reversed(conversation[:k]) if m.get("role") != "assistant")) == stored[-1]]
-    if not ends:
-        return 0
-    sent = [loose_json(m) for m in conversation[:ends[0]] if m.get("role") != "assistant"]
-    for k in ends:  # longest first; a shorter echo is a prefix of the longest's messages
-        echo = sent[:sum(1 for m in conversation[:k] if m.get("role") != "assistant")]
-        if len(echo) <= len(stored) and stored[len(stored) - len(echo):] == echo:
+    sent = [loose_json(m) for m in conversation[:candidates[0]] if m.get("role") != "assistant"]
+    for k in candidates:  # longest first; a shorter echo is a prefix of the longest's messages
+        n = sum(1 for m in conversation[:k] if m.get("role") != "assistant")
+        if 0 < n <= len(stored) and stored[len(stored) - n:] == sent[:n]:
             return k
     return 0
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from ..concurrency import BackgroundTasks
 from ..config import Config, ModelConfig
 from ..errors import ProxyError
-from ..messages import Message, audio_transcript
+from ..messages import Message, audio_transcript, called
 from ..metrics import Metrics
 from ..provider import Provider
 from ..redact import session_digest
@@ -95,9 +95,8 @@ def render_message(message: Message) -> str:
         refusal = message.get("refusal")
         text = audio_transcript(message) or (f"[refused] {refusal}" if isinstance(refusal, str) and refusal else "")
     lines = [f"{str(role).capitalize()}: {_indented(text)}"] if text else []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        lines.append(_indented(f"Assistant called {function.get('name')}({function.get('arguments', '')})"))
+    for name, given in map(called, message.get("tool_calls") or []):  # a function's call or a custom tool's
+        lines.append(_indented(f"Assistant called {name}({given if given is not None else ''})"))
     return _unframed("\n".join(lines))
 
 
