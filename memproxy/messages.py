@@ -214,6 +214,33 @@ def loosely_equal(a: Message, b: Message) -> bool:
     return loose_json(a) == loose_json(b)
 
 
+def said_within(inner: Message, outer: Message) -> bool:
+    """Whether `inner` says nothing that `outer` does not: the same fields but its content, each of
+    its text parts within `outer`'s text, each other part one of `outer`'s (loosely, as
+    `loosely_equal` compares them). A chat UI's own record of a question it sent with retrieved
+    context or a file's text added (Open WebUI adds them to the newest user message alone)."""
+    if {k: v for k, v in inner.items() if k != "content"} != {k: v for k, v in outer.items() if k != "content"}:
+        return False
+    texts, parts = _said(inner.get("content"))
+    outer_texts, outer_parts = _said(outer.get("content"))
+    whole = "\n".join(outer_texts)
+    return all(text.strip() in whole for text in texts) and all(part in outer_parts for part in parts)
+
+
+def _said(content: Any) -> tuple[list[str], list[str]]:
+    """A message content's texts, and its other parts in their loose form."""
+    if isinstance(content, str):
+        return [content], []
+    texts: list[str] = []
+    parts: list[str] = []
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            parts.append(json.dumps(_loose_part(part), sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return texts, parts
+
+
 def _content_key(message: Message) -> Any:
     content = _canonical_content(message.get("content"))
     if isinstance(content, str):

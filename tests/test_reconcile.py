@@ -509,6 +509,90 @@ async def test_a_full_history_client_that_signs_its_image_urls_for_each_request_
     assert headers["X-Memproxy-Reconcile"] == "append" and other in stored(config)
 
 
+def with_context(question: str, source: str = "file text") -> Message:
+    """A question as Open WebUI sends it with a file or knowledge attached: the retrieved text added
+    to the newest user message alone (its own history keeps the question plain)."""
+    return user(f"### Context:\n<source id=\"1\">{source}</source>\n\n### Query:\n{question}")
+
+
+@pytest.mark.parametrize("every_turn", [True, False])
+async def test_a_ui_that_adds_context_to_the_newest_question_alone_continues(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, every_turn: bool
+) -> None:
+    """Open WebUI's default: retrieved context (or an attached file's text) goes into the newest user
+    message only, and its history resends the plain question. The stored answer after it, unchanged,
+    says it is the stored exchange: read as new, every exchange was stored and sent twice (plain and
+    with its context). The stored forms stay: they hold all the client sent."""
+    client = proxy.client()
+    history: list[Message] = []
+    kinds = []
+    for turn, question in enumerate(["What does the PDF say?", "Summarise section 2.", "Thanks"]):
+        sent = with_context(question) if every_turn or turn == 0 else user(question)
+        reply, headers = await chat(client, [*history, sent])
+        kinds.append((headers["X-Memproxy-Reconcile"], headers.get("X-Memproxy-Superseded", "0")))
+        history += [user(question), assistant(reply)]
+    assert kinds == [("new", "0"), ("continue", "0"), ("continue", "0")]
+    questions = [with_context(q) if every_turn or turn == 0 else user(q)
+                 for turn, q in enumerate(["What does the PDF say?", "Summarise section 2.", "Thanks"])]
+    assert [m for m in stored(config) if m["role"] == "user"] == questions
+    assert len(stored(config)) == 6 and stored(config, active=0) == []
+    sent_upstream = [m for m in upstream.last().messages if m["role"] != "system"]
+    assert sent_upstream == stored(config)[:5]
+    assert_chain_consistent(config)
+
+
+async def test_a_question_resent_with_something_added_is_not_taken_for_the_stored_one(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Only a question resent with less in it is the stored one: one that says something the stored
+    question did not is the client's own, and is kept (appended, where nothing proves an edit)."""
+    client = proxy.client()
+    reply, _ = await chat(client, [user("What does the PDF say?")])
+    _, headers = await chat(client, [with_context("What does the PDF say?"), assistant(reply), user("More?")])
+    assert headers["X-Memproxy-Reconcile"] == "append"
+    assert with_context("What does the PDF say?") in stored(config)
+    assert stored(config, active=0) == []
+
+
+async def test_a_client_that_drops_the_middle_of_its_history_forgets_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client that keeps its first exchange and the newest ones, dropping the middle to fit its own
+    budget (Cline), resends a stored prefix and then the stored tail. Read as an edit where they
+    meet, the middle was superseded: forgotten. It is a window: nothing superseded, only the new
+    message stored, and the whole history goes upstream."""
+    client = proxy.client()
+    history: list[Message] = []
+    for turn in range(4):
+        history.append(user(f"step {turn}"))
+        history.append(assistant((await chat(client, history))[0]))
+    trimmed = [*history[:2], *history[-4:], user("step 4")]
+    reply, headers = await chat(client, trimmed)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert stored(config) == [*history, user("step 4"), assistant(reply)]
+    assert [m for m in upstream.last().messages if m["role"] != "system"] == [*history, user("step 4")]
+
+
+async def test_a_note_put_into_the_history_is_sent_where_the_client_put_it_and_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """SillyTavern's author's note: a system message a few messages from the end of every request.
+    Its history with the note in it is the client's version of the stored one (an edit where they
+    part), sent as the client wrote it; appended, the whole history went upstream twice."""
+    client = proxy.client()
+    history: list[Message] = []
+    note = {"role": "system", "content": "[Author's note: write two paragraphs]"}
+    for turn in range(4):
+        history.append(user(f"line {turn}"))
+        messages = [*history[:-4], note, *history[-4:]] if len(history) > 4 else list(history)
+        reply, headers = await chat(client, messages)
+        sent = [m for m in upstream.last().messages]
+        assert sent == messages
+        assert_no_duplicates(stored(config))
+        history.append(assistant(reply))
+    assert stored(config)[-1] == history[-1]
+
+
 async def test_a_refusal_echoed_as_a_content_part_is_the_stored_refusal(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

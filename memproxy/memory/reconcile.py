@@ -15,8 +15,9 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
   message (a client that resends its turn but holds the assistant's messages to be the server's:
   the Vercel AI SDK on a Responses `conversation`, instructor retrying a structured answer), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
-  another client writes to between them; where it edited one of them, what is stored up to there);
-  only what follows is new, after the head.
+  another client writes to between them; where it edited one of them, what is stored up to there),
+  or a stored prefix and then the stored tail up to the head (a client that dropped the middle of
+  its history); only what follows is new, after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
@@ -36,7 +37,8 @@ history: an echoed stored tail is stripped and the rest appended.
 Messages are compared loosely (`loose_json`) when recognising an echo, a resent tail or where a
 resent history leaves the stored one, so a client that re-serialises tool-call arguments, or trims
 the whitespace around an answer, is not taken for one that edited them; the stored forms and their
-hashes stay.
+hashes stay. So is a user message resent with less in it (`said_within`) before an unchanged
+stored answer: the question without the context a RAG UI added to it when it was new.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..messages import ROOT_HASH, Message, chain_hashes, history_end, loose_json, loosely_equal
+from ..messages import ROOT_HASH, Message, chain_hashes, history_end, loose_json, loosely_equal, said_within
 from ..store import ChatKind, SessionState, StoredMessage, TurnStore
 
 HistoryMode = Literal["auto", "full", "new"]
@@ -100,14 +102,22 @@ async def reconcile(
         resent = await _resent_among(store, session, conversation, held)
         if resent:
             return Reconciled("window", stored, head, conversation[resent:])
-        return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
     fork, fork_hash = await _loose_fork(store, session, conversation, matched,
                                         hashes[matched - 1] if matched else ROOT_HASH, held)
-    # An assistant message up to and at the fork proves a resent history: the client's own version
-    # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, not new.
-    shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork + 1])
+    if fork < stored and requested != "full":
+        # Before anything is superseded: a history that skips from its start to the stored tail.
+        resent = await _resent_tail(store, session, conversation, held, fork)
+        if resent:
+            return Reconciled("window", stored, head, conversation[resent:])
+        if fork == 0:
+            return Reconciled("append", stored, head, conversation)
+    # An assistant message in the client's history proves it resent it: the client's own version
+    # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, and so is a
+    # history with a message put in it (a system note a few messages from the end), not new.
+    shows_history = requested == "full" or any(
+        m.get("role") == "assistant" for m in conversation[:max(fork + 1, history_end(conversation))])
     if not shows_history:
         # A client sending new messages only, whose message happens to equal the session's first
         # ("hi", "continue"): nothing proves it resent history, so nothing is superseded.
@@ -230,19 +240,57 @@ async def _resent_among(store: TurnStore, session: SessionState, conversation: S
     return found if any(m.get("role") == "assistant" for m in conversation[:found]) else 0
 
 
+async def _resent_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                       held: Sequence[StoredMessage], fork: int) -> int:
+    """Where the client's history (`history_end`) is the stored prefix it matched (`fork`, at least
+    one message) and then the session's newest stored messages, up to the head, an answer among
+    them: a client that keeps its first exchange and drops the middle of its history to fit its own
+    budget (Cline). The position after that tail (what follows is new), or 0. Read as an edit, the
+    middle would be superseded: forgotten. Nothing the client sent is left out: a message it put
+    between the two (a system note a few messages from the end) is its edit, sent as it is, and a
+    history that matched no stored prefix (its own summary in place of the older messages) is
+    appended whole. One read, as long as the client's history."""
+    end = history_end(conversation)
+    head = session.head_message
+    if end < 3 or head is None or not loosely_equal(conversation[end - 1], head):
+        return 0
+    tail = await _active_range(store, session, held, max(session.length - end + 1, 0), session.length)
+    n = 0
+    while n < len(tail) and loose_json(tail[-1 - n].body) == loose_json(conversation[end - 1 - n]):
+        n += 1
+    if n < 2 or not fork or end - n > fork \
+            or not any(m.get("role") == "assistant" for m in conversation[end - n:end]):
+        return 0
+    return end
+
+
 async def _loose_fork(
     store: TurnStore, session: SessionState, conversation: Sequence[Message], matched: int, matched_hash: str,
     held: Sequence[StoredMessage],
 ) -> tuple[int, str]:
     """Where the client's history really leaves the stored one: past the hash-matched prefix, the
-    messages that equal the stored ones loosely (tool arguments spelt differently) still match. The
-    position and the stored chain hash before it (the stored forms stay)."""
+    messages that equal the stored ones loosely (tool arguments spelt differently) still match, and
+    so does a user message the client resends with less in it (`said_within`) where the stored
+    answer after it follows unchanged: a chat UI that adds retrieved context or a file to the
+    newest user message alone (Open WebUI by default) resends the plain question in its history,
+    and no answer survives a real edit of its question (the UI asks again). The position and the
+    stored chain hash before it (the stored forms stay: they hold all the client sent)."""
     stop = min(len(conversation), session.length)
     if matched >= stop:
         return matched, matched_hash
     fork, fork_hash = matched, matched_hash
+    position = matched
+    respelt = False  # a user message spelt differently, until an unchanged answer after it vouches for it
     for message in await _active_range(store, session, held, matched, stop):
-        if message.seq != fork or loose_json(message.body) != loose_json(conversation[fork]):
+        if message.seq != position:
             break
-        fork, fork_hash = fork + 1, message.chain_hash
+        sent = conversation[position]
+        position += 1
+        if loose_json(message.body) == loose_json(sent):
+            if not respelt or message.body.get("role") == "assistant":
+                fork, fork_hash, respelt = position, message.chain_hash, False
+        elif message.body.get("role") == "user" and said_within(sent, message.body):
+            respelt = True
+        else:
+            break
     return fork, fork_hash
