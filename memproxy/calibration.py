@@ -62,17 +62,21 @@ class Calibration:
         self._factors[model] = factor
         return factor
 
-    def refused(self, model: str, counted: int, message: str, window: int) -> float:
+    def refused(self, model: str, counted: int, message: str, window: int, remember: bool = True) -> float:
         """The provider refused a request memproxy counted at `counted` tokens as too long, saying
         `message`; the model's factor after it: at least `STEP` higher, or the ratio of the
-        prompt's count the message gives (`_reported`) to `counted`."""
+        prompt's count the message gives (`_reported`) to `counted`. `remember=False`: the factor
+        for planning that one request again, the model's left as it was (a request whose media
+        memproxy only estimates says nothing about how the model counts text, and one client's
+        crafted attachment must not shrink every other client's context)."""
         factor = self.factor(model)
         if not self.enabled:
             return factor
         reported = _reported(message, window)
         ratio = reported / counted if reported is not None and counted > 0 else 0.0
         factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)
-        self._factors[model] = factor
+        if remember:
+            self._factors[model] = factor
         return factor
 
 

@@ -360,7 +360,7 @@ def _audio_seconds(header: bytes, size: int) -> float:
     if header[:4] == b"RIFF" and header[8:12] == b"WAVE" and len(header) >= 32:
         byte_rate = int.from_bytes(header[28:32], "little")
         if byte_rate > 0:
-            return (size - 44) / byte_rate
+            return max(size - 44, 0) / byte_rate
     return size / _AUDIO_BYTES_PER_SECOND
 
 

@@ -129,6 +129,23 @@ async def test_a_responses_turn_refused_for_length_is_planned_again(proxy: Proxy
     assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
 
 
+async def test_a_refusal_of_a_request_with_media_is_planned_again_alone(proxy: Proxy, provider: FakeUpstream) -> None:
+    """memproxy only estimates what an image or a clip costs, and a client chooses what it sends: a
+    refusal of a request holding one plans that request again with the refusal's numbers, and
+    leaves the model's factor, which every other client's requests are planned with, as it was."""
+    client = await told(proxy, provider, "media", 30)
+    before = len(provider.chat_requests())
+    provider.enqueue(Reply(content="first"), Reply(content="answered"))
+    picture = user([{"type": "text", "text": "and this one?"},  # type: ignore[arg-type]
+                    {"type": "image_url", "image_url": {"url": "https://example.com/tides.png"}}])
+    completion, headers = await complete(client, [picture])
+    assert completion.choices[0].message.content == "answered"
+    assert float(headers["X-Memproxy-Token-Calibration"]) > RATIO  # this request's own
+    refused, accepted = provider.chat_requests()[before:]
+    assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
+    assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
+
+
 async def test_with_calibration_off_the_providers_refusal_reaches_the_client(
         start_proxy: Any, config: Config, provider: FakeUpstream) -> None:
     proxy = await start_proxy(replace(config, memory=replace(config.memory, calibrate_tokens=False)))

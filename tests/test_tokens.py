@@ -426,6 +426,12 @@ def test_audio_and_documents_cost_their_length_not_their_bytes() -> None:
     assert attachment_tokens(audio_part(wav(10, rate=48_000))) == 10 * TOKENS_PER_AUDIO_SECOND
     # No header (an mp3): a duration at 32 kbit/s, longer than any real clip of that size.
     assert attachment_tokens(audio_part(base64.b64encode(os.urandom(40_000)).decode())) == 10 * TOKENS_PER_AUDIO_SECOND
+    # A header alone, or a crafted byte rate on one: never below nothing (a negative count let a
+    # request past the window's check, and its refusal raised the model's calibration for all).
+    header_only = base64.b64decode(wav(0))[:33]
+    crafted = header_only[:28] + (1).to_bytes(4, "little") + header_only[32:]
+    assert attachment_tokens(audio_part(base64.b64encode(crafted).decode())) == 0
+    assert attachment_tokens(audio_part(base64.b64encode(header_only).decode())) == 0
     assert attachment_tokens(file_part(pdf(3))) == 3 * TOKENS_PER_DOCUMENT_PAGE
     # Pages in compressed streams: counted from the size, a page per 50 KB.
     assert attachment_tokens(file_part(base64.b64encode(os.urandom(200_000)).decode())) == 4 * TOKENS_PER_DOCUMENT_PAGE
