@@ -293,8 +293,9 @@ def _check_relations(numbered: list[tuple[int, Record]]) -> None:
         key: int = record["version"] if kind == "summary" else record["id"]
         if key in seen[kind]:
             raise BadRequest(f"line {line}: a second {kind} {'version' if kind == 'summary' else 'id'} {key}")
+        parent = record.get("parent")
         if kind == "message" and (record["turn"] not in seen["turn"]
-                                  or record.get("parent") not in (None, *seen["message"])):
+                                  or (parent is not None and parent not in seen["message"])):
             raise BadRequest(f"line {line}: a message refers to a turn or message not before it")
         seen[kind].add(key)
     head = next(r for _, r in numbered if r["type"] == "session")

@@ -11,6 +11,8 @@ The work is done by `memproxy.admin`, which the CLI shares; this module only spe
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from . import admin, exports
@@ -126,13 +128,14 @@ async def fork(request: web.Request) -> web.Response:
 async def export(request: web.Request) -> web.Response:
     _, session = await _session(request)
     records = await request.app[STORE].export_session(session)
-    return web.Response(text=exports.to_jsonl(records), content_type="application/x-ndjson")
+    # A long session's export is seconds of work: off the event loop, which serves every other request.
+    return web.Response(text=await asyncio.to_thread(exports.to_jsonl, records), content_type="application/x-ndjson")
 
 
 async def import_session(request: web.Request) -> web.Response:
     tenant = _tenant(request)
     assert tenant is not None
-    records = exports.from_jsonl(await body_bytes(request))
+    records = await asyncio.to_thread(exports.from_jsonl, await body_bytes(request))
     session_id = request.query.get("session_id") or exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
