@@ -244,6 +244,26 @@ async def test_recall_across_an_end_users_sessions_stays_with_that_user_and_tena
     assert "7281" not in str(received.messages)
 
 
+async def test_an_end_user_named_with_a_nul_is_recalled_across_sessions(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    """The end user is the client's text: a name a database cannot hold as it is (a NUL) is stored
+    escaped, and looked up the same way (before, every recalling turn failed: 500 on SQLite, a 503
+    on PostgreSQL, which SDKs retry)."""
+    proxy = await start(start_proxy, make_storage, upstream, recall_scope="user", **RECALL)
+    name = "ali\u0000ce"
+    for session, turns, fact in (("nul-1", 2, FACT), ("nul-2", 30, "Let us plan the regatta.")):
+        talk = Conversation(proxy, upstream, session)
+        for i in range(turns):
+            new = [user(fact if i == 0 else filler(i))]
+            reply = Reply(content="Noted." if i == 0 else f"Answer {i}: " + " ".join(f"sun{i}y{j}" for j in range(20)))
+            await talk.exchange(new, reply, user=name)
+            talk.remember(new, reply)
+    received, _ = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"), user=name)
+    [block] = block_of(received.messages)
+    assert "session nul-1 #0" in block["content"] and "7281" in block["content"]
+
+
 async def test_an_expired_session_is_neither_recalled_nor_found(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
 ) -> None:

@@ -19,7 +19,7 @@ from ...searchtext import session_key
 from ..base import COMMON_WORD_POSITIONS, Postings, RecalledMessage, SearchHit, SessionState
 from ..recall_index import MESSAGE_OVERHEAD, Checked, SessionIndex
 from ..session_cache import SessionCache
-from .codec import recall_text, search_text, text_out
+from .codec import recall_text, search_text, text_in, text_out
 from .common import CACHE_HOLDS, SQLBase
 from .script import Row, Script, Step
 
@@ -107,7 +107,7 @@ class SQLRecall(SQLBase):
             rows = await self._fetch(
                 "SELECT pk, session_id, length FROM sessions WHERE tenant = ? AND end_user = ? AND pk <> ?"
                 " AND updated_at >= ? ORDER BY updated_at DESC LIMIT ?",
-                (session.tenant, end_user, session.pk, active_since or 0.0, _OTHER_SESSIONS))
+                (session.tenant, text_in(end_user), session.pk, active_since or 0.0, _OTHER_SESSIONS))
             scope += [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
         names = {pk: name for pk, name, _ in scope}
         found: list[dict[str, list[int]]] = [{} for _ in words]
@@ -164,7 +164,7 @@ class SQLRecall(SQLBase):
             marks = ", ".join("?" * len(others))
             pks.update((str(r[1]), int(r[0])) for r in await self._fetch(
                 f"SELECT pk, session_id FROM sessions WHERE tenant = ? AND end_user = ? AND session_id IN ({marks})",
-                (session.tenant, end_user, *others)))
+                (session.tenant, text_in(end_user), *others)))
         wanted = [(pks[sid], first, last) for sid, first, last in spans if sid in pks]
         if not wanted:
             return []
