@@ -113,9 +113,20 @@ def requested_model(config: Config, name: Any) -> ModelConfig:
     return model
 
 
+# What aiohttp decodes (br and zstd it refuses itself, before any handler: `app._LOW_LEVEL`).
+_DECODED = frozenset({"", "identity", "gzip", "deflate"})
+
+
 async def body_bytes(request: web.Request) -> bytes:
     """The raw body; one that fails to decode (a `Content-Encoding: gzip` body that is not gzip, a
-    broken chunked encoding) is the client's fault, so a 400, not the 500 of an unknown error."""
+    broken chunked encoding) is the client's fault, so a 400, not the 500 of an unknown error. So is
+    a `Content-Encoding` that nothing here decodes (`x-gzip`, two codings, a made-up one), which
+    aiohttp would hand over as it came: read as plain bytes, it was refused as "not UTF-8", or worse,
+    stored as what the client meant to send compressed."""
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if encoding not in _DECODED:
+        raise BadRequest("The request body's Content-Encoding cannot be decoded here: send it as gzip, deflate "
+                         "or identity.", code="unsupported_content_encoding")
     try:
         raw = await request.read()
     except web.RequestPayloadError as exc:  # what the parser found wrong with the payload

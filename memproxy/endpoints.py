@@ -274,7 +274,8 @@ async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]
                 audio = AudioFile(part.filename or "audio", bytes(await part.read()), content_type)
             elif part.filename is None:
                 fields.append((part.name, await part.text()))
-    except (ValueError, AssertionError, UnicodeDecodeError, HttpProcessingError) as exc:  # aiohttp's parser's
+    except (ValueError, AssertionError, UnicodeDecodeError, LookupError, RuntimeError,
+            HttpProcessingError) as exc:  # aiohttp's parser's (an unknown charset, transfer encoding)
         raise BadRequest(f"the form could not be read: {type(exc).__name__}") from exc
     if audio is None:
         raise BadRequest("'file' is required: the audio to transcribe", param="file")

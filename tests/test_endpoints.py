@@ -397,6 +397,14 @@ async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream:
                                  headers={"Content-Type": "multipart/form-data; boundary=zz"})
     assert status == 400
     assert_error(body, type="invalid_request_error", code=None)
+    # A field in a charset Python does not know, a part in a transfer encoding nobody does: 500s once.
+    for headers in (b"Content-Type: text/plain; charset=bogus", b"Content-Transfer-Encoding: bogus"):
+        form_bytes = (b'--zz\r\nContent-Disposition: form-data; name="model"\r\n' + headers + b"\r\n\r\nsmall\r\n"
+                      b"--zz--\r\n")
+        status, body, _ = await post(proxy, "/v1/audio/transcriptions", data=form_bytes,
+                                     headers={"Content-Type": "multipart/form-data; boundary=zz"})
+        assert status == 400, body
+        assert_error(body, type="invalid_request_error", code=None)
     assert upstream.received == []
 
 

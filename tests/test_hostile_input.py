@@ -479,6 +479,12 @@ REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int
      b'{"type":"session"}\n', 400, None),
     ("gzip that is gzip", "POST", "/v1/chat/completions", (("Content-Encoding", "gzip"),), gzip.compress(_json(CHAT)),
      200, None),
+    # An encoding nothing decodes was read as plain bytes: stored as such, or refused as "not UTF-8".
+    ("a made-up encoding", "POST", "/v1/chat/completions", (("Content-Encoding", "bogus"),), _json(CHAT), 400, None),
+    ("x-gzip", "POST", "/v1/chat/completions", (("Content-Encoding", "x-gzip"),), gzip.compress(_json(CHAT)),
+     400, None),
+    ("gzip twice", "POST", "/v1/chat/completions", (("Content-Encoding", "gzip, gzip"),),
+     gzip.compress(gzip.compress(_json(CHAT))), 400, None),
 ]
 
 
