@@ -187,6 +187,7 @@ async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     config = request.app[CONFIG]
     body = await json_object(request)
     exchange = _parse(config, body, timings)
+    request.app[PROVIDER].check_parts(exchange.model, exchange.messages)
     timings.lap("parse")
     noted = notes(request)  # the request's log line and metrics (`memproxy.observe`)
     noted.model, noted.stream, noted.timings = exchange.model.name, exchange.stream, timings

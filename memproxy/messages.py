@@ -34,6 +34,10 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 ROOT_HASH = ""
 
 
+# A media part of the Chat Completions API and the field that carries it.
+_MEDIA_FIELDS = {"image_url": "image_url", "input_audio": "input_audio", "file": "file"}
+
+
 def validate_messages(raw: Any) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
@@ -66,6 +70,11 @@ def validate_message(message: Any, where: str) -> None:
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise BadRequest(f"{where}.content[{j}].text must be a string",
                                  param=f"{where}.content[{j}].text")
+            field = _MEDIA_FIELDS.get(part["type"])
+            if field is not None and not isinstance(part.get(field), (dict, str)):
+                # Stored, it would fail every later turn that sends it (litellm: a KeyError, a 502).
+                raise BadRequest(f"{where}.content[{j}].{field} is required for a part of type '{part['type']}'",
+                                 param=f"{where}.content[{j}].{field}")
     elif not isinstance(content, str):
         raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):

@@ -48,7 +48,7 @@ import aiohttp
 from . import observability
 from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
-from .errors import ProxyError, UpstreamError
+from .errors import BadRequest, ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
 from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
                      encoding_name_for, hoisted_image_words)
@@ -254,6 +254,8 @@ class Provider:
         self._chat_parameters: dict[str, frozenset[str]] = {}  # `chat_parameters`
         # How each model's provider counts what memproxy counts (`memory.calibrate_tokens`).
         self.calibration = Calibration(config.memory.calibrate_tokens)
+        # The content part types litellm takes in a user message: its own list, which it checks.
+        self._user_parts = frozenset(importlib.import_module("litellm.types.llms.openai").ValidUserMessageContentTypes)
         for index, model in enumerate(config.models):
             self._windows[model.name] = resolve_window(self._litellm, index, model)
             self._counters[model.name] = counter = self._make_counter(model)
@@ -291,6 +293,23 @@ class Provider:
 
     def window(self, model: ModelConfig) -> int:
         return self._windows[model.name]
+
+    def check_parts(self, model: ModelConfig, messages: Sequence[Message]) -> None:
+        """A 400 for a user message's content part of a type litellm does not take, on a model
+        reached through it (which refuses it before any provider sees it, as a connection error: a
+        502 clients retry); memproxy's own client passes every part on, for the server to judge."""
+        if self._native[model.name]:
+            return
+        valid = self._user_parts
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if message.get("role") != "user" or not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                if part.get("type") not in valid:
+                    raise BadRequest(f"messages[{i}].content[{j}] has type {part.get('type')!r}, which a user "
+                                     f"message cannot hold; one of: {', '.join(sorted(valid))}",
+                                     param=f"messages[{i}].content[{j}].type")
 
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]

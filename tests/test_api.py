@@ -369,3 +369,28 @@ async def test_what_the_client_sent_is_stored_and_resent_as_sent_whatever_the_tr
     assert len(upstream.chat_requests()) == 2
     first_time, second_time = (request.messages[0] for request in upstream.chat_requests())
     assert first_time == second_time  # as the transport sends it, the same on both turns
+
+
+async def test_a_content_part_litellm_cannot_take_is_a_400_there_and_passed_on_by_the_own_client(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, transport: str
+) -> None:
+    """litellm refuses a user message's part of a type it does not know before any provider sees it,
+    as a connection error (a 502, which SDKs retry): through it, a 400 naming the part, nothing
+    stored. memproxy's own client passes the part on for the server to judge. A media part without
+    its field is refused on either: stored, it would fail every later turn that sends it."""
+    client = proxy.client(session="parts")
+    odd: Any = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "foo", "foo": 1}]}]
+    if transport == "litellm":
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="small", messages=odd)
+        assert refused.value.body["param"] == "messages[0].content[1].type"  # type: ignore[index]
+        assert upstream.received == []
+    else:
+        await client.chat.completions.create(model="small", messages=odd)
+        assert upstream.last().messages[-1] == odd[0]
+    before = len(upstream.received)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="small", messages=[{"role": "user", "content": [  # type: ignore[list-item]
+            {"type": "image_url"}]}])
+    assert refused.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
+    assert len(upstream.received) == before
