@@ -138,6 +138,18 @@ async def _session(args: argparse.Namespace, store: Store, session_id: str) -> S
     return session
 
 
+# What a terminal acts on rather than shows: C0 and C1 controls but the tab (escape sequences set
+# its title, clear the screen, move the cursor to overwrite a line, or write the clipboard) and the
+# bidirectional overrides (text shown in another order than it reads).
+_UNSHOWN = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _out(line: str) -> None:
+    """A line for a person at a terminal: what clients wrote (messages, titles, metadata keys) is in
+    it, so the characters a terminal would act on are shown escaped (`\\u001b`), never sent to it."""
+    print(_UNSHOWN.sub(lambda found: f"\\u{ord(found.group()):04x}", line))
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, ensure_ascii=False, indent=2))
 
@@ -149,7 +161,7 @@ def _when(timestamp: float) -> str:
 def _table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        _out("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 async def _list(args: argparse.Namespace, config: Config, store: Store) -> int:
@@ -162,7 +174,7 @@ async def _list(args: argparse.Namespace, config: Config, store: Store) -> int:
              (s["title"] or "")[:40]] for s in page["data"]],
            ["TENANT", "SESSION", "UPDATED (UTC)", "MESSAGES", "TOKENS", "SPENT", "SUMMARY", "TITLE"])
     if page["next"]:
-        print(f"more: --after {page['next']}")
+        _out(f"more: --after {page['next']}")
     return 0
 
 
@@ -171,21 +183,21 @@ async def _show(args: argparse.Namespace, config: Config, store: Store) -> int:
     if args.json:
         _print_json(detail)
         return 0
-    print(f"session {detail['id']} (tenant {detail['tenant']}): {detail['message_count']} messages, "
+    _out(f"session {detail['id']} (tenant {detail['tenant']}): {detail['message_count']} messages, "
           f"{detail['tokens_stored']} tokens, summary v{detail['summary_version']}")
     for message in detail["system"] or []:
-        print(f"  [system] {_text(message)}")
+        _out(f"  [system] {_text(message)}")
     if detail["summary"]:
-        print(f"  [summary v{detail['summary']['version']} of {detail['summary']['covers_messages']} "
+        _out(f"  [summary v{detail['summary']['version']} of {detail['summary']['covers_messages']} "
               f"messages] {detail['summary']['text']}")
     for item in detail["messages"]:
-        print(f"  {item['position']:>4} {item['message'].get('role'):<9} {_text(item['message'])}")
+        _out(f"  {item['position']:>4} {item['message'].get('role'):<9} {_text(item['message'])}")
     for branch in detail["superseded"]:
-        print(f"  superseded branch from position {branch['forked_at']}: {len(branch['messages'])} messages")
+        _out(f"  superseded branch from position {branch['forked_at']}: {len(branch['messages'])} messages")
     if detail["metadata"]:
-        print(f"  metadata keys: {', '.join(sorted(detail['metadata']))}")
+        _out(f"  metadata keys: {', '.join(sorted(detail['metadata']))}")
     for turn in detail["turns"]:
-        print(f"  turn {turn['turn']:>3} {turn['kind']:<10} {turn['model']}: {_sent_text(turn)}")
+        _out(f"  turn {turn['turn']:>3} {turn['kind']:<10} {turn['model']}: {_sent_text(turn)}")
     return 0
 
 
@@ -223,14 +235,14 @@ async def _context(args: argparse.Namespace, config: Config, store: Store) -> in
         _print_json(preview)
         return 0
     budget = preview["budget"]
-    print(f"model {preview['model']}: {preview['tokens']} of {budget['input_tokens']} input tokens "
+    _out(f"model {preview['model']}: {preview['tokens']} of {budget['input_tokens']} input tokens "
           f"(window {budget['window']} - output {budget['output_reserve']} - margin {budget['safety_margin']})")
     for part in preview["parts"]:
         details = ", ".join(f"{k}={v}" for k, v in part.items() if k not in ("part", "excerpts", "query"))
-        print(f"  {part['part']:<18} {details}")
+        _out(f"  {part['part']:<18} {details}")
         for excerpt in part.get("excerpts", []):  # recalled messages: where from, and why
             why = f"score {excerpt['score']}, matched {','.join(excerpt['matched'])}" if excerpt["hit"] else "context"
-            print(f"    {excerpt['session_id']} #{excerpt['position']} {excerpt['role']} ({why})")
+            _out(f"    {excerpt['session_id']} #{excerpt['position']} {excerpt['role']} ({why})")
     return 0
 
 
@@ -380,7 +392,7 @@ def _done(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
     if args.json:
         _print_json(result)
     else:
-        print(text)
+        _out(text)
 
 
 _VERBS: dict[str, Callable[[argparse.Namespace, Config, Store], Awaitable[int]]] = {

@@ -223,6 +223,23 @@ def test_show_as_a_table_and_as_json(cli: Setup, upstream: FakeUpstream) -> None
     assert "Oslo" not in "\n".join(text)
 
 
+def test_what_clients_wrote_reaches_the_terminal_escaped(cli: Setup, upstream: FakeUpstream) -> None:
+    """Messages, titles and metadata keys are the clients' text: escape sequences in them would set
+    the operator's terminal title, clear it, overwrite lines, or write the clipboard (OSC 52), and a
+    bidi override would show text in another order. Shown escaped in every table; JSON as it is."""
+    hostile = "pay \x1b]0;owned\x07now\x1b[2J \u202eevil\r\x9b31m"
+    cli.chat("terminal-1", [user(hostile)])
+    assert cli.http("PUT", "/sessions/terminal-1/metadata", json={"key\x1b[1A": 1}).status_code == 200
+    outputs = [cli.sessions("--tenant", "a", *args).stdout
+               for args in (["show", "terminal-1"], ["list"], ["search", "pay", "--session", "terminal-1"])]
+    for out in outputs:
+        assert not any(c in out for c in "\x1b\x07\r\x9b\u202e"), out
+    shown = outputs[0]
+    assert "pay \\u001b]0;owned\\u0007now\\u001b[2J \\u202eevil\\u000d\\u009b31m" in shown
+    assert "metadata keys: key\\u001b[1A" in shown
+    assert cli.json("show", "terminal-1")["messages"][0]["message"]["content"] == hostile
+
+
 def test_output_its_reader_stops_reading_ends_quietly(cli: Setup, upstream: FakeUpstream) -> None:
     """`memproxy sessions --json show big | head`: more than a pipe holds, and the reader goes."""
     cli.chat("piped", [user("x " * 40_000)], model="big")
