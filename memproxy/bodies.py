@@ -113,8 +113,9 @@ def requested_model(config: Config, name: Any) -> ModelConfig:
     return model
 
 
-# What aiohttp decodes (br and zstd it refuses itself, before any handler: `app._LOW_LEVEL`).
-_DECODED = frozenset({"", "identity", "gzip", "deflate"})
+# What aiohttp decodes: br and zstd where Brotli and backports.zstd are installed (where they are
+# not, it refuses them itself, before any handler: `app._LOW_LEVEL`).
+_DECODED = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 
 
 async def body_bytes(request: web.Request) -> bytes:
@@ -126,7 +127,7 @@ async def body_bytes(request: web.Request) -> bytes:
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
     if encoding not in _DECODED:
         raise BadRequest("The request body's Content-Encoding cannot be decoded here: send it as gzip, deflate "
-                         "or identity.", code="unsupported_content_encoding")
+                         "or identity, as one coding.", code="unsupported_content_encoding")
     try:
         raw = await request.read()
     except web.RequestPayloadError as exc:  # what the parser found wrong with the payload
