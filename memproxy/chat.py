@@ -186,8 +186,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     config = request.app[CONFIG]
     body = await json_object(request)
-    exchange = _parse(config, body, timings)
-    request.app[PROVIDER].check_parts(exchange.model, exchange.messages)
+    exchange = _parse(config, request.app[PROVIDER], body, timings)
     timings.lap("parse")
     noted = notes(request)  # the request's log line and metrics (`memproxy.observe`)
     noted.model, noted.stream, noted.timings = exchange.model.name, exchange.stream, timings
@@ -268,9 +267,9 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
     return True
 
 
-def _parse(config: Config, body: dict[str, Any], timings: Timings) -> Exchange:
+def _parse(config: Config, provider: Provider, body: dict[str, Any], timings: Timings) -> Exchange:
     model = requested_model(config, body.get("model"))
-    messages = validate_messages(body.get("messages"))
+    messages = validate_messages(body.get("messages"), provider.user_part_types(model))
     check_params(body)
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
     return Exchange(model=model, messages=messages, params=params, timings=timings)

@@ -38,16 +38,17 @@ ROOT_HASH = ""
 _MEDIA_FIELDS = {"image_url": "image_url", "input_audio": "input_audio", "file": "file"}
 
 
-def validate_messages(raw: Any) -> list[Message]:
+def validate_messages(raw: Any, user_parts: frozenset[str] | None = None) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
     for i, message in enumerate(raw):
-        validate_message(message, f"messages[{i}]")
+        validate_message(message, f"messages[{i}]", user_parts)
     return raw
 
 
-def validate_message(message: Any, where: str) -> None:
-    """One chat message as a client may send it; `where` names it in the error."""
+def validate_message(message: Any, where: str, user_parts: frozenset[str] | None = None) -> None:
+    """One chat message as a client may send it; `where` names it in the error, `user_parts` the
+    content part types a user message may hold (None: any)."""
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     role = message.get("role")
@@ -70,6 +71,9 @@ def validate_message(message: Any, where: str) -> None:
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise BadRequest(f"{where}.content[{j}].text must be a string",
                                  param=f"{where}.content[{j}].text")
+            if user_parts is not None and role == "user" and part["type"] not in user_parts:
+                raise BadRequest(f"{where}.content[{j}] has type {part['type']!r}, which a user message cannot hold"
+                                 f" here; one of: {', '.join(sorted(user_parts))}", param=f"{where}.content[{j}].type")
             field = _MEDIA_FIELDS.get(part["type"])
             if field is not None and not isinstance(part.get(field), (dict, str)):
                 # Stored, it would fail every later turn that sends it (litellm: a KeyError, a 502).

@@ -48,7 +48,7 @@ import aiohttp
 from . import observability
 from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
-from .errors import BadRequest, ProxyError, UpstreamError
+from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
 from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
                      encoding_name_for, hoisted_image_words)
@@ -294,22 +294,12 @@ class Provider:
     def window(self, model: ModelConfig) -> int:
         return self._windows[model.name]
 
-    def check_parts(self, model: ModelConfig, messages: Sequence[Message]) -> None:
-        """A 400 for a user message's content part of a type litellm does not take, on a model
-        reached through it (which refuses it before any provider sees it, as a connection error: a
-        502 clients retry); memproxy's own client passes every part on, for the server to judge."""
-        if self._native[model.name]:
-            return
-        valid = self._user_parts
-        for i, message in enumerate(messages):
-            content = message.get("content")
-            if message.get("role") != "user" or not isinstance(content, list):
-                continue
-            for j, part in enumerate(content):
-                if part.get("type") not in valid:
-                    raise BadRequest(f"messages[{i}].content[{j}] has type {part.get('type')!r}, which a user "
-                                     f"message cannot hold; one of: {', '.join(sorted(valid))}",
-                                     param=f"messages[{i}].content[{j}].type")
+    def user_part_types(self, model: ModelConfig) -> frozenset[str] | None:
+        """The content part types a user message may hold on `model`: on one reached through
+        litellm, those it takes (it refuses any other before a provider sees it, as a connection
+        error: a 502 clients retry); None (any) on memproxy's own client, which passes every part
+        on for the server to judge."""
+        return None if self._native[model.name] else self._user_parts
 
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]
