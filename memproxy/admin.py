@@ -308,7 +308,7 @@ async def context(
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
                               tenant, session.session_id, list(new), params, "new",
                               idle_ttl=config.retention.idle_ttl_seconds, preview=True, end_user=end_user,
-                              calibration=provider.calibration.factor(model.name))
+                              calibration=provider.calibration.factor(model.name, (tenant, session.session_id)))
     ctx, budget = turn.context, turn.budget
     schemas = prompt_schemas(params)
     sent = ctx.messages

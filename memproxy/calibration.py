@@ -22,8 +22,11 @@ window need it. Nor are requests holding media (`memproxy.tokens.holds_media`): 
 is counted by an estimate of its own (`memproxy.tokens.attachment_tokens`), which says nothing of how
 the model's tokenizer counts text, and one image-heavy request (gpt-4o-mini bills a low-detail
 image at some 2,800 tokens) would halve the history every other session of the model is planned
-with. The factors are per process and start at 1; each replica and worker learns its own
-from its first large requests (and its first refusal at most, per model).
+with. A refusal of a request holding media raises the factor of that session alone (`SESSIONS`
+of them kept per process, the oldest forgotten first), so its next turns are not refused again
+while one client's attachment never shrinks every other client's history. The factors are per
+process and start at 1; each replica and worker learns its own from its first large requests (and
+its first refusal at most, per model).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ RELAX = 0.1  # of the way from the factor to a lower ratio, per request that sho
 STEP = 1.15  # the factor's rise on a refusal whose message gives no count
 MAX_FACTOR = 2.0  # beyond this the model's counter is wrong, not merely approximate
 MIN_OBSERVED = 1024  # requests counted at fewer tokens are not compared
+SESSIONS = 10_000  # sessions whose own factor (a refusal with media) is kept
 _NUMBER = re.compile(r"\d[\d,]*")
 _IN_MESSAGES = re.compile(r"(\d[\d,]*) in the messages")  # OpenAI: "(8000 in the messages, 1100 in the completion)"
 _PLUS = re.compile(r"(\d[\d,]*)\s*\+\s*\d[\d,]*\s*>")  # Anthropic: "188240 + 21333 > 200000" (input + max_tokens)
@@ -46,9 +50,14 @@ class Calibration:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._factors: dict[str, float] = {}
+        self._sessions: dict[tuple[str, ...], float] = {}  # (model, tenant, session id): a refusal with media
 
-    def factor(self, model: str) -> float:
-        return self._factors.get(model, 1.0)
+    def factor(self, model: str, session: tuple[str, str] | None = None) -> float:
+        """The model's factor, or that of one session of it (tenant, session id) where higher."""
+        factor = self._factors.get(model, 1.0)
+        if session is not None and self._sessions:
+            return max(factor, self._sessions.get((model, *session), 1.0))
+        return factor
 
     def observe(self, model: str, counted: int, reported: object, window: int) -> float:
         """A request memproxy counted at `counted` tokens, which the provider reported as
@@ -62,21 +71,28 @@ class Calibration:
         self._factors[model] = factor
         return factor
 
-    def refused(self, model: str, counted: int, message: str, window: int, remember: bool = True) -> float:
+    def refused(self, model: str, counted: int, message: str, window: int,
+                session: tuple[str, str] | None = None) -> float:
         """The provider refused a request memproxy counted at `counted` tokens as too long, saying
-        `message`; the model's factor after it: at least `STEP` higher, or the ratio of the
-        prompt's count the message gives (`_reported`) to `counted`. `remember=False`: the factor
-        for planning that one request again, the model's left as it was (a request whose media
-        memproxy only estimates says nothing about how the model counts text, and one client's
-        crafted attachment must not shrink every other client's context)."""
-        factor = self.factor(model)
+        `message`; the factor after it: at least `STEP` higher, or the ratio of the prompt's count
+        the message gives (`_reported`) to `counted`. The model's, or, given a `session` (tenant,
+        session id: a request holding media, which memproxy only estimates), that session's
+        alone: it says nothing about how the model counts text, and one client's attachment must
+        not shrink every other client's context."""
+        factor = self.factor(model, session)
         if not self.enabled:
             return factor
         reported = _reported(message, window)
         ratio = reported / counted if reported is not None and counted > 0 else 0.0
         factor = min(max(factor * STEP, ratio * 1.01), MAX_FACTOR)
-        if remember:
+        if session is None:
             self._factors[model] = factor
+        else:
+            key = (model, *session)
+            self._sessions.pop(key, None)
+            if len(self._sessions) >= SESSIONS:
+                del self._sessions[next(iter(self._sessions))]  # the oldest
+            self._sessions[key] = factor
         return factor
 
 

@@ -166,7 +166,6 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     turn: PreparedTurn | None = None
     record: TurnRecord | None = None  # the turn, once it is recorded
-    calibration: float | None = None  # planned again after a refusal: this request's own (else the model's)
     wire: Wire = field(default_factory=ChatWire)
 
     @property
@@ -257,13 +256,14 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
     if not (context.included or context.summary is not None or context.recalled):
         return False  # the client's own messages alone: nothing of memory's to leave out
     model = exchange.model
-    before = provider.calibration.factor(model.name)
-    media = holds_media(context.messages)  # counted by estimate: the refusal is this request's own
-    after = exchange.calibration = provider.calibration.refused(
-        model.name, context.tokens, exc.message, provider.window(model), remember=not media)
+    media = holds_media(context.messages)  # counted by estimate: the refusal is this session's own
+    session = (turn.tenant, turn.session_id)
+    before = provider.calibration.factor(model.name, session)
+    after = provider.calibration.refused(model.name, context.tokens, exc.message, provider.window(model),
+                                         session if media else None)
     app[METRICS].refused_for_length(model.name)
     log.warning("the provider refused a planned request as too long: model=%s counted=%d calibration=%.3f->%.3f%s;"
-                " planned again", model.name, context.tokens, before, after, " (this request's, media)" if media else "")
+                " planned again", model.name, context.tokens, before, after, " (this session's: media)" if media else "")
     return True
 
 
@@ -304,7 +304,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
         end_user=end_user(request.headers, exchange.params),
-        calibration=exchange.calibration or provider.calibration.factor(exchange.model.name),
+        calibration=provider.calibration.factor(exchange.model.name, (tenant, session_id)),
     )
     exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]

@@ -144,10 +144,15 @@ async def _session(args: argparse.Namespace, store: Store, session_id: str) -> S
 _UNSHOWN = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
+def _shown(text: str) -> str:
+    """`text` with the characters a terminal would act on escaped (`\\u001b`)."""
+    return _UNSHOWN.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+
+
 def _out(line: str) -> None:
     """A line for a person at a terminal: what clients wrote (messages, titles, metadata keys) is in
-    it, so the characters a terminal would act on are shown escaped (`\\u001b`), never sent to it."""
-    print(_UNSHOWN.sub(lambda found: f"\\u{ord(found.group()):04x}", line))
+    it, so the characters a terminal would act on are shown escaped, never sent to it."""
+    print(_shown(line))
 
 
 def _print_json(value: Any) -> None:
@@ -159,6 +164,7 @@ def _when(timestamp: float) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
+    rows = [[_shown(str(cell)) for cell in row] for row in rows]  # escaped before the columns are measured
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         _out("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())

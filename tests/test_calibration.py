@@ -129,10 +129,12 @@ async def test_a_responses_turn_refused_for_length_is_planned_again(proxy: Proxy
     assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
 
 
-async def test_a_refusal_of_a_request_with_media_is_planned_again_alone(proxy: Proxy, provider: FakeUpstream) -> None:
+async def test_a_refusal_of_a_request_with_media_raises_that_sessions_factor_alone(
+        proxy: Proxy, provider: FakeUpstream) -> None:
     """memproxy only estimates what an image or a clip costs, and a client chooses what it sends: a
-    refusal of a request holding one plans that request again with the refusal's numbers, and
-    leaves the model's factor, which every other client's requests are planned with, as it was."""
+    refusal of a request holding one raises the factor its session is planned with, so its next
+    turns (the image still in their context) are not refused again, and leaves the model's, which
+    every other session is planned with, as it was."""
     client = await told(proxy, provider, "media", 30)
     before = len(provider.chat_requests())
     provider.enqueue(Reply(content="first"), Reply(content="answered"))
@@ -140,10 +142,21 @@ async def test_a_refusal_of_a_request_with_media_is_planned_again_alone(proxy: P
                     {"type": "image_url", "image_url": {"url": "https://example.com/tides.png"}}])
     completion, headers = await complete(client, [picture])
     assert completion.choices[0].message.content == "answered"
-    assert float(headers["X-Memproxy-Token-Calibration"]) > RATIO  # this request's own
+    assert float(headers["X-Memproxy-Token-Calibration"]) > RATIO  # the session's own
     refused, accepted = provider.chat_requests()[before:]
     assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
     assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
+    # The session's next turns, the image among what they send, are planned to fit at once.
+    for i in range(3):
+        provider.enqueue(Reply(content=sentence(200 + i)))
+        await complete(client, [user(sentence(300 + i))])
+    after = provider.chat_requests()[before + 2:]
+    assert len(after) == 3 and all(provider_tokens(r.body) + 256 <= WINDOW for r in after)
+    # Another session is planned with the model's factor.
+    other = await told(proxy, provider, "other", 1)
+    provider.enqueue(Reply(content="fine"))
+    _, headers = await complete(other, [user("and the weather?")])
+    assert float(headers["X-Memproxy-Token-Calibration"]) == 1.0
 
 
 async def test_with_calibration_off_the_providers_refusal_reaches_the_client(

@@ -573,6 +573,110 @@ async def test_a_client_that_drops_the_middle_of_its_history_forgets_nothing(
     assert [m for m in upstream.last().messages if m["role"] != "system"] == [*history, user("step 4")]
 
 
+async def told(client: Any, turns: int) -> list[Message]:
+    """A full-history client's conversation of `turns` exchanges ("step N", "reply N")."""
+    history: list[Message] = []
+    for turn in range(turns):
+        history.append(user(f"step {turn}"))
+        history.append(assistant((await chat(client, history))[0]))
+    return history
+
+
+CLINE_NOTICE = ("[NOTE] Some previous conversation history with the user has been removed to maintain optimal "
+                "context window length.")
+
+
+async def test_a_client_that_drops_the_middle_and_rewrites_the_first_answer_forgets_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Cline, truncating, also replaces the first answer's text with a notice that history was
+    removed: its version of a stored message, then the gap, then the stored tail. A window: the
+    stored forms stay (the real first answer, the middle), nothing is superseded."""
+    client = proxy.client()
+    history = await told(client, 5)
+    reply, headers = await chat(client, [history[0], assistant(CLINE_NOTICE), *history[-4:], user("step 5")])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert stored(config) == [*history, user("step 5"), assistant(reply)]
+    assert [m for m in upstream.last().messages if m["role"] != "system"] == [*history, user("step 5")]
+
+
+async def test_a_dropped_middle_before_tool_results_forgets_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The same dropped middle on a turn that brings tool results: the tail ends at the stored call
+    (the head), not at a user message."""
+    client = proxy.client()
+    history = await told(client, 4)
+    history.append(user("run it"))
+    upstream.enqueue(Reply(tool_calls=[call("c1", "Oslo")]))
+    await chat(client, history, tools=TOOLS)
+    history.append(calls_message(call("c1", "Oslo")))
+    reply, headers = await chat(client, [*history[:2], *history[-5:], result("c1", "ok")], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert stored(config) == [*history, result("c1", "ok"), assistant(reply)]
+
+
+async def test_an_answer_edited_with_everything_after_it_resent_is_an_edit(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The client's version of an earlier answer, then the rest of the stored history: no gap, so no
+    dropped middle; its version is an edit there, as for the first answer alone."""
+    client = proxy.client()
+    history = await told(client, 2)
+    edited = [history[0], assistant("my own version"), *history[2:], user("step 2")]
+    reply, headers = await chat(client, edited)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("edit", "3")
+    assert stored(config) == [*edited, assistant(reply)]
+
+
+async def test_a_regenerate_after_a_repeated_exchange_is_a_regenerate(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A history that stops before the last answer, whose last messages happen to equal the newest
+    stored ones (the same question asked twice, answered the same): a regenerate, not a dropped
+    middle (the tail must follow the matched prefix, after a gap)."""
+    client = proxy.client()
+    history: list[Message] = []
+    for question, answer in [("Start", "Ready."), ("Next", "OK."), ("Is it safe?", "Yes."), ("Next", "OK.")]:
+        upstream.enqueue(Reply(content=answer))
+        history.append(user(question))
+        await chat(client, history)
+        history.append(assistant(answer))
+    upstream.enqueue(Reply(content="Yes, it is."))
+    _, headers = await chat(client, history[:5])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("regenerate", "3")
+    assert [m for m in upstream.last().messages if m["role"] != "system"] == history[:5]
+
+
+async def test_a_client_of_new_messages_with_its_own_example_answer_supersedes_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client that sends only its new turn, behind its instructions and a few-shot example of its
+    own (an assistant message stored nowhere, picked per request): its answer proves no resent
+    history. Appended each time, nothing superseded."""
+    client = proxy.client()
+    instructions = user("Classify the sentiment of the text. Answer with one word.")
+    for i, (text, label) in enumerate([("I love it", "positive"), ("It broke", "negative"), ("Meh", "neutral")]):
+        _, headers = await chat(client, [instructions, user(f"Example: {text}"), assistant(label),
+                                         user(f"Text {i}: great day")])
+        assert headers["X-Memproxy-Superseded"] == "0"
+    assert stored(config, active=0) == []
+
+
+async def test_a_trimmed_history_with_a_note_where_the_middle_was_keeps_the_middle(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client that keeps its first message and the newest ones and marks the gap with a note of its
+    own: nothing proves an edit at the note (the stored answers after it are the tail, not what
+    follows the note in the store), so nothing is superseded."""
+    client = proxy.client()
+    history = await told(client, 5)
+    note = {"role": "system", "content": "[earlier messages omitted]"}
+    _, headers = await chat(client, [history[0], note, *history[-4:], user("step 5")])
+    assert headers["X-Memproxy-Superseded"] == "0"
+    assert all(m in stored(config) for m in history)
+
+
 async def test_a_note_put_into_the_history_is_sent_where_the_client_put_it_and_once(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

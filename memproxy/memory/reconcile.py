@@ -47,7 +47,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..messages import ROOT_HASH, Message, chain_hashes, history_end, loose_json, loosely_equal, said_within
+from ..messages import (ROOT_HASH, Message, chain_hash, chain_hashes, history_end, loose_json, loosely_equal,
+                        said_within)
 from ..store import ChatKind, SessionState, StoredMessage, TurnStore
 
 HistoryMode = Literal["auto", "full", "new"]
@@ -102,6 +103,8 @@ async def reconcile(
         resent = await _resent_among(store, session, conversation, held)
         if resent:
             return Reconciled("window", stored, head, conversation[resent:])
+        if not history_end(conversation):  # new messages of the client's own: nothing to match, nothing read
+            return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
     fork, fork_hash = await _loose_fork(store, session, conversation, matched,
@@ -113,11 +116,12 @@ async def reconcile(
             return Reconciled("window", stored, head, conversation[resent:])
         if fork == 0:
             return Reconciled("append", stored, head, conversation)
-    # An assistant message in the client's history proves it resent it: the client's own version
-    # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, and so is a
-    # history with a message put in it (a system note a few messages from the end), not new.
-    shows_history = requested == "full" or any(
-        m.get("role") == "assistant" for m in conversation[:max(fork + 1, history_end(conversation))])
+    # An assistant message up to and at the fork proves a resent history: the client's own version
+    # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, not new. So
+    # does a message put in at the fork before the stored rest with an answer in it (a system note
+    # a few messages from the end): an edit there, sent as the client wrote it.
+    shows_history = requested == "full" or any(m.get("role") == "assistant" for m in conversation[:fork + 1]) \
+        or await _inserted_at(store, session, conversation, fork, held)
     if not shows_history:
         # A client sending new messages only, whose message happens to equal the session's first
         # ("hi", "continue"): nothing proves it resent history, so nothing is superseded.
@@ -171,10 +175,12 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
                   if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
     if not candidates:
         return 0
-    tail = [loose_json(m.body) for m in
-            await _active_range(store, session, held, session.length - 1 - candidates[0], session.length)]
+    tail = await _active_range(store, session, held, session.length - 1 - candidates[0], session.length)
     for j in candidates:  # longest first; a capped session may hold fewer than were asked for
-        if j < len(tail) and tail[len(tail) - 1 - j:] == [loose_json(m) for m in conversation[: j + 1]]:
+        # Message by message, from the first: a history that differs there (a question the client
+        # resends without the context it was sent with) costs one comparison, not the history's.
+        if j < len(tail) and all(loose_json(m.body) == loose_json(c)
+                                 for m, c in zip(tail[len(tail) - 1 - j:], conversation[: j + 1])):
             return j + 1
     return 0
 
@@ -242,26 +248,53 @@ async def _resent_among(store: TurnStore, session: SessionState, conversation: S
 
 async def _resent_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message],
                        held: Sequence[StoredMessage], fork: int) -> int:
-    """Where the client's history (`history_end`) is the stored prefix it matched (`fork`, at least
-    one message) and then the session's newest stored messages, up to the head, an answer among
-    them: a client that keeps its first exchange and drops the middle of its history to fit its own
-    budget (Cline). The position after that tail (what follows is new), or 0. Read as an edit, the
-    middle would be superseded: forgotten. Nothing the client sent is left out: a message it put
-    between the two (a system note a few messages from the end) is its edit, sent as it is, and a
-    history that matched no stored prefix (its own summary in place of the older messages) is
-    appended whole. One read, as long as the client's history."""
-    end = history_end(conversation)
+    """Where the client's history is the stored prefix it matched (`fork`, at least one message),
+    then perhaps its own versions of the stored messages that follow it (each where the stored one
+    is, in its role), then a gap, then the session's newest stored messages up to the head, an
+    answer among them: a client that keeps its first exchange and drops the middle of its history
+    to fit its own budget (Cline, which also rewrites the first answer into a note that history was
+    removed). The position after that tail (what follows is new: a user message, or results of
+    the head's calls), or 0. Read as an edit, the middle would be superseded: forgotten; read so,
+    the stored forms stay. Nothing of the client's is left out but its versions of stored
+    messages: a message it put in (a system note) is its edit, and a history that matched no
+    stored prefix (its own summary in place of the older messages) is appended whole. One read of
+    the tail, as long as the client's messages, and one of its versions' stored counterparts."""
     head = session.head_message
-    if end < 3 or head is None or not loosely_equal(conversation[end - 1], head):
+    if not fork or head is None:
         return 0
-    tail = await _active_range(store, session, held, max(session.length - end + 1, 0), session.length)
-    n = 0
-    while n < len(tail) and loose_json(tail[-1 - n].body) == loose_json(conversation[end - 1 - n]):
-        n += 1
-    if n < 2 or not fork or end - n > fork \
-            or not any(m.get("role") == "assistant" for m in conversation[end - n:end]):
+    candidates = [j for j in range(len(conversation) - 1, fork, -1)
+                  if loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
+    if not candidates:
         return 0
-    return end
+    tail = await _active_range(store, session, held, max(session.length - candidates[0], 0), session.length)
+    for j in candidates:  # latest first
+        end = j + 1
+        n = 0
+        while n < min(len(tail), end - fork) and loose_json(tail[-1 - n].body) == loose_json(conversation[end - 1 - n]):
+            n += 1
+        start = end - n  # where the tail starts among the client's messages
+        if n < 2 or session.length <= end or not any(m.get("role") == "assistant" for m in conversation[start:end]):
+            continue  # no gap (`session.length - n > start` fails): not a dropped middle
+        if start > fork:  # the client's versions of the stored messages after its prefix
+            own = await _active_range(store, session, held, fork, start)
+            if len(own) != start - fork or any(m.body.get("role") != c.get("role")
+                                               for m, c in zip(own, conversation[fork:start])):
+                continue
+        return end
+    return 0
+
+
+async def _inserted_at(store: TurnStore, session: SessionState, conversation: Sequence[Message], fork: int,
+                       held: Sequence[StoredMessage]) -> bool:
+    """Whether the client put a message of its own in at `fork` (SillyTavern's author's note: a system
+    message a few messages from the end) and then resent the stored messages from there, an answer
+    among them. One read, as long as the rest of the client's messages."""
+    k = min(len(conversation) - fork - 1, session.length - fork)
+    if k < 1 or not any(m.get("role") == "assistant" for m in conversation[fork + 1:fork + 1 + k]):
+        return False
+    stored = await _active_range(store, session, held, fork, fork + k)
+    return len(stored) == k and all(loose_json(m.body) == loose_json(c)
+                                    for m, c in zip(stored, conversation[fork + 1:fork + 1 + k]))
 
 
 async def _loose_fork(
@@ -279,14 +312,18 @@ async def _loose_fork(
     if matched >= stop:
         return matched, matched_hash
     fork, fork_hash = matched, matched_hash
-    position = matched
+    position, parent = matched, matched_hash
     respelt = False  # a user message spelt differently, until an unchanged answer after it vouches for it
     for message in await _active_range(store, session, held, matched, stop):
         if message.seq != position:
             break
         sent = conversation[position]
         position += 1
-        if loose_json(message.body) == loose_json(sent):
+        # The same message makes the stored hash from the stored parent's (one side serialised);
+        # else it may still be the same, spelt differently.
+        same = chain_hash(parent, sent) == message.chain_hash or loose_json(message.body) == loose_json(sent)
+        parent = message.chain_hash
+        if same:
             if not respelt or message.body.get("role") == "assistant":
                 fork, fork_hash, respelt = position, message.chain_hash, False
         elif message.body.get("role") == "user" and said_within(sent, message.body):
