@@ -889,10 +889,10 @@ async def _chunks(
 ) -> AsyncGenerator[dict[str, Any], None]:
     if first is None or rest is None:
         return
-    yield _finished_by_provider(dump(first), rest)
+    yield _finished_by_provider(first, dump(first), rest)
     try:
         async for chunk in rest:
-            yield _finished_by_provider(dump(chunk), rest)
+            yield _finished_by_provider(chunk, dump(chunk), rest)
     except UpstreamError:
         raise
     except Exception as exc:
@@ -901,16 +901,24 @@ async def _chunks(
         raise provider.upstream_error(exc) from exc
 
 
-def _finished_by_provider(chunk: dict[str, Any], stream: Any) -> dict[str, Any]:
-    """`chunk`, unless it ends a stream its provider never ended. A provider's stream that stops
-    without a finish reason (the connection closed cleanly mid-answer) is ended by litellm's stream
-    wrapper with a finish reason of its own, which would pass a cut answer off as whole and store
-    it. The wrapper notes the finish reason the provider sent (`received_finish_reason`, None if it
-    sent none); a stream that is not litellm's chat stream has no such note and is taken as it comes."""
+def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any) -> dict[str, Any]:
+    """`chunk` (`raw` as dumped), unless it ends a stream its provider never ended. A provider's
+    stream that stops without a finish reason (the connection closed cleanly mid-answer) is ended
+    by litellm's stream wrapper with a finish reason of its own, which would pass a cut answer off
+    as whole and store it. The wrapper notes the finish reason the provider sent
+    (`received_finish_reason`, None if it sent none). Its own HTTP handler for OpenAI-compatible
+    providers (memproxy's default route to them, `load_litellm`) reads the closing `data: [DONE]`
+    as a finish, noted too; but a chunk the provider sent carries its id (`received_model_id`
+    among litellm's notes of the chunk), one litellm made of `[DONE]` none. A stream that is not
+    litellm's chat stream has no such notes and is taken as it comes."""
     choices = chunk.get("choices")
-    if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices) \
-            and getattr(stream, "received_finish_reason", "") is None:
-        raise UpstreamError("upstream stream ended before its answer did", code="upstream_incomplete")
+    if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+        noted = getattr(stream, "received_finish_reason", "")
+        hidden = getattr(raw, "_hidden_params", None)
+        made_of_done = isinstance(hidden, dict) and hidden.get("custom_llm_provider") in _OPENAI_LIKE \
+            and "received_model_id" not in hidden
+        if noted is None or (noted and made_of_done):
+            raise UpstreamError("upstream stream ended before its answer did", code="upstream_incomplete")
     return chunk
 
 

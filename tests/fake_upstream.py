@@ -35,6 +35,7 @@ class Reply:
     error_param: str | None = None  # the parameter the error names, as OpenAI's say which one
     cut_stream: bool = False  # close the connection after the first content chunk
     end_stream_early: bool = False  # end the stream cleanly after the first content chunk: no finish, no [DONE]
+    done_early: bool = False  # the same, but with the closing `data: [DONE]` (a gateway giving up)
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
@@ -243,7 +244,9 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return response
-            if reply.end_stream_early and i == 0:
+            if (reply.end_stream_early or reply.done_early) and i == 0:
+                if reply.done_early:
+                    await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
             if reply.gate_after_first_chunk is not None and i == 0:

@@ -422,13 +422,15 @@ async def test_upstream_stalled_mid_stream_past_the_timeout_stores_nothing(
     assert stored_rows(config) == {table: [] for table in TABLES}
 
 
+@pytest.mark.parametrize("done", [False, True])
 async def test_a_stream_the_upstream_ends_before_its_answer_is_not_passed_off_as_whole(
-    proxy: Proxy, upstream: FakeUpstream, config: Config
+    proxy: Proxy, upstream: FakeUpstream, config: Config, done: bool
 ) -> None:
-    """The upstream closes its stream cleanly mid-answer (no finish reason, no [DONE]): an error
-    event ends the client's stream and nothing is stored, on litellm's path too, whose stream
-    wrapper ends such a stream with a finish reason of its own."""
-    upstream.enqueue(Reply(content="The capital of France is Paris", end_stream_early=True))
+    """The upstream closes its stream cleanly mid-answer (no finish reason; with or without the
+    closing [DONE]): an error event ends the client's stream and nothing is stored, on litellm's
+    path too, whose stream wrapper ends such a stream with a finish reason of its own, and whose
+    HTTP handler reads [DONE] as one."""
+    upstream.enqueue(Reply(content="The capital of France is Paris", end_stream_early=not done, done_early=done))
     status, events = await read_sse(proxy, chat(stream=True))
     assert status == 200 and "[DONE]" not in events
     assert not any(c.get("finish_reason") for e in events[:-1] for c in json.loads(e)["choices"])
