@@ -270,7 +270,7 @@ class ResponsesWire:
             usage = completion.get("usage")
             body = response_object(self.id, self._request, self._model, output_items(reply, self._make_id),
                                    responses_usage(usage), status_of(choice.get("finish_reason")),
-                                   created_at=self._created_at)
+                                   created_at=self._created_at, finish_reason=choice.get("finish_reason"))
         self._final = body
         return Answer(reply, usage, body)
 
@@ -347,7 +347,8 @@ class ResponsesWire:
         self._closing = self._events.finish()
         self._final = response_object(self.id, self._request, self._model, self._events.items,
                                       responses_usage(self._assembler.usage),
-                                      status_of(self._assembler.finish_reason), created_at=self._created_at)
+                                      status_of(self._assembler.finish_reason), created_at=self._created_at,
+                                      finish_reason=self._assembler.finish_reason)
         return self._assembler.message(), self._assembler.usage
 
     def attach(self, record: TurnRecord) -> TurnRecord:
@@ -376,7 +377,8 @@ def _reply_from(provider: Provider, response: dict[str, Any]) -> Message:
     reply: Message = {"role": "assistant", "content": None}
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for message in provider.responses_messages(response.get("output") or [], None):
+    output = response.get("output") or []
+    for message in provider.responses_messages(output, None):
         if message.get("role") != "assistant":
             continue
         text = message.get("content")
@@ -389,6 +391,12 @@ def _reply_from(provider: Provider, response: dict[str, Any]) -> Message:
             if message.get(key) and key not in reply:
                 reply[key] = message[key]
     reply["content"] = "".join(texts) or None
+    # The model declined: its refusal parts, which the bridge drops, kept as a chat answer says it.
+    refusal = "".join(str(part.get("refusal") or "") for item in output if isinstance(item, dict)
+                      and item.get("type") == "message" for part in item.get("content") or []
+                      if isinstance(part, dict) and part.get("type") == "refusal")
+    if refusal:
+        reply["refusal"] = refusal
     if calls:
         reply["tool_calls"] = calls
     return reply

@@ -23,7 +23,6 @@ by its response's.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 import uuid
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import BadRequest
+from .jsonbytes import dumps
 from .messages import Message, SYSTEM_ROLES, audio_transcript
 
 Item = dict[str, Any]
@@ -226,8 +226,12 @@ def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> li
     if isinstance(reasoning, str) and reasoning:
         items.append(reasoning_item(make_id("rs"), reasoning))
     text = _text(message.get("content"))
-    if text:
-        items.append(message_item(make_id("msg"), text))
+    refusal = message.get("refusal")
+    if text or (isinstance(refusal, str) and refusal):
+        item = message_item(make_id("msg"), text)
+        if isinstance(refusal, str) and refusal:  # the model declined: a refusal part, as OpenAI's Responses say it
+            item["content"] = [*(item["content"] if text else []), {"type": "refusal", "refusal": refusal}]
+        items.append(item)
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         items.append(call_item(make_id("fc"), str(call.get("id") or make_id("call")), str(function.get("name") or ""),
@@ -266,14 +270,16 @@ def _text(content: Any) -> str:
 
 def response_object(response_id: str, request: ResponsesRequest, model: str, output: list[Item],
                     usage: dict[str, Any] | None, status: str = "completed",
-                    created_at: float | None = None) -> dict[str, Any]:
+                    created_at: float | None = None, finish_reason: Any = None) -> dict[str, Any]:
     """A Response object: what `POST /v1/responses` answers, `GET` returns and a stream completes with.
     `model` is the model the client named; the request's parameters are echoed as OpenAI does."""
     body = request.body
     echoed = {key: body[key] if body.get(key) is not None else _DEFAULTS.get(key) for key in _ECHOED}
     result: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
-        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": None,
+        "incomplete_details": {"reason": _INCOMPLETE.get(finish_reason, "max_output_tokens")}
+        if status == "incomplete" else None,
         "model": model, "output": output, **echoed, "store": request.store,
         "usage": usage,
     }
@@ -282,8 +288,12 @@ def response_object(response_id: str, request: ResponsesRequest, model: str, out
     return result
 
 
+# A chat answer's finish reasons that leave a Response incomplete, and the reason it gives.
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
 def status_of(finish_reason: Any) -> Status:
-    return "incomplete" if finish_reason == "length" else "completed"
+    return "incomplete" if finish_reason in _INCOMPLETE else "completed"
 
 
 def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -322,6 +332,7 @@ class ChatEvents:
         self.items: list[Item] = []  # every item opened, in output order, as it stands
         self._reasoning: int | None = None  # output index of the open reasoning item
         self._message: int | None = None
+        self._parts: dict[str, int] = {}  # the open message's content parts by type: output_text, refusal
         self._calls: dict[int, int] = {}  # the chat tool call's index -> its output index
         self.finish_reason: str | None = None
 
@@ -343,7 +354,9 @@ class ChatEvents:
             if delta.get("reasoning_content"):
                 events += self._reasoning_delta(str(delta["reasoning_content"]))
             if delta.get("content"):
-                events += self._text_delta(str(delta["content"]))
+                events += self._part_delta("output_text", str(delta["content"]))
+            if delta.get("refusal"):
+                events += self._part_delta("refusal", str(delta["refusal"]))
             for call in delta.get("tool_calls") or []:
                 events += self._call_delta(call)
             if choice.get("finish_reason"):
@@ -370,20 +383,29 @@ class ChatEvents:
         return [*events, self._event("response.reasoning_summary_text.delta", item_id=item["id"],
                                      output_index=self._reasoning, summary_index=0, delta=text)]
 
-    def _text_delta(self, text: str) -> list[Event]:
+    def _part_delta(self, kind: str, text: str) -> list[Event]:
+        """Text of the message's answer (`output_text`) or of its refusal (`refusal`)."""
         events = []
         if self._message is None:
             index, added = self._open(message_item(self._make_id("msg"), "", status="in_progress"))
             self._message = index
-            item = self.items[index]
-            part = {"type": "output_text", "text": "", "annotations": []}
-            item["content"] = [part]
-            events += [added, self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                          content_index=0, part=dict(part))]
+            events.append(added)
         item = self.items[self._message]
-        item["content"][0]["text"] += text
-        return [*events, self._event("response.output_text.delta", item_id=item["id"], output_index=self._message,
-                                     content_index=0, delta=text, logprobs=[])]
+        if kind not in self._parts:
+            part = {"type": "output_text", "text": "", "annotations": []} if kind == "output_text" \
+                else {"type": "refusal", "refusal": ""}
+            self._parts[kind] = len(item["content"])
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._message,
+                                      content_index=self._parts[kind], part=dict(part)))
+        at = self._parts[kind]
+        if kind == "output_text":
+            item["content"][at]["text"] += text
+            return [*events, self._event("response.output_text.delta", item_id=item["id"], output_index=self._message,
+                                         content_index=at, delta=text, logprobs=[])]
+        item["content"][at]["refusal"] += text
+        return [*events, self._event("response.refusal.delta", item_id=item["id"], output_index=self._message,
+                                     content_index=at, delta=text)]
 
     def _call_delta(self, delta: dict[str, Any]) -> list[Event]:
         events = []
@@ -415,11 +437,16 @@ class ChatEvents:
                                        output_index=index, summary_index=0, part=dict(part))]
             elif item["type"] == "message":
                 item["status"] = "completed"
-                part = item["content"][0]
-                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"], logprobs=[]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=dict(part))]
+                for at, part in enumerate(item["content"]):
+                    if part["type"] == "refusal":
+                        events.append(self._event("response.refusal.done", item_id=item["id"], output_index=index,
+                                                  content_index=at, refusal=part["refusal"]))
+                    else:
+                        events.append(self._event("response.output_text.done", item_id=item["id"],
+                                                  output_index=index, content_index=at, text=part["text"],
+                                                  logprobs=[]))
+                    events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                              content_index=at, part=dict(part)))
             else:
                 item["status"] = "completed"
                 item["arguments"] = item["arguments"] or "{}"  # a call without parameters: see `_arguments`
@@ -438,8 +465,9 @@ class ChatEvents:
 
 
 def sse(event: Event) -> bytes:
-    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode(
-        "utf-8", "surrogatepass") + b"\n\n"
+    """An event on the wire; a lone surrogate in an answer as its JSON escape (`jsonbytes.dumps`), never
+    as bytes that are not UTF-8, which an SDK's decoder refuses mid-stream."""
+    return f"event: {event['type']}\ndata: ".encode() + dumps(event) + b"\n\n"
 
 
 # --- chat messages as Responses input, for a provider that speaks the Responses API -----------------

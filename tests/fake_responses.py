@@ -70,7 +70,7 @@ class FakeResponsesUpstream(FakeUpstream):
         await send("response.created", response=started)
         await send("response.in_progress", response=started)
         for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
+            if item["type"] == "message" and item["content"][0]["type"] == "output_text":
                 text = item["content"][0]["text"]
                 await send("response.output_item.added", output_index=index,
                            item={**item, "status": "in_progress", "content": []})
@@ -111,6 +111,9 @@ def _output(reply: Reply, number: int) -> list[dict[str, Any]]:
     if reply.content:
         output.append({"type": "message", "id": f"msg_{number}", "role": "assistant", "status": "completed",
                        "content": [{"type": "output_text", "text": reply.content, "annotations": []}]})
+    elif reply.refusal:
+        output.append({"type": "message", "id": f"msg_{number}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "refusal", "refusal": reply.refusal}]})
     for i, call in enumerate(reply.tool_calls or []):
         output.append({"type": "function_call", "id": f"fc_{number}_{i}", "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"].get("arguments", ""),

@@ -36,6 +36,7 @@ class Reply:
     cut_stream: bool = False  # close the connection after the first content chunk
     end_stream_early: bool = False  # end the stream cleanly after the first content chunk: no finish, no [DONE]
     done_early: bool = False  # the same, but with the closing `data: [DONE]` (a gateway giving up)
+    finish_reason: str | None = None  # the answer's, if not "stop" (or "tool_calls" for calls)
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
@@ -45,7 +46,7 @@ class Reply:
     # `content`. A stream sends it whole, in one chunk.
     raw_content: str | None = None
     reasoning_content: str | None = None  # what the model thought first, as DeepSeek and litellm send it
-    refusal: str | None = None  # not streamed: the message's `refusal` (OpenAI's structured outputs)
+    refusal: str | None = None  # the message's `refusal` (OpenAI's structured outputs); streamed in one delta
     headers: dict[str, str] | None = None  # an error response's headers (`retry-after`...)
     refusal_null: bool = False  # the message says `refusal: null`, as OpenAI's answers do
     # The Responses fake's: output items sent before the others (a built-in tool's call, as is).
@@ -208,7 +209,7 @@ class FakeUpstream:
         extra = reply.choices or []
         choices = [
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
-             "finish_reason": "tool_calls" if reply.tool_calls else "stop", "logprobs": None}
+             "finish_reason": reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"), "logprobs": None}
             for i in range(int(body.get("n") or 1))
         ]
         return web.Response(text=_raw(json.dumps({
@@ -252,13 +253,15 @@ class FakeUpstream:
             if reply.gate_after_first_chunk is not None and i == 0:
                 gate = reply.gate_after_first_chunk
                 await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
+        if reply.refusal:
+            await send({"refusal": reply.refusal})
         for index, call in enumerate(reply.tool_calls or []):
             args = call["function"].get("arguments", "")
             half = len(args) // 2
             await send({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                         "function": {"name": call["function"]["name"], "arguments": args[:half]}}]})
             await send({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
-        await send({}, "tool_calls" if reply.tool_calls else "stop")
+        await send({}, reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

@@ -631,6 +631,68 @@ async def test_a_spoken_or_refused_answer_goes_to_a_responses_provider_as_what_i
     assert pairs == [("user", "Pick a lock?"), ("assistant", "I cannot help with locks."), ("user", "Then a joke.")]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_is_a_refusal_part_and_is_remembered(
+        start_proxy: Any, config: Config, wire: Upstream, stream: bool) -> None:
+    """A model that declines answers with a refusal part (OpenAI's `ResponseOutputRefusal`; streamed,
+    `response.refusal.delta` and `.done`), and the turn keeps it: before, the bridge answered an
+    empty output and a native answer was stored empty, so the next turn held two questions in a row.
+    A bridged stream goes through memproxy's own client: litellm's stream chunks carry no refusal
+    (README, Providers)."""
+    own = ModelConfig(name="own", model="openai/small", api_base=wire.chat.url, api_key="upstream-secret",
+                      context_window=2000, max_output_tokens=256, transport="openai")
+    proxy: Proxy = await start_proxy(replace(config, models=(*config.models, own)))
+    model = "own" if wire.wire == "bridge" and stream else wire.model
+    no = "I can't help with that."
+    wire.enqueue(Reply(content=None, refusal=no), Reply(content="Because it is unsafe."))
+    client = proxy.client("resp-refusal")
+    if stream:
+        async with client.responses.stream(model=model, input="Do the bad thing.") as events:
+            kinds = [event.type async for event in events]
+            response = await events.get_final_response()
+        if wire.wire == "bridge":
+            assert kinds.count("response.refusal.delta") == 1 and "response.refusal.done" in kinds
+    else:
+        response = await client.responses.create(model=model, input="Do the bad thing.")
+    [item] = response.output
+    assert item.type == "message" and [part.model_dump() for part in item.content] == [
+        {"type": "refusal", "refusal": no}]
+    assert (await session_messages(proxy, "resp-refusal"))["messages"][1]["message"]["refusal"] == no
+    await client.responses.create(model=model, input="Why not?")
+    if wire.wire == "bridge":
+        sent = wire.requests()[-1]["messages"]
+        assert [(m["role"], m.get("refusal")) for m in sent] == [("user", None), ("assistant", no), ("user", None)]
+    else:
+        assert wire.conversation() == [("user", "Do the bad thing."), ("assistant", no), ("user", "Why not?")]
+
+
+async def test_a_lone_surrogate_in_a_streamed_answer_is_sent_as_its_escape(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A provider's answer may hold a lone surrogate (as a JSON escape). A Responses stream sends it
+    as that escape, as the chat stream does: written as bytes that are not UTF-8, the SDK's decoder
+    failed mid-stream."""
+    upstream.enqueue(Reply(raw_content='"smile \\ud83d"'))
+    async with proxy.client("surrogate").responses.stream(model="small", input="Smile?") as events:
+        response = await events.get_final_response()
+    assert response.output_text == "smile \ud83d"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_cut_short_says_why(proxy: Proxy, upstream: FakeUpstream, stream: bool) -> None:
+    """A chat answer that ended at its length or at the provider's content filter is an incomplete
+    Response, with OpenAI's reason for each (before, a filtered answer read as completed)."""
+    for finish, reason in (("length", "max_output_tokens"), ("content_filter", "content_filter")):
+        upstream.enqueue(Reply(content="It was a dark", finish_reason=finish))
+        client = proxy.client(f"cut-{finish}")
+        if stream:
+            events = [event async for event in await client.responses.create(model="small", input="A story?",
+                                                                              stream=True)]
+            assert events[-1].type == "response.incomplete"
+            response = events[-1].response  # type: ignore[union-attr]
+        else:
+            response = await client.responses.create(model="small", input="A story?")
+        assert (response.status, response.incomplete_details.reason) == ("incomplete", reason)  # type: ignore[union-attr]
+
+
 # --- the OpenAI Agents SDK on its default Responses model -------------------------------------------
 
 
