@@ -390,11 +390,14 @@ class Provider:
             response = await call
             iterator = response.__aiter__()
             first = await iterator.__anext__()
-        except StopAsyncIteration:
-            return _chunks(None, None, self, dump)
+        except StopAsyncIteration:  # nothing came: a 502 before anything is sent, not an empty answer
+            raise UpstreamError("upstream stream ended before its first event", code="upstream_incomplete") from None
         except Exception as exc:
+            if _caused_by(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):  # litellm: a 500
+                raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc
             raise self.upstream_error(exc) from exc
-        return _chunks(first, iterator, self, dump)
+        # A first chunk that ends a stream its provider never began ([DONE] alone) raises here too.
+        return _chunks(_finished_by_provider(first, dump(first), iterator), iterator, self, dump)
 
     # --- the other OpenAI endpoints, passed through: `params` is the client's body, whose `model`
     # the model's provider name replaces. memproxy's own client relays them to an OpenAI-compatible
@@ -885,11 +888,9 @@ def _dumped_chunk(chunk: Any) -> dict[str, Any]:
 
 
 async def _chunks(
-    first: Any, rest: AsyncIterator[Any] | None, provider: Provider, dump: Callable[[Any], dict[str, Any]]
+    first: dict[str, Any], rest: AsyncIterator[Any], provider: Provider, dump: Callable[[Any], dict[str, Any]]
 ) -> AsyncGenerator[dict[str, Any], None]:
-    if first is None or rest is None:
-        return
-    yield _finished_by_provider(first, dump(first), rest)
+    yield first
     try:
         async for chunk in rest:
             yield _finished_by_provider(chunk, dump(chunk), rest)

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
 from . import __version__
 from .config import ModelConfig
@@ -128,9 +129,9 @@ class OpenAIUpstream:
         chunks = _chunks(response, model.timeout_seconds)
         try:
             first = await chunks.__anext__()
-        except StopAsyncIteration:
+        except StopAsyncIteration:  # nothing came: a 502 before anything is sent, not an empty answer
             response.release()
-            return _empty()
+            raise UpstreamError("upstream stream ended before its first event", code="upstream_incomplete") from None
         except BaseException:
             response.release()
             raise
@@ -208,11 +209,16 @@ def model_id(model: ModelConfig) -> str:
     return model.model[len(PREFIX):] if model.model.startswith(PREFIX) else model.model
 
 
+# The longest line of a stream memproxy reads: an event is one line, and a chunk may carry a whole
+# answer, an image or a clip of audio (aiohttp's own limit, twice its buffer, is 128 KiB).
+LONGEST_EVENT = 64 << 20
+
+
 async def _chunks(response: aiohttp.ClientResponse, timeout: float) -> AsyncGenerator[dict[str, Any], None]:
     """The `data:` events of an SSE body, decoded, up to `[DONE]` or the end of the body."""
     data: list[str] = []
     try:
-        async for raw in response.content:
+        while raw := await response.content.readline(max_line_length=LONGEST_EVENT):
             line = raw.decode("utf-8").rstrip("\r\n")
             if line.startswith("data:"):
                 data.append(line[5:].removeprefix(" "))
@@ -232,6 +238,8 @@ async def _chunks(response: aiohttp.ClientResponse, timeout: float) -> AsyncGene
         raise timed_out(timeout) from None
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
+    except LineTooLong as exc:
+        raise UpstreamError(f"upstream sent a stream event longer than {LONGEST_EVENT >> 20} MiB") from exc
 
 
 async def _rest(first: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None],
@@ -242,11 +250,6 @@ async def _rest(first: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], No
             yield chunk
     finally:
         response.release()
-
-
-async def _empty() -> AsyncGenerator[dict[str, Any], None]:
-    return
-    yield  # an async generator that yields nothing
 
 
 async def _http_error(response: aiohttp.ClientResponse) -> UpstreamError:

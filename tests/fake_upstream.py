@@ -37,6 +37,7 @@ class Reply:
     end_stream_early: bool = False  # end the stream cleanly after the first content chunk: no finish, no [DONE]
     done_early: bool = False  # the same, but with the closing `data: [DONE]` (a gateway giving up)
     finish_reason: str | None = None  # the answer's, if not "stop" (or "tool_calls" for calls)
+    no_chunks: str | None = None  # a stream without one chunk: "done" ([DONE] alone) or "cut" (the connection closed)
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
@@ -232,6 +233,14 @@ class FakeUpstream:
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **usage_field}
             await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 
+        if reply.no_chunks is not None:
+            if reply.no_chunks == "done":
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+            else:
+                assert request.transport is not None
+                request.transport.close()
+            return response
         await send({"role": "assistant", "content": ""})
         if reply.reasoning_content is not None:
             await send({"reasoning_content": reply.reasoning_content})

@@ -422,6 +422,23 @@ async def test_upstream_stalled_mid_stream_past_the_timeout_stores_nothing(
     assert stored_rows(config) == {table: [] for table in TABLES}
 
 
+@pytest.mark.parametrize("how", ["done", "cut"])
+async def test_a_stream_that_brings_no_chunk_is_a_502_before_anything_is_sent(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, how: str
+) -> None:
+    """A stream that ends (with [DONE] alone, or a closed connection) before its first chunk is the
+    README's 502 on either transport, before any byte of a 200: before, memproxy's own client sent a
+    200 and then an error event, and litellm's path a 500."""
+    upstream.enqueue(Reply(content="never sent", no_chunks=how))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.server.make_url("/v1/chat/completions"), json=chat(stream=True),
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+            status, body = response.status, await response.json()
+    assert status == 502, body
+    assert_shape(body, type="upstream_error", code="upstream_incomplete", param=None)
+    assert stored_rows(config) == {table: [] for table in TABLES}
+
+
 @pytest.mark.parametrize("done", [False, True])
 async def test_a_stream_the_upstream_ends_before_its_answer_is_not_passed_off_as_whole(
     proxy: Proxy, upstream: FakeUpstream, config: Config, done: bool

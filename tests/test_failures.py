@@ -267,6 +267,24 @@ async def test_summary_and_title_texts_with_nul_and_surrogates_round_trip(
         await store.close()
 
 
+async def test_a_streamed_chunk_of_a_megabyte_is_relayed_and_stored(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, transport: str,
+) -> None:
+    """A provider may send a whole answer, an image or a clip of audio as one event: a line of SSE far
+    over aiohttp's 128 KiB line limit, which memproxy's own client read as a 500 (or an error event
+    later in a stream)."""
+    answer = "long answer " * 100_000  # 1.2 MB in one chunk
+    upstream.enqueue(Reply(raw_content=json.dumps(answer)))
+    body = {"model": "small", "stream": True, "messages": [{"role": "user", "content": "all at once"}]}
+    status, _, raw = await post_chat(proxy, body)
+    assert status == 200
+    events = events_of(raw)
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if json.loads(e).get("choices")) == answer
+    assert stored_bodies(config)[-1] == {"role": "assistant", "content": answer}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
     proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool, transport: str,
