@@ -228,16 +228,20 @@ def loosely_equal(a: Message, b: Message) -> bool:
 
 
 def said_within(inner: Message, outer: Message) -> bool:
-    """Whether `inner` says nothing that `outer` does not: the same fields but its content, each of
-    its text parts within `outer`'s text, each other part one of `outer`'s (loosely, as
-    `loosely_equal` compares them). A chat UI's own record of a question it sent with retrieved
-    context or a file's text added (Open WebUI adds them to the newest user message alone)."""
+    """Whether `inner` is `outer` less lines added before or after it: the same fields but its
+    content, each of its text parts the whole of `outer`'s text or its first or last lines, each
+    other part one of `outer`'s (loosely, as `loosely_equal` compares them). A chat UI's own record
+    of a question it sent with retrieved context or a file's text added on lines of their own (Open
+    WebUI adds them to the newest user message alone, after a newline). A question shortened within
+    its lines (a secret cut out of it) is not the stored one: the client edited it."""
     if {k: v for k, v in inner.items() if k != "content"} != {k: v for k, v in outer.items() if k != "content"}:
         return False
     texts, parts = _said(inner.get("content"))
     outer_texts, outer_parts = _said(outer.get("content"))
-    whole = "\n".join(outer_texts)
-    return all(text.strip() in whole for text in texts) and all(part in outer_parts for part in parts)
+    whole = "\n".join(outer_texts).strip()
+    return all((said := text.strip()) and (said == whole or whole.startswith(said + "\n")
+                                           or whole.endswith("\n" + said)) for text in texts) \
+        and all(part in outer_parts for part in parts)
 
 
 def _said(content: Any) -> tuple[list[str], list[str]]:

@@ -721,3 +721,74 @@ def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> Non
                          {"role": "assistant", "content": None})
     assert not loosely_equal(user("hi"), assistant("hi"))
 
+
+# --- what a resent history may and may not be read as ------------------------------------------
+
+
+async def say(client: Any, upstream: FakeUpstream, history: list[Message], question: str, answer: str) -> None:
+    upstream.enqueue(Reply(content=answer))
+    history.append(user(question))
+    await chat(client, history)
+    history.append(assistant(answer))
+
+
+async def test_an_edit_behind_a_repeated_exchange_is_not_a_dropped_middle(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """An answer edited in place (SillyTavern, LibreChat), the rest resent, where the newest exchange
+    also happened earlier ("thanks" / "You're welcome!"): the earlier copy is no stored tail after a
+    dropped middle (what follows it holds an answer), so the edit is sent, nothing stored twice."""
+    client = proxy.client()
+    history: list[Message] = []
+    for q, a in [("q0", "a0"), ("thanks", "You're welcome!"), ("q2", "a2"), ("thanks", "You're welcome!")]:
+        await say(client, upstream, history, q, a)
+    edited = [history[0], assistant("a0, edited"), *history[2:], user("q3")]
+    _, headers = await chat(client, edited)
+    sent = [m for m in upstream.last().messages if m["role"] != "system"]
+    assert headers["X-Memproxy-Reconcile"] == "edit", headers["X-Memproxy-Reconcile"]
+    assert sent == edited, sent
+    assert_no_duplicates(stored(config)[4:])
+
+
+async def test_a_context_pair_moved_after_the_history_is_not_a_dropped_middle(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Aider's layout without a trailing reminder: a fixed opening exchange (repo map), the done
+    messages, then the chat files (a user/assistant pair, the file's current text) moved after them,
+    then the new message. The previous request's files pair is no dropped middle (an answer follows
+    it in the client's messages): no stale copy of the file is kept, turn after turn."""
+    client = proxy.client()
+    repo = [user("Here are summaries of some files present in my git repository."),
+            assistant("Ok, I won't try and edit those files without asking first.")]
+    def files(v: int) -> list[Message]:
+        return [user(f"I have *added these files to the chat*\nfoo.py\n```\nreturn {v}\n```"),
+                assistant("Ok, any changes I propose will be to those files.")]
+    done: list[Message] = []
+    kinds = []
+    for turn in range(3):
+        q = user(f"make it return {turn + 1}")
+        messages = [*repo, *done, *files(turn), q]
+        upstream.enqueue(Reply(content=f"edit {turn}"))
+        _, headers = await chat(client, messages)
+        kinds.append(headers["X-Memproxy-Reconcile"])
+        sent = [m for m in upstream.last().messages if m["role"] != "system"]
+        stale = [m for m in sent if "```" in (m.get("content") or "")]
+        assert len(stale) == 1, (kinds, [m["content"][-14:] for m in stale])
+        done += [q, assistant(f"edit {turn}")]
+
+
+async def test_a_question_shortened_in_place_is_sent_as_shortened(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Open WebUI's "Save" (not "Send") on an edited question keeps the answer after it: a user who
+    removes a secret pasted by mistake. A question shortened within its lines is no question resent
+    without its context: an edit, so the secret never goes upstream again."""
+    client = proxy.client()
+    history: list[Message] = []
+    await say(client, upstream, history, "hi", "Hello!")
+    await say(client, upstream, history, "Why does this fail? key=sk-SECRET123", "Because ...")
+    await say(client, upstream, history, "thanks", "Welcome.")
+    edited = [*history[:2], user("Why does this fail?"), *history[3:], user("more")]
+    _, headers = await chat(client, edited)
+    sent = [m for m in upstream.last().messages if m["role"] != "system"]
+    assert not any("sk-SECRET" in (m.get("content") or "") for m in sent), (headers["X-Memproxy-Reconcile"], sent)

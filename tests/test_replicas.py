@@ -249,9 +249,11 @@ async def test_concurrent_full_history_turns_are_both_kept_and_the_next_one_rewr
     cluster: Cluster, upstream: FakeUpstream
 ) -> None:
     """Two full-history clients continue one conversation at once: both turns are stored (the one
-    recorded second is appended after the first). Each client then resends only its own view, which
-    no longer matches the store: the next turn is read as an edit and supersedes the other client's
-    turn, which stays stored as a superseded branch, never lost and never sent again."""
+    recorded second is appended after the first). Each client then resends only its own view. Where
+    its turn was recorded first, that view stops before the other's: an edit, which supersedes the
+    other client's turn (kept as a superseded branch, never sent again). Where it was recorded
+    second, the view is the stored start and then the stored tail, the other's turn between them:
+    a window, nothing superseded."""
     session = session_id("concurrent-full")
     history = await first_turn(cluster, upstream, session)
     x, y = user("x via A"), user("y via B")
@@ -270,16 +272,18 @@ async def test_concurrent_full_history_turns_are_both_kept_and_the_next_one_rewr
         reply = raw.parse().choices[0].message.content or ""
     finally:
         await client.close()
-    assert raw.headers["X-Memproxy-Reconcile"] == "edit"
-    assert upstream.last().messages == view_a  # exactly the client's view, B's turn not in it
-    assert chain(cluster.storage, session) == [*view_a, assistant(reply)]
     written = [user("next via A"), assistant(reply)]
-    if kept[2] == x:  # A's turn was recorded first: only B's turn leaves the chain
+    if kept[len(history)] == x:  # A's turn was recorded first: its view stops there, an edit of what follows
+        assert raw.headers["X-Memproxy-Reconcile"] == "edit"
+        assert upstream.last().messages == view_a  # exactly the client's view, B's turn not in it
+        assert chain(cluster.storage, session) == [*view_a, assistant(reply)]
         assert stored(cluster.storage, session, active=0) == turn_b
-        assert stored(cluster.storage, session) == [*kept, *written]
-    else:  # B's first: the history forks after q1, A's turn is written again on the new branch
-        assert stored(cluster.storage, session, active=0) == [*turn_b, *turn_a]
-        assert stored(cluster.storage, session) == [*kept, *turn_a, *written]
+    else:  # B's first: A's view is the stored start and then the stored tail, B's turn between (kept)
+        assert raw.headers["X-Memproxy-Reconcile"] == "window"
+        assert upstream.last().messages == [*kept, user("next via A")]
+        assert chain(cluster.storage, session) == [*kept, *written]
+        assert stored(cluster.storage, session, active=0) == []
+    assert stored(cluster.storage, session) == [*kept, *written]
 
 
 # --- one summariser per session across replicas ------------------------------------------------

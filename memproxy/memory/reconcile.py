@@ -275,6 +275,8 @@ async def _resent_tail(store: TurnStore, session: SessionState, conversation: Se
         start = end - n  # where the tail starts among the client's messages
         if n < 2 or session.length <= end or not any(m.get("role") == "assistant" for m in conversation[start:end]):
             continue  # no gap (`session.length - n > start` fails): not a dropped middle
+        if any(m.get("role") == "assistant" for m in conversation[end:]):
+            continue  # what follows a resent tail is new (a question, results), never an answer: an earlier copy
         if start > fork:  # the client's versions of the stored messages after its prefix
             own = await _active_range(store, session, held, fork, start)
             if len(own) != start - fork or any(m.body.get("role") != c.get("role")
