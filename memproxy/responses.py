@@ -268,7 +268,8 @@ class ResponsesWire:
             choice = (completion.get("choices") or [{}])[0]
             reply = choice.get("message") or {}
             usage = completion.get("usage")
-            body = response_object(self.id, self._request, self._model, output_items(reply, self._make_id),
+            body = response_object(self.id, self._request, self._model,
+                                   output_items(reply, self._make_id, choice.get("logprobs")),
                                    responses_usage(usage), status_of(choice.get("finish_reason")),
                                    created_at=self._created_at, finish_reason=choice.get("finish_reason"))
         self._final = body

@@ -219,8 +219,9 @@ def check_item(item: Any, where: str) -> None:
 # --- an assistant chat message as Response output ---------------------------------------------------
 
 
-def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> list[Item]:
-    """The output items of an assistant chat message: its reasoning, its text, its tool calls."""
+def output_items(message: Message, make_id: Callable[[str], str] = new_id, logprobs: Any = None) -> list[Item]:
+    """The output items of an assistant chat message: its reasoning, its text (with its choice's
+    `logprobs` where the provider gave them), its tool calls."""
     items: list[Item] = []
     reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str) and reasoning:
@@ -229,6 +230,8 @@ def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> li
     refusal = message.get("refusal")
     if text or (isinstance(refusal, str) and refusal):
         item = message_item(make_id("msg"), text)
+        if text and (tokens := text_logprobs(logprobs)):
+            item["content"][0]["logprobs"] = tokens
         if isinstance(refusal, str) and refusal:  # the model declined: a refusal part, as OpenAI's Responses say it
             item["content"] = [*(item["content"] if text else []), {"type": "refusal", "refusal": refusal}]
         items.append(item)
@@ -237,6 +240,19 @@ def output_items(message: Message, make_id: Callable[[str], str] = new_id) -> li
         items.append(call_item(make_id("fc"), str(call.get("id") or make_id("call")), str(function.get("name") or ""),
                                _arguments(function)))
     return items
+
+
+def text_logprobs(logprobs: Any) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk's) `logprobs` as a Responses `output_text` gives them: each token
+    with its bytes, its log probability and its `top_logprobs` (the same fields, in another place)."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return []
+    return [{"token": entry.get("token", ""), "bytes": entry.get("bytes") or [], "logprob": entry.get("logprob", 0.0),
+             "top_logprobs": [{"token": top.get("token", ""), "bytes": top.get("bytes") or [],
+                               "logprob": top.get("logprob", 0.0)}
+                              for top in entry.get("top_logprobs") or [] if isinstance(top, dict)]}
+            for entry in content if isinstance(entry, dict)]
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> Item:
@@ -354,7 +370,7 @@ class ChatEvents:
             if delta.get("reasoning_content"):
                 events += self._reasoning_delta(str(delta["reasoning_content"]))
             if delta.get("content"):
-                events += self._part_delta("output_text", str(delta["content"]))
+                events += self._part_delta("output_text", str(delta["content"]), text_logprobs(choice.get("logprobs")))
             if delta.get("refusal"):
                 events += self._part_delta("refusal", str(delta["refusal"]))
             for call in delta.get("tool_calls") or []:
@@ -383,8 +399,9 @@ class ChatEvents:
         return [*events, self._event("response.reasoning_summary_text.delta", item_id=item["id"],
                                      output_index=self._reasoning, summary_index=0, delta=text)]
 
-    def _part_delta(self, kind: str, text: str) -> list[Event]:
-        """Text of the message's answer (`output_text`) or of its refusal (`refusal`)."""
+    def _part_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
+        """Text of the message's answer (`output_text`, with its tokens' `logprobs` where the
+        provider gave them) or of its refusal (`refusal`)."""
         events = []
         if self._message is None:
             index, added = self._open(message_item(self._make_id("msg"), "", status="in_progress"))
@@ -401,8 +418,10 @@ class ChatEvents:
         at = self._parts[kind]
         if kind == "output_text":
             item["content"][at]["text"] += text
+            if logprobs:
+                item["content"][at].setdefault("logprobs", []).extend(logprobs)
             return [*events, self._event("response.output_text.delta", item_id=item["id"], output_index=self._message,
-                                         content_index=at, delta=text, logprobs=[])]
+                                         content_index=at, delta=text, logprobs=logprobs or [])]
         item["content"][at]["refusal"] += text
         return [*events, self._event("response.refusal.delta", item_id=item["id"], output_index=self._message,
                                      content_index=at, delta=text)]
@@ -444,7 +463,7 @@ class ChatEvents:
                     else:
                         events.append(self._event("response.output_text.done", item_id=item["id"],
                                                   output_index=index, content_index=at, text=part["text"],
-                                                  logprobs=[]))
+                                                  logprobs=part.get("logprobs", [])))
                     events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                               content_index=at, part=dict(part)))
             else:

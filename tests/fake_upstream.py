@@ -38,6 +38,8 @@ class Reply:
     done_early: bool = False  # the same, but with the closing `data: [DONE]` (a gateway giving up)
     finish_reason: str | None = None  # the answer's, if not "stop" (or "tool_calls" for calls)
     no_chunks: str | None = None  # a stream without one chunk: "done" ([DONE] alone) or "cut" (the connection closed)
+    # Where the request asks for `logprobs`: choice 0's `logprobs.content` (a stream: with its first piece).
+    logprobs: list[dict[str, Any]] | None = None
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
@@ -210,7 +212,8 @@ class FakeUpstream:
         extra = reply.choices or []
         choices = [
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
-             "finish_reason": reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"), "logprobs": None}
+             "finish_reason": reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"),
+             "logprobs": {"content": reply.logprobs} if i == 0 and reply.logprobs and body.get("logprobs") else None}
             for i in range(int(body.get("n") or 1))
         ]
         return web.Response(text=_raw(json.dumps({
@@ -229,8 +232,11 @@ class FakeUpstream:
         # As OpenAI streams: asked for usage, every chunk carries `usage` (null until the last).
         usage_field = {"usage": None} if (body.get("stream_options") or {}).get("include_usage") else {}
 
-        async def send(delta: dict[str, Any], finish: str | None = None) -> None:
-            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **usage_field}
+        async def send(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> None:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = {"content": logprobs}
+            chunk = {**base, "choices": [choice], **usage_field}
             await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 
         if reply.no_chunks is not None:
@@ -249,7 +255,7 @@ class FakeUpstream:
         if reply.raw_content is not None:
             pieces = [_RAW]
         for i, piece in enumerate(pieces):
-            await send({"content": piece})
+            await send({"content": piece}, logprobs=reply.logprobs if i == 0 and body.get("logprobs") else None)
             if reply.cut_stream and i == 0:
                 assert request.transport is not None
                 request.transport.close()

@@ -693,6 +693,30 @@ async def test_an_answer_cut_short_says_why(proxy: Proxy, upstream: FakeUpstream
         assert (response.status, response.incomplete_details.reason) == ("incomplete", reason)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_asked_for_come_back_on_the_text(proxy: Proxy, upstream: FakeUpstream, stream: bool) -> None:
+    """Asked for (`include: message.output_text.logprobs`, `top_logprobs`), the chat answer's token
+    logprobs come back on the output text (streamed, on each delta and the done event): before, they
+    were paid for upstream and dropped."""
+    tokens = [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
+                  {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]},
+              {"token": " there", "logprob": -0.5, "bytes": [32, 116, 104, 101, 114, 101], "top_logprobs": []}]
+    upstream.enqueue(Reply(content="Hi there", logprobs=tokens))
+    client = proxy.client("logprobs")
+    asked: Any = {"model": "small", "input": "Greet me.", "top_logprobs": 1,
+                  "include": ["message.output_text.logprobs"]}
+    if stream:
+        events = [event async for event in await client.responses.create(**asked, stream=True)]
+        deltas = [p.model_dump() for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+        [done] = [e for e in events if e.type == "response.output_text.done"]
+        assert deltas == tokens and [p.model_dump() for p in done.logprobs] == tokens
+        response = events[-1].response  # type: ignore[union-attr]
+    else:
+        response = await client.responses.create(**asked)
+    assert upstream.last().body["logprobs"] is True
+    assert [p.model_dump() for p in response.output[0].content[0].logprobs] == tokens  # type: ignore[union-attr]
+
+
 # --- the OpenAI Agents SDK on its default Responses model -------------------------------------------
 
 
