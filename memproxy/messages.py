@@ -244,17 +244,17 @@ def said_within(inner: Message, outer: Message) -> bool:
         and all(part in outer_parts for part in parts)
 
 
-def _said(content: Any) -> tuple[list[str], list[str]]:
-    """A message content's texts, and its other parts in their loose form."""
+def _said(content: Any) -> tuple[list[str], list[Any]]:
+    """A message content's texts, and its other parts in their loose form (`_loose_part`)."""
     if isinstance(content, str):
         return [content], []
     texts: list[str] = []
-    parts: list[str] = []
+    parts: list[Any] = []
     for part in content if isinstance(content, list) else ():
         if isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
-            parts.append(json.dumps(_loose_part(part), sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+            parts.append(_loose_part(part))
     return texts, parts
 
 

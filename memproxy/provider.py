@@ -52,7 +52,7 @@ from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
 from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
                      encoding_name_for, hoisted_image_words)
-from .upstream import PREFIX, OpenAIUpstream, model_id, status_error, timed_out
+from .upstream import PREFIX, OpenAIUpstream, model_id, nothing_streamed, status_error, timed_out
 
 log = logging.getLogger("memproxy")
 
@@ -390,8 +390,8 @@ class Provider:
             response = await call
             iterator = response.__aiter__()
             first = await iterator.__anext__()
-        except StopAsyncIteration:  # nothing came: a 502 before anything is sent, not an empty answer
-            raise UpstreamError("upstream stream ended before its first event", code="upstream_incomplete") from None
+        except StopAsyncIteration:
+            raise nothing_streamed() from None
         except Exception as exc:
             if _caused_by(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):  # litellm: a 500
                 raise UpstreamError("upstream stream broke off", code="upstream_incomplete") from exc

@@ -167,7 +167,7 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
     rows = [[_shown(str(cell)) for cell in row] for row in rows]  # escaped before the columns are measured
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        _out("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 async def _list(args: argparse.Namespace, config: Config, store: Store) -> int:

@@ -129,9 +129,9 @@ class OpenAIUpstream:
         chunks = _chunks(response, model.timeout_seconds)
         try:
             first = await chunks.__anext__()
-        except StopAsyncIteration:  # nothing came: a 502 before anything is sent, not an empty answer
+        except StopAsyncIteration:
             response.release()
-            raise UpstreamError("upstream stream ended before its first event", code="upstream_incomplete") from None
+            raise nothing_streamed() from None
         except BaseException:
             response.release()
             raise
@@ -240,6 +240,11 @@ async def _chunks(response: aiohttp.ClientResponse, timeout: float) -> AsyncGene
         raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
     except LineTooLong as exc:
         raise UpstreamError(f"upstream sent a stream event longer than {LONGEST_EVENT >> 20} MiB") from exc
+
+
+def nothing_streamed() -> UpstreamError:
+    """A stream that ended before its first event: a 502 before anything is sent, not an empty answer."""
+    return UpstreamError("upstream stream ended before its first event", code="upstream_incomplete")
 
 
 async def _rest(first: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None],

@@ -16,8 +16,8 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
   the Vercel AI SDK on a Responses `conversation`, instructor retrying a structured answer), or with a history all
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
   another client writes to between them; where it edited one of them, what is stored up to there),
-  or a stored prefix and then the stored tail up to the head (a client that dropped the middle of
-  its history); only what follows is new, after the head.
+  or a stored prefix and, past a gap, the stored tail up to the head (a client that dropped the
+  middle of its history); only what follows is new, after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
@@ -37,8 +37,9 @@ history: an echoed stored tail is stripped and the rest appended.
 Messages are compared loosely (`loose_json`) when recognising an echo, a resent tail or where a
 resent history leaves the stored one, so a client that re-serialises tool-call arguments, or trims
 the whitespace around an answer, is not taken for one that edited them; the stored forms and their
-hashes stay. So is a user message resent with less in it (`said_within`) before an unchanged
-stored answer: the question without the context a RAG UI added to it when it was new.
+hashes stay. So is a user message resent without lines added before or after it (`said_within`)
+before an unchanged stored answer: the question without the context a RAG UI added to it when it
+was new.
 """
 
 from __future__ import annotations
@@ -305,8 +306,8 @@ async def _loose_fork(
 ) -> tuple[int, str]:
     """Where the client's history really leaves the stored one: past the hash-matched prefix, the
     messages that equal the stored ones loosely (tool arguments spelt differently) still match, and
-    so does a user message the client resends with less in it (`said_within`) where the stored
-    answer after it follows unchanged: a chat UI that adds retrieved context or a file to the
+    so does a user message the client resends without lines the stored one has before or after it
+    (`said_within`) where the stored answer after it follows unchanged: a chat UI that adds retrieved context or a file to the
     newest user message alone (Open WebUI by default) resends the plain question in its history,
     and no answer survives a real edit of its question (the UI asks again). The position and the
     stored chain hash before it (the stored forms stay: they hold all the client sent)."""
