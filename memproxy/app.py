@@ -17,7 +17,7 @@ from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
 from .deadlines import body_deadline, header_deadline, send_deadline
-from .endpoints import add_routes as add_endpoint_routes, not_found_message
+from .endpoints import add_routes as add_endpoint_routes, not_found_message, wrong_method_message
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
 from .memory.retention import sweep
@@ -158,6 +158,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = exc.reason
         if exc.status == 404 and request.match_info.http_exception is not None:  # no such route
             message = not_found_message(request)
+        if exc.status == 405 and "Allow" in exc.headers:
+            message = wrong_method_message(request, ", ".join(sorted(exc.headers["Allow"].split(","))))
         if exc.status == 413:
             message = f"The request body is larger than server.max_body_bytes ({request.app[CONFIG].server.max_body_bytes} bytes)."
         code = _HTTP_CODES.get(exc.status)

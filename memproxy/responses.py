@@ -105,8 +105,34 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
         async def planning() -> tuple[list[Message], HistoryMode]:
             return await _continuing(app[STORE], tenant, previous_id, messages)
     if session_id is None and parsed.store:
-        session_id = response_id  # a kept response always has a session: its chain has memory
+        # A kept response always has a session: its chain has memory. Input that resends items of
+        # a kept response (the Vercel AI SDK's references, the Agents SDK's `to_input_list`) goes on
+        # in that response's session, rather than storing the history again in a new one each turn.
+        session_id = await _resent_session(app[STORE], tenant, parsed) or response_id
     return await serve_turn(request, exchange, tenant, session_id, planning)
+
+
+_RESENT_LOOKUPS = 4  # kept responses looked up at most, newest item first, for `_resent_session`
+
+
+async def _resent_session(store: TurnStore, tenant: str, parsed: ResponsesRequest) -> str | None:
+    """The session of the kept response whose items the input resends (an item id of memproxy's
+    names its response, `response_of_item`), the newest such item first; None if none is kept."""
+    if not isinstance(parsed.input, list):
+        return None
+    tried: set[str] = set()
+    for item in reversed(parsed.input):
+        item_id = item.get("id") if isinstance(item, dict) else None
+        response_id = response_of_item(item_id) if isinstance(item_id, str) else None
+        if response_id is None or response_id in tried:
+            continue
+        tried.add(response_id)
+        kept = await _stored(store, tenant, response_id, with_input=False)
+        if kept is not None:
+            return kept.session_id
+        if len(tried) >= _RESENT_LOOKUPS:
+            break
+    return None
 
 
 async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -> ResponsesRequest:

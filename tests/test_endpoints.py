@@ -472,10 +472,16 @@ async def test_an_unknown_path_is_a_404_that_lists_the_endpoints(proxy: Proxy, u
                        "POST /v1/moderations", "POST /v1/images/generations", "POST /v1/audio/transcriptions",
                        "POST /v1/audio/speech", "GET /v1/models", "GET /v1/models/{model}"]:
             assert served in message, served
-    # A known path with another method stays a 405 that says what it allows.
-    status, body, headers = await post(proxy, "/v1/embeddings", method="GET")
-    assert status == 405 and headers["Allow"] == "POST"
-    assert_error(body, type="invalid_request_error", code="method_not_allowed")
+    # A known path with another method stays a 405 that says what it allows, and what memproxy
+    # serves: an SDK's endpoint memproxy lacks may share a path with one it has.
+    for method, path, allowed in [("GET", "/v1/embeddings", "POST"), ("GET", "/v1/chat/completions", "POST"),
+                                  ("POST", "/v1/responses/compact", "DELETE,GET,HEAD")]:
+        status, body, headers = await post(proxy, path, method=method)
+        assert status == 405 and headers["Allow"] == allowed, path
+        assert_error(body, type="invalid_request_error", code="method_not_allowed")
+        message = body["error"]["message"]
+        assert message.startswith(f"memproxy does not serve {method} {path} (that path takes ")
+        assert "POST /v1/chat/completions" in message and "POST /v1/responses" in message
     # A wrong key on an unknown path under /v1 is a 401 first, as on a known one.
     status, body, _ = await post(proxy, "/v1/nothing", key="not-a-key")
     assert status == 401

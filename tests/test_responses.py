@@ -720,6 +720,38 @@ async def test_logprobs_asked_for_come_back_on_the_text(proxy: Proxy, upstream: 
 # --- the OpenAI Agents SDK on its default Responses model -------------------------------------------
 
 
+async def test_resent_items_of_a_kept_response_go_on_in_its_session(proxy: Proxy, wire: Upstream) -> None:
+    """Without a session header, `previous_response_id` or `conversation`, a kept response starts a
+    session of its own; the next request that resends its items (the Vercel AI SDK's references,
+    the Agents SDK's `to_input_list`) goes on in that session instead of storing the history again."""
+    client = proxy.client(None)
+    wire.enqueue(Reply(content="Hello Ada."), Reply(content="You are Ada."), Reply(content="Still Ada."))
+    first = await client.responses.create(model=wire.model, input="My name is Ada.")
+    [answer] = first.output
+    second = await client.responses.create(model=wire.model, input=[
+        {"role": "user", "content": "My name is Ada."}, {"type": "item_reference", "id": answer.id},
+        {"role": "user", "content": "What is my name?"}])
+    [answer2] = second.output
+    third = await client.responses.create(model=wire.model, input=[
+        {"role": "user", "content": "My name is Ada."}, answer.model_dump(exclude_none=True),
+        {"role": "user", "content": "What is my name?"}, answer2.model_dump(exclude_none=True),
+        {"role": "user", "content": "Sure?"}])
+    assert third.output_text == "Still Ada."
+    stored = await session_messages(proxy, first.id)  # the first response's session holds all three turns
+    assert [m["message"]["content"] for m in stored["messages"]] == [
+        "My name is Ada.", "Hello Ada.", "What is my name?", "You are Ada.", "Sure?", "Still Ada."]
+    status, listed = await call(proxy, "GET", "/sessions")
+    assert status == 200 and [s["id"] for s in listed["data"]] == [first.id]
+    # Another tenant resending the same items starts a session of its own and reads nothing of it.
+    other = proxy.client(None, key=OTHER_KEY)
+    wire.enqueue(Reply(content="Who?"))
+    fourth = await other.responses.create(model=wire.model, input=[answer.model_dump(exclude_none=True),
+                                                                    {"role": "user", "content": "Who am I?"}])
+    assert wire.conversation()[-2:] == [("assistant", "Hello Ada."), ("user", "Who am I?")]
+    assert len((await session_messages(proxy, first.id))["messages"]) == 6
+    assert fourth.id != first.id
+
+
 async def test_openai_agents_sdk_on_its_responses_model(proxy: Proxy, wire: Upstream) -> None:
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
