@@ -89,10 +89,13 @@ async def reconcile(
     if len(hashes) >= stored and hashes[stored - 1] == head:
         return Reconciled("continue", stored, head, conversation[stored:])
     # An echoed tail first: where a request reads both as an echo and as an edit, keep the memory.
+    # But with `full` a history that is a stored prefix from the start, shorter than the session,
+    # is what the client says it is, the whole history: a regenerate, though it also ends as the
+    # stored tail begins (`ok`, `Sure.`, `ok` after two such exchanges).
     echoed = await _echoed_tail(store, session, conversation, held)
     if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
         return Reconciled("continue", stored, head, conversation[stored:])
-    if echoed:
+    if echoed and not (requested == "full" and await _matched_prefix(store, session, hashes, held) == len(hashes)):
         return Reconciled("window", stored, head, conversation[echoed:])
     echoed = await _echoed_before_calls(store, session, conversation, held)
     if echoed:
@@ -117,6 +120,13 @@ async def reconcile(
             return Reconciled("window", stored, head, conversation[resent:])
         if fork == 0:
             return Reconciled("append", stored, head, conversation)
+        # Or one that leaves the stored prefix before its latest question, yet lies whole among the
+        # newest messages: a chat UI's own exchanges between another client's, whose first message
+        # happened to equal the session's ("ok"). Read as an edit, the other client's would go.
+        if fork < history_end(conversation):
+            resent = await _resent_among(store, session, conversation, held)
+            if resent >= history_end(conversation):
+                return Reconciled("window", stored, head, conversation[resent:])
     # An assistant message up to and at the fork proves a resent history: the client's own version
     # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, not new. So
     # does a message put in at the fork before the stored rest with an answer in it (a system note
@@ -239,12 +249,26 @@ async def _resent_among(store: TurnStore, session: SessionState, conversation: S
     if not end:
         return 0
     found = 0
-    for message in await _active_range(store, session, held, max(session.length - 4 * end - 8, 0), session.length):
+    read = await _active_range(store, session, held, max(session.length - 4 * end - 8, 0), session.length)
+    for i, message in enumerate(read):
         if loosely_equal(message.body, conversation[found]):
             found += 1
             if found == end:
-                return end
+                return end + _tail_after(read[i + 1:], conversation[end:])
     return found if any(m.get("role") == "assistant" for m in conversation[:found]) else 0
+
+
+def _tail_after(after: Sequence[StoredMessage], rest: Sequence[Message]) -> int:
+    """How many of `rest` (the client's messages after its history: its latest question, then
+    perhaps the tool calls it made and their results) are the session's newest stored messages,
+    which come after that history: a tool loop going on, its question and calls stored by the turn
+    before. Up to its last answer, which must be among them; what follows it (results) is new. 0
+    where they are not the very tail: a question equal to an older one is the client's new one."""
+    answered = max((j + 1 for j, m in enumerate(rest) if m.get("role") == "assistant"), default=0)
+    if not answered or answered > len(after):
+        return 0
+    tail = after[len(after) - answered:]
+    return answered if all(loosely_equal(m.body, c) for m, c in zip(tail, rest)) else 0
 
 
 async def _resent_tail(store: TurnStore, session: SessionState, conversation: Sequence[Message],
