@@ -127,8 +127,11 @@ class ChatWire:
 
     async def answer(self, provider: Provider, exchange: Exchange) -> Answer:
         result = await provider.complete(exchange.model, exchange.messages, exchange.params)
-        choices = result.get("choices") or [{}]
-        return Answer(choices[0].get("message") or {}, result.get("usage"), result)
+        choices = result.get("choices")
+        message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+        if not isinstance(message, dict):  # nothing to relay or remember: the provider's fault
+            raise UpstreamError("upstream answered with no message (a chat completion without choices)")
+        return Answer(message, result.get("usage"), result)
 
     async def open(self, provider: Provider, exchange: Exchange) -> AsyncGenerator[dict[str, Any], None]:
         asking = _with_usage(exchange.params) if exchange.turn is not None else None

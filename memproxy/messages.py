@@ -385,12 +385,17 @@ def without_reasoning(message: Message) -> Message:
 
 def assistant_message(message: Message) -> Message:
     """The assistant reply as stored: the response message without null fields, its reasoning
-    kept (visible in the admin API and exports; `without_reasoning` says when it is sent)."""
+    kept (visible in the admin API and exports; `without_reasoning` says when it is sent). An answer
+    of nothing (no content, calls, refusal or audio: a reasoning model that spent its whole output
+    on thinking, a provider's filter) is stored with empty content: resent with null content and no
+    calls, it would make every later request of the session one OpenAI refuses (a 400)."""
     out: Message = {"role": "assistant", "content": message.get("content")}
     for key in ("tool_calls", "function_call", "refusal", "audio", *REASONING_KEYS):
         value = message.get(key)
         if value:
             out[key] = value
+    if out["content"] is None and not any(key in out for key in ("tool_calls", "function_call", "refusal", "audio")):
+        out["content"] = ""
     if out.get("tool_calls"):
         out["tool_calls"] = [
             {

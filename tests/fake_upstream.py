@@ -54,6 +54,7 @@ class Reply:
     refusal_null: bool = False  # the message says `refusal: null`, as OpenAI's answers do
     # The Responses fake's: output items sent before the others (a built-in tool's call, as is).
     output_items: list[dict[str, Any]] | None = None
+    no_choices: bool = False  # a chat completion whose `choices` is empty (not streamed)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class FakeUpstream:
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
              "finish_reason": reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"),
              "logprobs": {"content": reply.logprobs} if i == 0 and reply.logprobs and body.get("logprobs") else None}
-            for i in range(int(body.get("n") or 1))
+            for i in range(0 if reply.no_choices else int(body.get("n") or 1))
         ]
         return web.Response(text=_raw(json.dumps({
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),

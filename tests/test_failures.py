@@ -333,6 +333,43 @@ async def test_a_lone_surrogate_in_a_providers_answer_is_relayed_and_stored(
     assert reply.choices[0].message.content == "again \udfff"
 
 
+async def test_an_answer_of_nothing_is_stored_as_empty_text_and_resent_so(
+    proxy: Proxy, upstream: FakeUpstream, config: Config,
+) -> None:
+    """No content, calls or refusal (a reasoning model that spent its output thinking): relayed as it
+    came, stored with empty content; resent with null content and no calls, OpenAI would refuse
+    every later request of the session."""
+    upstream.enqueue(Reply(content=None, finish_reason="length"))
+    status, headers, raw = await post_chat(proxy, {"model": "small", "messages": [{"role": "user", "content": "think"}]})
+    assert status == 200 and headers["X-Memproxy-Stored"] == "true", raw
+    assert json.loads(raw)["choices"][0]["message"]["content"] is None
+    assert stored_bodies(config)[-1] == {"role": "assistant", "content": ""}
+    second = await proxy.client(**{"X-Memproxy-History": "new"}).chat.completions.create(
+        model="small", messages=[{"role": "user", "content": "and now?"}])
+    assert upstream.last().messages[-2:] == [{"role": "assistant", "content": ""},
+                                             {"role": "user", "content": "and now?"}]
+    # The client resending the answer as it got it (null content) goes on from it: nothing twice.
+    upstream.enqueue(Reply(content="Done."))
+    status, headers, raw = await post_chat(proxy, {"model": "small", "messages": [
+        {"role": "user", "content": "think"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "and now?"}, {"role": "assistant", "content": second.choices[0].message.content},
+        {"role": "user", "content": "last"}]})
+    assert status == 200 and headers["X-Memproxy-Reconcile"] == "continue", raw
+
+
+async def test_a_completion_without_choices_is_a_502_that_stores_nothing(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, transport: str,
+) -> None:
+    upstream.enqueue(Reply(no_choices=True))
+    status, headers, raw = await post_chat(proxy, {"model": "small", "messages": [{"role": "user", "content": "hi"}]})
+    assert status >= 500, raw
+    body = json.loads(raw)
+    assert set(body["error"]) == {"message", "type", "code", "param"}
+    if transport == "openai":  # litellm refuses the answer itself, with its own status
+        assert (status, body["error"]["code"]) == (502, "upstream_error")
+    assert stored_bodies(config) == []
+
+
 # --- item 7 on both stores: a store that fails when the turn is planned ----------------------------
 
 
