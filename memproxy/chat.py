@@ -107,6 +107,10 @@ class Wire(Protocol):
         """The turn as the store writes it, with whatever this wire keeps beside it."""
         ...
 
+    def unkept(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A plain answer's body where its turn could not be recorded (told by `X-Memproxy-Stored`)."""
+        ...
+
     def done(self) -> bytes:
         """The end of a stream whose answer is complete and recorded."""
         ...
@@ -150,6 +154,9 @@ class ChatWire:
 
     def attach(self, record: TurnRecord) -> TurnRecord:
         return record
+
+    def unkept(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
 
     def done(self) -> bytes:
         return b"data: [DONE]\n\n"
@@ -359,8 +366,9 @@ async def _forward(request: web.Request, exchange: Exchange) -> web.StreamRespon
             if isinstance(exc, StoreUnavailable):
                 request.app[METRICS].store_error("record")
         exchange.headers[STORED_HEADER] = "true" if exchange.recorded else "false"
+    body = answer.body if exchange.turn is None or exchange.recorded else exchange.wire.unkept(answer.body)
     exchange.headers["Server-Timing"] = exchange.timings.header()
-    response = web.Response(body=dumps(answer.body), headers=exchange.headers, content_type="application/json",
+    response = web.Response(body=dumps(body), headers=exchange.headers, content_type="application/json",
                             charset="utf-8")
     try:
         await response.prepare(request)

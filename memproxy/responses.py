@@ -378,6 +378,11 @@ class ResponsesWire:
                                       finish_reason=self._assembler.finish_reason)
         return self._assembler.message(), self._assembler.usage
 
+    def unkept(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Not recorded, the response is not kept either: `store: false` says it cannot be retrieved
+        or continued from (`previous_response_id` would be a 404)."""
+        return {**body, "store": False}
+
     def attach(self, record: TurnRecord) -> TurnRecord:
         if self._request.previous_response_id is not None:  # what led to that response, and nothing else
             record = dataclasses.replace(record, pinned=True)

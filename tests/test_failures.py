@@ -175,6 +175,26 @@ async def test_a_plain_turn_whose_recording_fails_returns_the_answer_marked_unst
         after.parse().choices[0].message.content]
 
 
+async def test_a_response_whose_recording_fails_says_it_is_not_kept(
+    proxy: Proxy, upstream: FakeUpstream, config: Config,
+) -> None:
+    """The Responses API's plain answer: paid for, so the client gets it, with `store: false` (it
+    cannot be retrieved or continued from), not an id that then turns out not to exist."""
+    client = proxy.client()
+    refuse_messages(config)
+    upstream.enqueue(Reply(content="paid for"))
+    raw = await client.responses.with_raw_response.create(model="small", input="hello")
+    response = raw.parse()
+    assert raw.headers["X-Memproxy-Stored"] == "false"
+    assert response.output_text == "paid for" and response.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(response.id)
+    accept_messages(config)
+    upstream.enqueue(Reply(content="kept"))
+    kept = await client.responses.create(model="small", input="again")
+    assert kept.store is True and (await client.responses.retrieve(kept.id)).output_text == "kept"
+
+
 async def test_sqlite_locked_past_its_busy_timeout_at_record_time(
     start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config,
 ) -> None:
