@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
@@ -55,6 +55,7 @@ from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_a
 from .upstream import PREFIX, OpenAIUpstream, model_id, nothing_streamed, status_error, timed_out
 
 log = logging.getLogger("memproxy")
+T = TypeVar("T")
 
 # What a litellm call's signature names that configures the call rather than the request (beside
 # litellm's own settings, `litellm.types.utils.all_litellm_params`): where it goes, with which key,
@@ -348,7 +349,7 @@ class Provider:
         if self._native[model.name]:
             return await self._openai.complete(model, messages, params)
         try:
-            response = await self._acompletion(self._kwargs(model, messages, params))
+            response = await _whole_within(model.timeout_seconds, self._acompletion(self._kwargs(model, messages, params)))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
@@ -463,7 +464,7 @@ class Provider:
             # the client is shared.
             kwargs["client"] = self._sdk_client(model)
         try:
-            return await getattr(self._litellm, _LITELLM_CALLS[endpoint])(**kwargs)
+            return await _whole_within(model.timeout_seconds, getattr(self._litellm, _LITELLM_CALLS[endpoint])(**kwargs))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
 
@@ -546,7 +547,8 @@ class Provider:
     async def respond(self, model: ModelConfig, items: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
         """A Response from the provider's own Responses API (`litellm.aresponses`), as a dict."""
         try:
-            response = await self._litellm.aresponses(**self._responses_kwargs(model, items, params))
+            response = await _whole_within(model.timeout_seconds,
+                                           self._litellm.aresponses(**self._responses_kwargs(model, items, params)))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = _dumped(response)
@@ -596,6 +598,17 @@ class Provider:
                                                                             "headers", None)
         return status_error(getattr(exc, "status_code", None), message, code, param,
                             headers if isinstance(headers, Mapping) else None)
+
+
+async def _whole_within(seconds: float, call: Awaitable[T]) -> T:
+    """A plain litellm call bounded whole by the model's `timeout_seconds`, as memproxy's own client
+    bounds it: litellm's timeout bounds each read, so a provider sending a byte now and then held
+    the request, and its session's lock, for as long as it liked."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await call
+    except TimeoutError:
+        raise timed_out(seconds) from None
 
 
 async def _stop_logging_worker() -> None:

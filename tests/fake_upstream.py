@@ -55,6 +55,7 @@ class Reply:
     # The Responses fake's: output items sent before the others (a built-in tool's call, as is).
     output_items: list[dict[str, Any]] | None = None
     no_choices: bool = False  # a chat completion whose `choices` is empty (not streamed)
+    trickle: float | None = None  # not streamed: the body a byte at a time, this many seconds apart
 
 
 @dataclass
@@ -217,10 +218,21 @@ class FakeUpstream:
              "logprobs": {"content": reply.logprobs} if i == 0 and reply.logprobs and body.get("logprobs") else None}
             for i in range(0 if reply.no_choices else int(body.get("n") or 1))
         ]
-        return web.Response(text=_raw(json.dumps({
+        text = _raw(json.dumps({
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model"), "choices": choices, "usage": usage,
-        }), reply), content_type="application/json")
+        }), reply)
+        if reply.trickle is not None:  # a provider that never stalls long enough for a read timeout
+            data = text.encode()
+            response = web.StreamResponse(headers={"Content-Type": "application/json",
+                                                   "Content-Length": str(len(data))})
+            await response.prepare(request)
+            for i in range(len(data)):
+                await response.write(data[i:i + 1])
+                await asyncio.sleep(reply.trickle)
+            await response.write_eof()
+            return response
+        return web.Response(text=text, content_type="application/json")
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], reply: Reply, usage: dict[str, int], number: int

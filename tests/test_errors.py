@@ -351,6 +351,21 @@ async def test_upstream_timeout_is_504(
     assert stored_rows(config) == {table: [] for table in TABLES}
 
 
+async def test_an_answer_trickled_past_the_timeout_is_504_on_either_transport(
+    start_proxy: Callable[[Config], Any], upstream: FakeUpstream, config: Config, transport: str,
+) -> None:
+    """`timeout_seconds` bounds a plain call whole: litellm's own timeout bounds each read, so a
+    provider sending a byte every 0.2 s held the request (and the session's lock) for minutes."""
+    config = replace_model(config, timeout_seconds=0.5)
+    proxy: Proxy = await start_proxy(config)
+    upstream.enqueue(Reply(content="slowly " * 20, trickle=0.2))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await proxy.client().chat.completions.create(model="small", messages=[USER])
+    assert caught.value.status_code == 504
+    assert_shape(caught.value.response.json(), type="upstream_error", code="upstream_timeout", param=None)
+    assert stored_rows(config) == {table: [] for table in TABLES}
+
+
 @pytest.fixture
 def closed_port() -> Iterator[int]:
     """A port on which nothing listens, held for the test: bound but not listening, it refuses every
