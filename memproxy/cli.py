@@ -294,6 +294,7 @@ async def _serve(config: Config, ready_fd: int | None = None) -> None:
     task = asyncio.current_task()
     assert task is not None
     closing = False
+    supervisor = os.getppid() if ready_fd is not None else None
 
     def stop() -> None:
         if not closing:  # a cancel while closing would leave the store open, its threads keeping the process
@@ -331,7 +332,11 @@ async def _serve(config: Config, ready_fd: int | None = None) -> None:
             else:
                 os.write(ready_fd, b"1")
                 os.close(ready_fd)
-            await loop.create_future()  # until a stop signal cancels this task
+            if supervisor is None:
+                await loop.create_future()  # until a stop signal cancels this task
+            else:  # or until the worker's supervisor is gone
+                await _while_supervised(supervisor)
+                log.warning("the supervisor (serve --workers, pid %d) is gone: this worker stops", supervisor)
         except asyncio.CancelledError:
             if not stop_signals.requested:
                 raise
@@ -341,6 +346,18 @@ async def _serve(config: Config, ready_fd: int | None = None) -> None:
             if listener is not None:
                 listener.close()  # no new connections; the runner then closes idle ones and drains the rest
             await runner.cleanup()  # what started stops (the store's threads would keep the process)
+
+
+async def _while_supervised(supervisor: int) -> None:
+    """Return once the worker's supervisor is gone (the worker is another process's child then):
+    killed with SIGKILL it cannot pass on a stop, and its workers would serve on, beside those of
+    the next `serve` on the port (SO_REUSEPORT lets both bind), perhaps on another store. Each then
+    finishes what it serves, as on SIGTERM."""
+    while os.getppid() == supervisor:
+        await asyncio.sleep(_SUPERVISOR_CHECK_SECONDS)
+
+
+_SUPERVISOR_CHECK_SECONDS = 1.0
 
 
 if __name__ == "__main__":

@@ -157,6 +157,29 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
     assert "exited with -9; starting it again" in pool.served.log.read_text()
 
 
+async def test_workers_stop_when_their_supervisor_is_killed(upstream_server: FakeUpstream, tmp_path: Path) -> None:
+    """SIGKILL to the parent of `serve --workers` passes nothing on: its workers, re-parented, would
+    serve on beside the next `serve` on the port. They notice it is gone and stop, as on SIGTERM."""
+    with store_for_processes("sqlite", tmp_path) as storage:
+        config = write_config(tmp_path / "memproxy.yaml", upstream_server.url, storage_section(storage))
+        [served] = serve(config, [tmp_path / "serve.log"], "--workers", str(WORKERS))
+        workers = psutil.Process(served.process.pid).children()
+        assert len(workers) == WORKERS
+        os.kill(served.process.pid, signal.SIGKILL)
+        assert served.stop() == -signal.SIGKILL  # waited for, its pipe closed
+
+        def gone() -> bool:
+            return not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+        try:
+            await until(gone, "every worker stopped", timeout=60.0, interval=0.2)
+        finally:
+            for worker in workers:  # whatever the outcome, none outlives the test
+                if worker.is_running():
+                    worker.kill()
+        assert served.log.read_text().count("is gone: this worker stops") == WORKERS
+
+
 async def test_a_replacement_that_cannot_start_is_tried_again_while_the_other_serves(
     pool: Pool, upstream: FakeUpstream
 ) -> None:
