@@ -7,6 +7,7 @@ modules marked `both_stores`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import shutil
@@ -24,10 +25,11 @@ from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.store import EndpointUsage, NewResponse, SQLiteStore, Store, Summary, open_store
-from memproxy.store.postgres import numbered
+from memproxy.store.errors import StoreUnavailable
+from memproxy.store.postgres import PostgresBackend, numbered
 from memproxy.store.sql import QUERIES
 from memproxy.store.migrations import migrations
-from stores import POSTGRES_URL, StoreUnderTest, store_under_test
+from stores import POSTGRES_URL, StoreUnderTest, require_postgres, store_under_test
 from test_cli import run_cli
 from test_store_contract import turn
 
@@ -451,3 +453,23 @@ def test_every_migration_ships_with_the_package(tmp_path: Path) -> None:
     sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "memproxy" / "store" / "migrations").rglob("*.sql"))
     assert shipped == sources
     assert any("/postgres/" in path for path in shipped)
+
+
+async def test_a_write_waits_longer_for_a_connection_than_a_read() -> None:
+    """With the pool busy, a read (a new request) is refused after `pool_timeout_ms`, while a write
+    (mostly the record of an answered turn, paid for) waits up to `statement_timeout_ms`: under load
+    a small pool dropped answered turns (`X-Memproxy-Stored: false`) with no fault at all."""
+    await require_postgres()
+    pool = await asyncpg.create_pool(POSTGRES_URL, min_size=1, max_size=1)
+    assert pool is not None
+    backend = PostgresBackend(pool, acquire_timeout=0.2, write_acquire_timeout=30.0)
+    try:
+        held = await pool.acquire()  # the pool's only connection, busy
+        write = asyncio.create_task(backend.write_batch([("SELECT 1", [])], lambda outcomes: outcomes))
+        with pytest.raises(StoreUnavailable):
+            await backend.fetch("SELECT 1")
+        assert not write.done()  # still waiting, past the read's limit
+        await pool.release(held)
+        assert await write == [[(1,)]]
+    finally:
+        await pool.close()

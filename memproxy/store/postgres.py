@@ -89,22 +89,24 @@ class PostgresBackend:
                 f" FROM pg_class WHERE oid = to_regclass('{table}'))) END"
                 f" FROM (SELECT count(*) AS n FROM (SELECT 1 FROM {table} LIMIT {COUNT_BOUND + 1}) b) c)")
 
-    def __init__(self, pool: asyncpg.Pool, acquire_timeout: float | None = None, begin: str = "BEGIN") -> None:
-        """`acquire_timeout`: the longest a call waits for a connection of the pool (None: no limit);
-        each statement's limit is the pool's `command_timeout`. `begin`: what opens a write
-        transaction (`_begin`)."""
+    def __init__(self, pool: asyncpg.Pool, acquire_timeout: float | None = None, begin: str = "BEGIN",
+                 write_acquire_timeout: float | None = None) -> None:
+        """`acquire_timeout`: the longest a read waits for a connection of the pool (None: no limit);
+        `write_acquire_timeout` a write's (default: the same); each statement's limit is the pool's
+        `command_timeout`. `begin`: what opens a write transaction (`_begin`)."""
         self._pool = pool
         self._acquire_timeout = acquire_timeout
+        self._write_acquire_timeout = write_acquire_timeout if write_acquire_timeout is not None else acquire_timeout
         self._begin = begin
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+    async def _connection(self, acquire_timeout: float | None = None) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
         """A connection of the pool, given back apart from what was done on it: the release runs
         asyncpg's reset query, which fails on a connection the server dropped right after a COMMIT,
         and that must not fail a write that committed (asyncpg terminates such a connection, and the
         pool opens a new one). A connection the server dropped (a restart, a cut network) fails its
         next statement; the pool replaces it too, so the store recovers once the server is back."""
-        conn = await self._pool.acquire(timeout=self._acquire_timeout)
+        conn = await self._pool.acquire(timeout=acquire_timeout if acquire_timeout is not None else self._acquire_timeout)
         try:
             yield conn
         except asyncio.TimeoutError:
@@ -122,8 +124,10 @@ class PostgresBackend:
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
         """A connection in a transaction: committed when the block ends, rolled back if it raises
-        (but on a timeout, where `_connection` drops the connection instead)."""
-        async with self._connection() as conn:
+        (but on a timeout, where `_connection` drops the connection instead). A write waits longer
+        for a connection than a read: most are the record of a turn whose answer is paid for, while
+        a read starts a request that may as well be refused (a 503) while the pool is busy."""
+        async with self._connection(self._write_acquire_timeout) as conn:
             await conn.execute(self._begin)
             try:
                 yield conn
@@ -219,7 +223,10 @@ class PostgresStore(SQLStore):
             storage.url, min_size=storage.pool_min_size, max_size=storage.pool_max_size,
             command_timeout=_seconds(storage.statement_timeout_ms), server_settings=search_path)
         assert pool is not None
-        backend = PostgresBackend(pool, _seconds(storage.pool_timeout_ms), _begin(storage))
+        # A write waits for a connection as long as a statement may take, at least as long as a read.
+        writes = None if not storage.pool_timeout_ms or not storage.statement_timeout_ms \
+            else max(storage.pool_timeout_ms, storage.statement_timeout_ms) / 1000
+        backend = PostgresBackend(pool, _seconds(storage.pool_timeout_ms), _begin(storage), writes)
         return cls(backend, history_cache_bytes, recall_cache_bytes)
 
 
