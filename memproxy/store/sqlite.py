@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -185,7 +186,9 @@ class SQLiteBackend:
     analyze: str | None = None
 
     def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection,
-                 checkpointer: aiosqlite.Connection | None = None) -> None:
+                 checkpointer: aiosqlite.Connection | None = None, path: str | None = None) -> None:
+        self._path = path
+        self._file = _identity(path) if path is not None else None  # the file the connections opened
         self._writer = writer
         self._reader = reader
         self._write_lock = asyncio.Lock()  # one transaction at a time on the writer
@@ -206,6 +209,7 @@ class SQLiteBackend:
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with translated():
             self._check_open()
+            self._check_file()
             return list(await self._reader.execute_fetchall(sql, params))
 
     def hits(self, pk: int, key: str, words: Sequence[str], before: int, limit: int) -> Step:
@@ -246,6 +250,14 @@ class SQLiteBackend:
         if self._closed:  # as sqlite3 says it, not as aiosqlite does (a ValueError)
             raise sqlite3.ProgrammingError("the store is closed")
 
+    def _check_file(self) -> None:
+        """The database file is still the one the connections opened. Deleted, or replaced (a backup
+        moved over it), the connections go on with the old file, and a turn written there is gone
+        at the next start: refused instead (a 503, `X-Memproxy-Stored: false`, `/readyz` not ready),
+        until memproxy is restarted on the file now at the path. A stat, a few microseconds."""
+        if self._path is not None and _identity(self._path) != self._file:
+            raise sqlite3.OperationalError("the database file was deleted or replaced while memproxy ran")
+
     async def write(self, script: Script[T]) -> T:
         """A file locked past the busy timeout, a full disk, a read-only file: `StoreUnavailable`."""
         return cast(T, await self._queue(_Write(script, None, None)))
@@ -261,6 +273,7 @@ class SQLiteBackend:
         absent, and the writer is never left inside a transaction."""
         with translated():
             self._check_open()
+            self._check_file()
             if write.steps is not None and not self._queued and not self._write_lock.locked() \
                     and not self._in_flight:
                 return await self._now(write)
@@ -434,6 +447,15 @@ def _commit_batches(conn: sqlite3.Connection, batches: list[Batch]) -> list[Sett
     return [settled[i] for i in range(len(batches))]
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """Which file is at `path` (device and inode); None where there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def _locked_out(error: sqlite3.OperationalError) -> bool:
     """Whether a statement failed for want of the write lock (another process held it past the
     busy timeout)."""
@@ -497,7 +519,7 @@ class SQLiteStore(SQLStore):
                 opening.push_async_callback(reader.close)
                 checkpointer = await _connect(path, 0)
                 opening.pop_all()
-            backend = SQLiteBackend(writer, reader, checkpointer)
+            backend = SQLiteBackend(writer, reader, checkpointer, path)
         # Whatever stops the opening (a failure, a stop signal's cancel while migrating) closes what
         # opened: each connection's thread would otherwise keep the process alive.
         try:
