@@ -52,7 +52,8 @@ from .errors import ProxyError, UpstreamError
 from .messages import Message, assistant_message, detached
 from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
                      encoding_name_for, hoisted_image_words)
-from .upstream import PREFIX, OpenAIUpstream, model_id, nothing_streamed, status_error, timed_out
+from .upstream import (PREFIX, OpenAIUpstream, broke_off, model_id, nothing_streamed, status_error, timed_out,
+                       unreachable)
 
 log = logging.getLogger("memproxy")
 T = TypeVar("T")
@@ -593,6 +594,11 @@ class Provider:
             return UpstreamError(f"upstream timed out: {message}", status=504, code="upstream_timeout")
         if isinstance(exc, litellm.APIConnectionError) or "Connection error" in message \
                 or _caused_by(exc, (ConnectionError, aiohttp.ClientConnectionError)):
+            # litellm's words quote a connection error's, which name the operator's upstream host:
+            # where one is the cause, it is told as memproxy's own client tells it.
+            cause = _cause(exc, (ConnectionError, aiohttp.ClientError))
+            if cause is not None:
+                return unreachable(cause)
             return UpstreamError(f"upstream unreachable: {message}", status=502, code="upstream_unreachable")
         headers = getattr(exc, "litellm_response_headers", None) or getattr(getattr(exc, "response", None),
                                                                             "headers", None)
@@ -800,7 +806,7 @@ async def _bytes(response: aiohttp.ClientResponse, model: ModelConfig) -> AsyncG
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
         raise timed_out(model.timeout_seconds) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
+        raise broke_off(exc) from exc
     finally:
         response.release()
 
@@ -826,12 +832,18 @@ def _fills_max_tokens(litellm: Any, model: str) -> bool:
 
 def _caused_by(exc: BaseException | None, kinds: type[BaseException] | tuple[type[BaseException], ...]) -> bool:
     """Whether an exception of `kinds` is what `exc` comes from (litellm wraps its causes twice or more)."""
+    return _cause(exc, kinds) is not None
+
+
+def _cause(exc: BaseException | None, kinds: type[BaseException] | tuple[type[BaseException], ...]
+           ) -> BaseException | None:
+    """The exception of `kinds` that `exc` comes from, if any (`_caused_by`)."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, kinds):
-            return True
+            return exc
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return None
 
 
 def _without_surrogates(value: Any) -> Any:

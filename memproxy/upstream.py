@@ -64,7 +64,21 @@ def status_error(status: int | None, message: str, code: Any = None, param: Any 
 
 
 def unreachable(exc: BaseException) -> UpstreamError:
-    return UpstreamError(f"upstream unreachable: {exc}", status=502, code="upstream_unreachable")
+    return UpstreamError(f"upstream unreachable ({failure(exc)})", status=502, code="upstream_unreachable")
+
+
+def broke_off(exc: BaseException) -> UpstreamError:
+    return UpstreamError(f"upstream stream broke off ({failure(exc)})", code="upstream_incomplete")
+
+
+def failure(exc: BaseException) -> str:
+    """What went wrong on the way to the provider, for the client: the error's class and the
+    system's words for it ("ClientConnectorError: Connection refused"). Never the error's own text,
+    which names the operator's upstream host and port and aiohttp's objects (an SSL context's
+    address), or quotes the provider's bytes."""
+    os_error = getattr(exc, "os_error", None) or (exc if isinstance(exc, OSError) else None)
+    number = getattr(os_error, "errno", None)  # its own words may hold the address (asyncio's do)
+    return f"{type(exc).__name__}: {os.strerror(number)}" if isinstance(number, int) else type(exc).__name__
 
 
 def timed_out(seconds: float) -> UpstreamError:
@@ -237,7 +251,7 @@ async def _chunks(response: aiohttp.ClientResponse, timeout: float) -> AsyncGene
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
         raise timed_out(timeout) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"upstream stream broke off: {exc}", code="upstream_incomplete") from exc
+        raise broke_off(exc) from exc
     except LineTooLong as exc:
         raise UpstreamError(f"upstream sent a stream event longer than {LONGEST_EVENT >> 20} MiB") from exc
 

@@ -385,6 +385,9 @@ async def test_unreachable_upstream_is_502(
         await proxy.client().chat.completions.create(model="small", messages=[USER], stream=stream)
     assert caught.value.status_code == 502
     assert_shape(caught.value.response.json(), type="upstream_error", code="upstream_unreachable", param=None)
+    # Why, in the system's words, but not where: the operator's upstream host stays the operator's.
+    message = caught.value.response.json()["error"]["message"]
+    assert "Connection refused" in message and str(closed_port) not in message and "0x" not in message, message
     assert upstream.received == []
     assert stored_rows(config) == {table: [] for table in TABLES}
 
