@@ -589,9 +589,9 @@ async def test_a_repeated_exchange_resent_without_the_header_keeps_both_answers(
     assert await active(http, proxy, s) == [u("ok"), a("Sure."), u("ok"), a("Sure."), u("ok"), a("Fine.")]
 
 
-@pytest.mark.xfail(strict=True, reason="duplication: a full-history client whose history lies further back among"
-                   " another client's messages than `_resent_among` reads (4 x its history + 8) has its history"
-                   " appended whole again; README: 'only what follows it is new (window), never its history again'")
+@pytest.mark.xfail(strict=True, reason="duplication, a documented limit (README, 'a full-history client whose own"
+                   " exchanges lie between another client's'): a history further back among the other client's"
+                   " messages than `_resent_among` reads (4 x its length + 8) is appended whole again")
 async def test_known_full_history_among_many_messages_of_another_client_is_appended_again(
     proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession,
 ) -> None:
