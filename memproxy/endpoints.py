@@ -324,13 +324,15 @@ def served(app: web.Application) -> str:
 
 
 def not_found_message(request: web.Request) -> str:
-    return (f"Invalid URL ({request.method} {request.path}). memproxy serves {served(request.app)}, "
-            "and its session API under /v1/sessions.")
+    return f"Invalid URL ({request.method} {request.path}). {_serves(request.app)}"
 
 
 def wrong_method_message(request: web.Request, allowed: str) -> str:
     """A 405's: an SDK calling an endpoint memproxy does not serve (`GET /v1/chat/completions`,
     OpenAI's stored completions; `POST /v1/responses/compact`) lands on a path memproxy serves with
     another method, and should learn that, not only that the method was wrong."""
-    return (f"memproxy does not serve {request.method} {request.path} (that path takes {allowed}). "
-            f"memproxy serves {served(request.app)}, and its session API under /v1/sessions.")
+    return f"memproxy does not serve {request.method} {request.path} (that path takes {allowed}). {_serves(request.app)}"
+
+
+def _serves(app: web.Application) -> str:
+    return f"memproxy serves {served(app)}, and its session API under /v1/sessions."

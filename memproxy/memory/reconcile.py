@@ -95,19 +95,22 @@ async def reconcile(
     echoed = await _echoed_tail(store, session, conversation, held)
     if echoed == stored:  # the whole history, spelt differently (re-serialised tool arguments)
         return Reconciled("continue", stored, head, conversation[stored:])
-    if echoed and not (requested == "full" and await _matched_prefix(store, session, hashes, held) == len(hashes)):
+    matched = await _matched_prefix(store, session, hashes, held) if echoed and requested == "full" else None
+    if echoed and matched != len(hashes):
         return Reconciled("window", stored, head, conversation[echoed:])
     echoed = await _echoed_before_calls(store, session, conversation, held)
     if echoed:
         return Reconciled("window", stored, head, conversation[echoed:])
-    matched = await _matched_prefix(store, session, hashes, held)
+    if matched is None:
+        matched = await _matched_prefix(store, session, hashes, held)
+    history = history_end(conversation)
     if matched == 0 and requested != "full":
         if await _edited_where_capped(store, session, conversation, held):
             return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
         resent = await _resent_among(store, session, conversation, held)
         if resent:
             return Reconciled("window", stored, head, conversation[resent:])
-        if not history_end(conversation):  # new messages of the client's own: nothing to match, nothing read
+        if not history:  # new messages of the client's own: nothing to match, nothing read
             return Reconciled("append", stored, head, conversation)
     # `full` with nothing matched: the client says its messages are the whole history, so its first
     # message changed (an edit at 0), unless it only spelt the stored ones differently.
@@ -123,9 +126,9 @@ async def reconcile(
         # Or one that leaves the stored prefix before its latest question, yet lies whole among the
         # newest messages: a chat UI's own exchanges between another client's, whose first message
         # happened to equal the session's ("ok"). Read as an edit, the other client's would go.
-        if fork < history_end(conversation):
+        if fork < history:
             resent = await _resent_among(store, session, conversation, held)
-            if resent >= history_end(conversation):
+            if resent >= history:
                 return Reconciled("window", stored, head, conversation[resent:])
     # An assistant message up to and at the fork proves a resent history: the client's own version
     # of the session's first answer (trimmed, reformatted by its UI) is an edit of it, not new. So
