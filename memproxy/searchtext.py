@@ -21,10 +21,20 @@ from .messages import Message, audio_transcript
 MAX_INDEXED_CHARS = 32_000
 # The most words a question is looked up by: the later ones of a long message add little.
 MAX_QUERY_WORDS = 24
+# Scripts written without spaces between words: Han (Chinese characters, Japanese kanji), kana,
+# and Hangul, whose spaces separate phrases of a word and its particles. A run of them is indexed
+# and looked up as its overlapping pairs of characters ("长城很好" as 长城, 城很, 很好), as Lucene's
+# CJK analyzer does: without a dictionary, the pairs find a word of two characters or more inside
+# any run that holds it, where the whole run as one word found only the same sentence again.
+# Other scripts without spaces (Thai, Lao, Khmer, Burmese) are read as runs of letters, as before.
+CJK = ("\u1100-\u11ff\u3005\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f"
+       "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")
 # A store may put the session's key before each word (`key_word`): `_` cannot be part of a word.
 _WORD = re.compile(r"[^\W_]+")
+_WORD_OR_CJK = re.compile(f"([{CJK}]+)|[^\\W_{CJK}]+")  # a word, or a run of those scripts (group 1)
+_CJK_CHAR = re.compile(f"[{CJK}]")
 # The longest word indexed or looked up. PostgreSQL refuses a lexeme of 2,048 bytes or more (a
-# whole message's write would fail on one long hex token or 700 CJK characters without a break),
+# whole message's write would fail on one long hex token or 700 Thai letters without a break),
 # and a run of letters that long (a key, a hash, base64) is nothing anyone searches by.
 MAX_WORD_CHARS = 200
 
@@ -117,7 +127,7 @@ def date_words(created_at: float) -> str:
 
 def message_words(body: Message, created_at: float) -> list[str]:
     """The words a stored message is indexed by, lower-cased, in order, its date's last."""
-    words = _WORD.findall(f"{message_text(body)} {date_words(created_at)}".lower())
+    words = words_of(f"{message_text(body)} {date_words(created_at)}")
     return [w for w in words if len(w) <= MAX_WORD_CHARS]
 
 
@@ -134,11 +144,31 @@ def keyed(key: str, words: list[str]) -> str:
     return " ".join(f"{key}_{word}" for word in words)
 
 
+def words_of(text: str) -> list[str]:
+    """A text's words, lower-cased, in order: runs of letters and digits, each run of a script
+    written without spaces (`CJK`) as its overlapping pairs of characters (one character alone
+    as itself), where it meets a letter of another script too ("iPhone手机" is iphone, 手机)."""
+    text = text.lower()
+    if text.isascii() or not _CJK_CHAR.search(text):  # most text: one pass, as fast as before
+        return _WORD.findall(text)
+    words: list[str] = []
+    for match in _WORD_OR_CJK.finditer(text):
+        run = match.group(1)
+        if run is None:
+            words.append(match.group())
+        elif len(run) < 3:
+            words.append(run)
+        else:
+            words += [run[i : i + 2] for i in range(len(run) - 1)]
+    return words
+
+
 def query_words(text: str) -> list[str]:
     """The distinct words a question is looked up by, in order, without function words."""
     seen: dict[str, None] = {}
-    for word in _WORD.findall(text.lower()):
-        if word not in STOPWORDS and (len(word) > 1 or word.isdigit()) and len(word) <= MAX_WORD_CHARS:
+    for word in words_of(text):
+        if (word not in STOPWORDS and (len(word) > 1 or word.isdigit() or _CJK_CHAR.match(word))
+                and len(word) <= MAX_WORD_CHARS):
             seen.setdefault(word, None)
     return list(seen)[:MAX_QUERY_WORDS]
 

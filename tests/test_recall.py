@@ -29,7 +29,7 @@ from memproxy.memory.shrink import new_message
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
 from memproxy.memory.shrink import title_of
 from memproxy.memory.summaries import render_message
-from memproxy.searchtext import line_text, matched_words, message_words
+from memproxy.searchtext import line_text, matched_words, message_words, query_words, words_of
 from memproxy.store import Postings, RecalledMessage, StoredMessage
 from memproxy.tokens import REPLY_PRIMING, TiktokenCounter
 from test_plan import COUNTER, SYSTEM, conversations, fixed_of, snapshot_of, stored
@@ -396,6 +396,15 @@ def test_a_short_question_that_names_its_subject_ranks_it_above_the_exchange_bef
     assert ranked[0].seq == 10
     unweighted = recall.rank(postings(history, query.words, 80), 0, SESSION, 10)
     assert unweighted[0].seq != 10  # what the weights are for: the exchange's words outvote the question's
+
+
+def test_text_without_spaces_is_read_as_pairs_of_characters_on_both_sides() -> None:
+    assert words_of("我去了长城") == ["我去", "去了", "了长", "长城"]
+    assert words_of("iPhone手机, 中 and ラーメン!") == ["iphone", "手机", "中", "and", "ラー", "ーメ", "メン"]
+    assert words_of("부산에 갔어요") == ["부산", "산에", "갔어", "어요"]
+    assert words_of("Ünïcode café_2026") == ["ünïcode", "café", "2026"]  # other text as before
+    assert query_words("猫？") == ["猫"]  # one character is a word here
+    assert "长城" in message_words(user("我去了长城"), 0) and matched_words(["长城", "北京"], user("我去了长城"), 0) == ["长城"]
 
 
 def test_matched_words_ignore_common_endings_and_are_the_indexed_ones() -> None:

@@ -90,6 +90,21 @@ async def test_an_old_fact_left_out_comes_back_when_asked_about(
     assert (await api.get("/sessions/s1copy"))["turns"][-1]["sent"]["recalled"] == last["recalled"]
 
 
+async def test_a_fact_said_in_chinese_comes_back_when_asked_about_in_other_words(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession,
+) -> None:
+    # No spaces between words: the question shares words with the fact, not whole runs of text.
+    proxy = await start(start_proxy, make_storage, upstream, **RECALL)
+    fact = "我的蓝色储物柜在船屋里，密码是7281。"
+    talk = await long_conversation(proxy, upstream, fact=fact)
+    received, headers = await talk.exchange([user("储物柜的密码是多少？")], Reply(content="7281"))
+    [block] = block_of(received.messages)
+    assert fact in block["content"] and int(headers["x-memproxy-recalled"]) >= 1
+    assert not any("7281" in str(m.get("content")) for m in received.messages if m is not block)
+    found = await api_for(http, proxy).post("/sessions/s1/search", json={"query": "船屋"})
+    assert [(h["position"], h["matched"]) for h in found["data"]] == [(0, ["船屋"])]
+
+
 async def test_the_summary_a_request_folds_for_itself_goes_with_what_recall_finds(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
 ) -> None:

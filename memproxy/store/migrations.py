@@ -14,14 +14,14 @@ from typing import Literal
 Dialect = Literal["sqlite", "postgres"]
 # The migrations after whose statements each backend fills, in the same transaction, the search
 # text and recall lines of the messages that lack them (`memproxy.store.sql.recall.backfill_recall`):
-# the one that made the index, and `<number>_recall_repair` (numbered in each dialect's order) for
-# what earlier releases left short.
+# the one that made the index, and each `<number>_..._recall_repair` (numbered in each dialect's
+# order) for what earlier releases left short or indexed otherwise.
 BACKFILL_SEARCH = "0009_recall"
 REPAIR_RECALL = "recall_repair"
 
 
 def fills_recall(migration_id: str) -> bool:
-    return migration_id == BACKFILL_SEARCH or migration_id.partition("_")[2] == REPAIR_RECALL
+    return migration_id == BACKFILL_SEARCH or migration_id.endswith("_" + REPAIR_RECALL)
 
 
 def newer_than_known(applied: set[str], dialect: Dialect) -> str | None:

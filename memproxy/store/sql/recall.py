@@ -414,10 +414,11 @@ _LINE_BREAKS = ("\n", "\r", "\t", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85"
 def backfill_recall(fts: bool) -> Script[None]:
     """The search text and recall lines of messages that lack them, in a migration's transaction
     (`memproxy.store.migrations.fills_recall`): every message stored before the index existed
-    (`0009_recall`); then, once more (`<number>_recall_repair`), what earlier releases left short:
+    (`0009_recall`); then, at each `<number>_..._recall_repair`, what earlier releases left short:
     a `recall_text` missing (a store migrated by `0009_recall` as first released, with no such
     column) or spanning lines (stored before lines were made one line), a `search_text` missing
-    (written by a release before `0009_recall` that kept serving after another migrated). Their
+    (written by a release before `0009_recall` that kept serving after another migrated, or set
+    aside by the repair for being indexed otherwise before: `cjk_recall_repair`). Their
     `recall_tokens` become null (counted when recalled); `fts`: SQLite's FTS5 table, which its
     triggers fill only as rows are inserted, gets each active message given its search text."""
     stale = " OR ".join(["recall_text IS NULL", "search_text IS NULL", *(["recall_text LIKE ?"] * len(_LINE_BREAKS))])
