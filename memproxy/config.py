@@ -100,10 +100,29 @@ def _lower(value: Any) -> Any:
 
 
 # A web origin as browsers send it (scheme, host and port, nothing after), or "*" for any.
-Origin = Annotated[str, BeforeValidator(_lower),
-                   Field(strict=True, pattern=r"^(\*|[a-z][a-z0-9+.-]*://[^/\s?#@]+)$")]
+_ORIGIN = r"^(\*|[a-z][a-z0-9+.-]*://[^/\s?#@]+)$"
+Origin = Annotated[str, BeforeValidator(_lower), Field(strict=True, pattern=_ORIGIN)]
 # A host name a request may name in its Host header (no port).
-HostName = Annotated[str, BeforeValidator(_lower), Field(strict=True, pattern=r"^[^\s/:@]+$")]
+_HOST_NAME = r"^[^\s/:@]+$"
+HostName = Annotated[str, BeforeValidator(_lower), Field(strict=True, pattern=_HOST_NAME)]
+# An HTTP header's name (a token, RFC 9110) and a value a header can carry (no line break or
+# other control character but tab).
+_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+_HEADER_VALUE = r"^[^\x00-\x08\x0a-\x1f\x7f]*$"
+HeaderName = Annotated[str, Field(strict=True, pattern=_HEADER_NAME)]
+HeaderValue = Annotated[str, BeforeValidator(_text), Field(strict=True, pattern=_HEADER_VALUE)]
+_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]{0,62}$"
+# What a value that does not match each pattern must be, in the error.
+_PATTERNS = {
+    _ORIGIN: 'must be an origin (scheme://host[:port], nothing after) or "*"',
+    _HOST_NAME: "must be a host name (no scheme, port or path)",
+    _HEADER_NAME: "must be an HTTP header name (letters, digits and !#$%&'*+.^_`|~-)",
+    _HEADER_VALUE: "must hold no line break or other control character",
+    _IDENTIFIER: "must be a plain identifier (letters, digits, _)",
+}
+# Headers memproxy or HTTP itself sets on a provider request: not for `models[].headers`.
+MANAGED_HEADERS = frozenset({"authorization", "content-type", "content-length", "host", "transfer-encoding",
+                             "connection"})
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -143,7 +162,7 @@ class StorageConfig:
     lock_timeout_ms: Count = 2000  # a write waiting for a row another connection has locked
     idle_in_transaction_timeout_ms: Count = 10000  # the server ends a write transaction left idle this long
     # PostgreSQL: tables live in this schema (created if missing)
-    schema: Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")] | None = None
+    schema: Annotated[Text, Field(pattern=_IDENTIFIER)] | None = None
     # A chat turn the store fails to plan: 503 store_unavailable, or forwarded without memory.
     on_failure: StoreFailurePolicy = "error"
     # Recently served sessions' decoded histories kept between turns, at most this many MiB (0: off).
@@ -168,6 +187,29 @@ class ModelConfig:
     timeout_seconds: Positive = 600.0
     transport: Transport = "litellm"
     responses_api: ResponsesApi = "bridge"
+    # Sent with every request to the provider for this model, on either transport (a gateway's own
+    # key or route, OpenRouter's HTTP-Referer); never logged.
+    headers: dict[HeaderName, HeaderValue] = field(default_factory=dict)
+
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _none_is_none(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("headers")
+    @classmethod
+    def _unmanaged(cls, value: dict[str, str]) -> dict[str, str]:
+        seen: set[str] = set()
+        for name in value:
+            lower = name.lower()
+            if lower == "authorization":
+                raise ValueError("Authorization is memproxy's to set: put the provider key in api_key")
+            if lower in MANAGED_HEADERS:
+                raise ValueError(f"{name} is set by memproxy and HTTP, not by configuration")
+            if lower in seen:
+                raise ValueError(f"{name} is listed twice (header names are case-insensitive)")
+            seen.add(lower)
+        return value
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -392,7 +434,7 @@ def _why(kind: str, value: Any, ctx: dict[str, Any]) -> str:
     if kind in ("string_too_short", "too_short"):
         return "is required" if ctx.get("min_length") == 1 else f"must be at least {ctx['min_length']} characters"
     if kind == "string_pattern_mismatch":
-        return "must be a plain identifier (letters, digits, _)"
+        return _PATTERNS.get(ctx.get("pattern", ""), "is not valid")
     if kind == "literal_error":
         return f"must be one of {str(ctx['expected']).replace(chr(39), '').replace(' or ', ', ')}"
     if kind == "greater_than_equal":

@@ -473,10 +473,12 @@ class Provider:
         client = self._sdk_clients.get(model.name)
         if client is None:
             # The OpenAI SDK's client, as litellm would make it, without its retries. A provider
-            # that wants no key still gets one: the SDK refuses to start without.
+            # that wants no key still gets one: the SDK refuses to start without. The model's own
+            # headers are the client's: litellm's moderation call passes on no `extra_headers`.
             sdk: Any = importlib.import_module("openai")  # litellm's own dependency, loaded with it
             client = sdk.AsyncOpenAI(api_key=model.api_key or os.environ.get("OPENAI_API_KEY") or "none",
-                                        base_url=model.api_base, max_retries=0, timeout=model.timeout_seconds)
+                                     base_url=model.api_base, max_retries=0, timeout=model.timeout_seconds,
+                                     default_headers=dict(model.headers) or None)
             self._sdk_clients[model.name] = client
         return client
 
@@ -717,12 +719,15 @@ def litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[
 
 
 def _target(model: ModelConfig) -> dict[str, Any]:
-    """Where and how litellm calls the model: its provider name, endpoint, key and timeout."""
+    """Where and how litellm calls the model: its provider name, endpoint, key, timeout and the
+    model's own headers (`models[].headers`; a client's `extra_headers` never reach here)."""
     target: dict[str, Any] = {"model": model.model, "timeout": model.timeout_seconds}
     if model.api_base:
         target["api_base"] = model.api_base
     if model.api_key:
         target["api_key"] = model.api_key
+    if model.headers:
+        target["extra_headers"] = dict(model.headers)
     return target
 
 

@@ -195,7 +195,7 @@ class OpenAIUpstream:
         base = model.api_base or os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE") \
             or DEFAULT_BASE
         key = model.api_key if model.api_key is not None else os.environ.get("OPENAI_API_KEY")
-        headers = {}
+        headers = dict(model.headers)  # the model's own (`models[].headers`), none of them managed below
         if key:
             headers["Authorization"] = f"Bearer {key}"
         data: bytes | aiohttp.FormData

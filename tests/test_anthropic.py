@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import openai
@@ -116,6 +117,21 @@ async def test_conversation_with_memory_reaches_anthropic_in_its_own_format(
         user("When was I born?"), {"role": "assistant", "content": "Ada, born 1815."},
         user("And where?"), {"role": "assistant", "content": "London."},
     ]
+
+
+async def test_a_models_own_headers_reach_anthropic(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic
+) -> None:
+    config = claude_config(storage, anthropic)
+    config = replace(config, models=(replace(config.models[0], headers={"anthropic-beta": "context-1m-2025-08-07",
+                                                                        "X-Gateway-Key": "gw-secret-1"}),))
+    proxy: Proxy = await start_proxy(config)
+    anthropic.enqueue(Reply(text="Hello."))
+    await ask(proxy.client("s1"), user("Hi."))
+    [received] = anthropic.chat_requests()
+    headers = {k.lower(): v for k, v in received.headers.items()}
+    assert (headers["anthropic-beta"], headers["x-gateway-key"]) == ("context-1m-2025-08-07", "gw-secret-1")
+    assert headers["x-api-key"] == UPSTREAM_KEY
 
 
 async def test_usage_is_anthropics_translated(

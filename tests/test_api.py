@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from conftest import OTHER_KEY, PROXY_KEY, Proxy, replace_model
 from db import rows
 from fake_upstream import FakeUpstream, Reply
 from helpers import complete
@@ -295,6 +295,28 @@ async def test_proxy_key_is_never_forwarded(
         everything = json.dumps(received.headers) + json.dumps(received.body)
         assert key not in everything
         assert "X-Session-Id".lower() not in headers  # memory headers stay at the proxy
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_models_own_headers_go_upstream_and_a_clients_never_do(
+    start_proxy: Any, config: Config, upstream: FakeUpstream, stream: bool
+) -> None:
+    mine = {"HTTP-Referer": "https://app.example", "X-Gateway-Key": "gw-secret-1"}
+    proxy = await start_proxy(replace_model(config, headers=mine))
+    client = proxy.client(session="s1", **{"X-Client-Header": "from-the-client"})
+    for model in ("small", "big"):
+        response = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], stream=stream,
+            extra_headers={"X-Gateway-Key": "the-clients-own"}, extra_body={"extra_headers": {"X-Evil": "1"}})
+        if stream:
+            async for _ in response:  # type: ignore[union-attr]
+                pass
+    small, big = ({k.lower(): v for k, v in r.headers.items()} for r in upstream.chat_requests())
+    assert (small["http-referer"], small["x-gateway-key"]) == ("https://app.example", "gw-secret-1")
+    assert small["authorization"] == big["authorization"] == "Bearer upstream-secret"
+    assert not {"http-referer", "x-gateway-key"} & set(big)  # another model's are its own
+    for headers in (small, big):
+        assert not {"x-client-header", "x-evil"} & set(headers)
 
 
 # --- streaming ------------------------------------------------------------------------------------

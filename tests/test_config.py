@@ -133,11 +133,21 @@ def test_every_config_key_is_documented_in_the_example() -> None:
     ("server: {port: true}", "server.port", "must be an integer"),
     ("models: [{name: [a], model: m}]", "models[0].name", "must be a string"),
     ("[1, 2]", "<root>", "must be a mapping"),
+    ("server: {cors_origins: ['https://a.example/path']}", "server.cors_origins[0]", "must be an origin"),
+    ("server: {allowed_hosts: ['a.example:80']}", "server.allowed_hosts[0]", "must be a host name"),
+    ("models: [{name: a, model: m, headers: [X-A]}]", "models[0].headers", "must be a mapping"),
+    ("models: [{name: a, model: m, headers: {'X A': b}}]", "models[0].headers.X A.[key]", "HTTP header name"),
+    ("models: [{name: a, model: m, headers: {X-A: \"s3cr3t\\r\\nX-B: v\"}}]", "models[0].headers.X-A",
+     "no line break"),
+    ("models: [{name: a, model: m, headers: {authorization: Bearer x}}]", "models[0].headers", "in api_key"),
+    ("models: [{name: a, model: m, headers: {Content-Length: '9'}}]", "models[0].headers", "set by memproxy"),
+    ("models: [{name: a, model: m, headers: {X-A: b, x-a: c}}]", "models[0].headers", "listed twice"),
 ])
 def test_every_check_names_its_key(text: str, key: str, why: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(text, {})
     assert (caught.value.key, why in caught.value.why) == (key, True), str(caught.value)
+    assert "s3cr3t" not in str(caught.value) and "Bearer" not in str(caught.value)  # a header's value is never quoted
 
 
 def test_lenient_yaml_forms_and_empty_values_take_defaults() -> None:

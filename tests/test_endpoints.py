@@ -232,6 +232,33 @@ def call_each(client: openai.AsyncOpenAI, model: str = "small") -> list[Any]:
     ]
 
 
+async def test_a_models_own_headers_go_with_every_endpoints_request(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    headers = {"HTTP-Referer": "https://app.example", "X-Gateway-Key": "gw-secret-1"}
+    proxy = await start_proxy(replace(config, models=tuple(
+        replace(m, headers=headers) if m.name == "small" else m for m in config.models)))
+    for call in call_each(proxy.client(session=None), "small"):
+        response = await call
+        if isinstance(response, openai.AsyncStream):
+            async for _ in response:
+                pass
+    for call in call_each(proxy.client(session=None), "big"):  # a model without headers of its own
+        response = await call
+        if isinstance(response, openai.AsyncStream):
+            async for _ in response:
+                pass
+    sent = [(r.body.get("model") if isinstance(r.body, dict) else r.body["model"], r) for r in upstream.received]
+    assert len(sent) == 14
+    for model, received in sent:
+        assert_upstream_key(received)
+        lower = {k.lower(): v for k, v in received.headers.items()}
+        mine = {k.lower(): v for k, v in headers.items()}
+        if model == "small":
+            assert {k: lower.get(k) for k in mine} == mine, received.path
+        else:
+            assert not set(mine) & set(lower), received.path
+
+
 async def test_a_wrong_key_is_refused_before_anything_goes_upstream(proxy: Proxy, upstream: FakeUpstream) -> None:
     for call in call_each(proxy.client(session=None, key="not-a-key")):
         with pytest.raises(openai.AuthenticationError) as caught:

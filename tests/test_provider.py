@@ -124,6 +124,26 @@ def test_the_readme_provider_configs_start_offline() -> None:
     assert asked == {"claude": 4096, "gemini": None, "azure-gpt-4o": None, "llama": None, "qwen": None}
 
 
+# The README's example of a model's own headers ("A model's own headers"), checked word for word.
+HEADERS_EXAMPLE = """\
+  - name: openrouter-claude
+    model: openrouter/anthropic/claude-sonnet-4.5
+    api_key: ${OPENROUTER_API_KEY}
+    headers: {HTTP-Referer: "https://my.app", X-Title: My App}
+"""
+
+
+def test_the_readme_headers_example_starts_offline_and_sends_its_headers() -> None:
+    assert HEADERS_EXAMPLE in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    config = parse_config("models:\n" + HEADERS_EXAMPLE, {"OPENROUTER_API_KEY": "or-x"})
+    assert provider_problems(config) == []
+    [model] = config.models
+    provider = Provider(config)
+    assert provider.window(model) > 0
+    assert provider._kwargs(model, [MESSAGE], {})["extra_headers"] == {"HTTP-Referer": "https://my.app",
+                                                                        "X-Title": "My App"}
+
+
 def test_a_tokenizer_litellm_downloads_is_loaded_before_the_first_request(tmp_path: Path) -> None:
     """litellm counts a Llama 3 model's tokens with a Hugging Face tokenizer it downloads on first
     use, blocking (with retries, ~25 s where there is no network): the provider asks for it as it

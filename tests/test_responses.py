@@ -143,6 +143,18 @@ async def test_a_session_header_gives_responses_memory(proxy: Proxy, wire: Upstr
         "My name is Ada.", "Hello Ada.", "What is my name?", "You are Ada."]
 
 
+async def test_a_models_own_headers_reach_its_provider_on_either_wire(
+        start_proxy: Any, config: Config, wire: Upstream) -> None:
+    mine = {"HTTP-Referer": "https://app.example", "X-Gateway-Key": "gw-secret-1"}
+    proxy = await start_proxy(replace(config, models=tuple(replace(m, headers=mine) for m in config.models)))
+    wire.enqueue(Reply(content="Hello."))
+    await proxy.client("resp-headers").responses.create(model=wire.model, input="hi")
+    [received] = wire.fake.received
+    headers = {k.lower(): v for k, v in received.headers.items()}
+    assert (headers["http-referer"], headers["x-gateway-key"]) == ("https://app.example", "gw-secret-1")
+    assert headers["authorization"] == "Bearer upstream-secret"
+
+
 async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy: Proxy, upstream: FakeUpstream) -> None:
     """Through the bridge to a chat-completions provider, the Responses parameters that chat
     completions take as well arrive, under their chat names."""
