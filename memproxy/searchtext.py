@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,19 +23,28 @@ MAX_INDEXED_CHARS = 32_000
 # The most words a question is looked up by: the later ones of a long message add little.
 MAX_QUERY_WORDS = 24
 # Scripts written without spaces between words: Han (Chinese characters, Japanese kanji), kana,
-# and Hangul, whose spaces separate phrases of a word and its particles. A run of them is indexed
-# and looked up as its overlapping pairs of characters ("长城很好" as 长城, 城很, 很好), as Lucene's
-# CJK analyzer does: without a dictionary, the pairs find a word of two characters or more inside
-# any run that holds it, where the whole run as one word found only the same sentence again.
-# Other scripts without spaces (Thai, Lao, Khmer, Burmese) are read as runs of letters, as before.
-CJK = ("\u1100-\u11ff\u3005\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f"
-       "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")
+# Hangul (whose spaces separate phrases of a word and its particles), Thai, Lao, Burmese and Khmer.
+# A run of them is indexed and looked up as its overlapping pairs of characters ("长城很好" as 长城,
+# 城很, 很好), as Lucene's CJK analyzer does: without a dictionary, the pairs find a word of two
+# characters or more inside any run that holds it, where the whole run as one word found only the
+# same sentence again. (A run here includes the vowel signs and tone marks of the Southeast Asian
+# scripts, which a run of letters, `_WORD`, breaks at.)
+UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1100-\u11ff\u1780-\u17ff\u3005\u3040-\u30ff\u3130-\u318f"
+            "\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f"
+            "\U00020000-\U0003134f")
 # A store may put the session's key before each word (`key_word`): `_` cannot be part of a word.
 _WORD = re.compile(r"[^\W_]+")
-_WORD_OR_CJK = re.compile(f"([{CJK}]+)|[^\\W_{CJK}]+")  # a word, or a run of those scripts (group 1)
-_CJK_CHAR = re.compile(f"[{CJK}]")
+_WORD_OR_UNSPACED = re.compile(f"([{UNSPACED}]+)|[^\\W_{UNSPACED}]+")  # a word, or such a run (group 1)
+_UNSPACED_CHAR = re.compile(f"[{UNSPACED}]")
+# The vowel signs and tone marks of those scripts (combining marks: Thai, Lao, Burmese, Khmer, and
+# kana's separate voicing marks). SQLite's FTS5 tokenizer splits a word at each, so a pair holding
+# one would be indexed as a piece of itself: they are left out of a run before it is paired
+# ("กรุงเทพ" as กร, รง, งเ, เท, ทพ), in a message and in a question alike.
+_MARKS = re.compile("[{}]".format("".join(
+    chr(c) for lo, hi in ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3099, 0x309A))
+    for c in range(lo, hi + 1) if unicodedata.category(chr(c)).startswith("M"))))
 # The longest word indexed or looked up. PostgreSQL refuses a lexeme of 2,048 bytes or more (a
-# whole message's write would fail on one long hex token or 700 Thai letters without a break),
+# whole message's write would fail on one long hex token or 700 Devanagari letters without a break),
 # and a run of letters that long (a key, a hash, base64) is nothing anyone searches by.
 MAX_WORD_CHARS = 200
 
@@ -146,20 +156,21 @@ def keyed(key: str, words: list[str]) -> str:
 
 def words_of(text: str) -> list[str]:
     """A text's words, lower-cased, in order: runs of letters and digits, each run of a script
-    written without spaces (`CJK`) as its overlapping pairs of characters (one character alone
-    as itself), where it meets a letter of another script too ("iPhone手机" is iphone, 手机)."""
+    written without spaces (`UNSPACED`) as its overlapping pairs of characters, its combining marks
+    left out (`_MARKS`; one character alone as itself), where it meets a letter of another script
+    too ("iPhone手机" is iphone, 手机)."""
     text = text.lower()
-    if text.isascii() or not _CJK_CHAR.search(text):  # most text: one pass, as fast as before
+    if text.isascii() or not _UNSPACED_CHAR.search(text):  # most text: one pass, as fast as before
         return _WORD.findall(text)
     words: list[str] = []
-    for match in _WORD_OR_CJK.finditer(text):
+    for match in _WORD_OR_UNSPACED.finditer(text):
         run = match.group(1)
         if run is None:
             words.append(match.group())
-        elif len(run) < 3:
-            words.append(run)
-        else:
-            words += [run[i : i + 2] for i in range(len(run) - 1)]
+            continue
+        run = _MARKS.sub("", run)
+        if run:
+            words += [run] if len(run) < 3 else [run[i : i + 2] for i in range(len(run) - 1)]
     return words
 
 
@@ -167,7 +178,7 @@ def query_words(text: str) -> list[str]:
     """The distinct words a question is looked up by, in order, without function words."""
     seen: dict[str, None] = {}
     for word in words_of(text):
-        if (word not in STOPWORDS and (len(word) > 1 or word.isdigit() or _CJK_CHAR.match(word))
+        if (word not in STOPWORDS and (len(word) > 1 or word.isdigit() or _UNSPACED_CHAR.match(word))
                 and len(word) <= MAX_WORD_CHARS):
             seen.setdefault(word, None)
     return list(seen)[:MAX_QUERY_WORDS]

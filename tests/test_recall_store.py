@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import Message
-from memproxy.searchtext import CJK, date_words, keyed, query_words, recall_line
+from memproxy.searchtext import UNSPACED, date_words, keyed, query_words, recall_line
 from memproxy.config import ConfigError, MemoryConfig
 from memproxy.memory.shrink import new_message
 from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
@@ -392,32 +392,34 @@ async def test_search_is_scoped_by_tenant_and_session(store: Store) -> None:
 
 
 async def test_a_message_with_a_word_too_long_to_index_is_stored_and_found_by_the_others(store: Store) -> None:
-    # PostgreSQL refuses a lexeme of 2,048 bytes: one hex token or a Thai run without a break
-    # would fail the whole turn's write there. Such words are neither indexed nor looked up.
-    hexes, thai = "ab12" * 750, "\u0e01" * 800
-    text = f"the lighthouse key {hexes} and {thai}"
-    one = await say(store, "s1", [user(text), assistant(thai)])
-    assert [m.body["content"] for m in await store.active_range(one, 0, 2)] == [text, thai]
-    words = query_words(f"lighthouse {hexes} {thai}")
+    # PostgreSQL refuses a lexeme of 2,048 bytes: one hex token or a Devanagari run without a
+    # break would fail the whole turn's write there. Such words are neither indexed nor looked up.
+    hexes, indic = "ab12" * 750, "\u0915" * 800
+    text = f"the lighthouse key {hexes} and {indic}"
+    one = await say(store, "s1", [user(text), assistant(indic)])
+    assert [m.body["content"] for m in await store.active_range(one, 0, 2)] == [text, indic]
+    words = query_words(f"lighthouse {hexes} {indic}")
     assert words == ["lighthouse"]
     [hit] = await store.search("t", words, 10)
     assert (hit.session_id, hit.seq) == ("s1", 0)
 
 
-CJK_TURNS = [
+UNSPACED_TURNS = [
     [user("我上周去了北京看长城，天气很好"), assistant("听起来很棒！")],
     [user("東京でラーメンを食べました"), assistant("いいですね")],
     [user("저는 어제 부산에 갔어요"), assistant("좋아요")],
+    [user("เมื่อวานฉันไปกรุงเทพ"), assistant("ดีมาก")],
 ]
 
 
 async def test_a_word_inside_text_written_without_spaces_is_found(store: Store) -> None:
-    """Chinese, Japanese and Korean run words together: each run is indexed as its pairs of
+    """Chinese, Japanese, Korean and Thai run words together: each run is indexed as its pairs of
     characters, so a question finds a word inside a sentence (indexed as one word, a run was
     found only by the same run: never by a question)."""
-    for messages in CJK_TURNS:
+    for messages in UNSPACED_TURNS:
         session = await say(store, "s", messages)
-    for question, seq in [("我们什么时候去了长城？", 0), ("北京", 0), ("ラーメンはどこ", 2), ("부산", 4), ("부산에서", 4)]:
+    for question, seq in [("我们什么时候去了长城？", 0), ("北京", 0), ("ラーメンはどこ", 2), ("부산", 4), ("부산에서", 4),
+                          ("กรุงเทพ", 6)]:
         hits = await store.search("t", query_words(question), 10)
         assert [h.seq for h in hits][:1] == [seq], question
     assert (await store.recall_postings(session, query_words("长城"), session.length)).words == [{"s": [0]}]
@@ -429,12 +431,12 @@ async def test_text_without_spaces_indexed_whole_by_an_earlier_release_is_indexe
     """A store written before such text was read as pairs of characters: the repair migration
     indexes each of its messages again (and nothing else), on both stores."""
     store = await backend.open()
-    for messages in CJK_TURNS:
+    for messages in UNSPACED_TURNS:
         session = await say(store, "s", messages)
     session = await say(store, "s", [user("the lighthouse"), assistant("north")])
     await store.close()
     rows = await backend.query("SELECT seq, search_text, body, created_at FROM messages ORDER BY seq")
-    english = {seq: text for seq, text, _, _ in rows if seq >= 6}
+    english = {seq: text for seq, text, _, _ in rows if seq >= 8}
     for seq, text, body, created_at in rows:  # as earlier releases wrote them: each run one word
         key = text.partition("_")[0]
         whole = keyed(key, re.findall(r"[^\W_]+", f"{json.loads(body)['content']} {date_words(created_at)}".lower()))
@@ -446,15 +448,16 @@ async def test_text_without_spaces_indexed_whole_by_an_earlier_release_is_indexe
                                 rowid, text)
             await backend.query("INSERT INTO messages_fts (rowid, search_text) VALUES (?, ?)", rowid, whole)
         await backend.query("UPDATE messages SET search_text = ? WHERE seq = ?", whole, seq)
-    await backend.query("DELETE FROM schema_migrations WHERE id LIKE '%cjk_recall_repair'")
+    await backend.query("DELETE FROM schema_migrations WHERE id LIKE '%unspaced_recall_repair'")
 
     store = await backend.open()
     try:
         assert [h.seq for h in await store.search("t", query_words("长城"), 10)] == [0]
         assert [h.seq for h in await store.search("t", query_words("부산"), 10)] == [4]
-        assert [h.seq for h in await store.search("t", ["lighthouse"], 10)] == [6]
-        assert await indexed(backend, "t") == {("s", seq) for seq in range(8)}
-        assert {seq: text for seq, text in await backend.query("SELECT seq, search_text FROM messages WHERE seq >= 6")} \
+        assert [h.seq for h in await store.search("t", query_words("กรุงเทพ"), 10)] == [6]
+        assert [h.seq for h in await store.search("t", ["lighthouse"], 10)] == [8]
+        assert await indexed(backend, "t") == {("s", seq) for seq in range(10)}
+        assert {seq: text for seq, text in await backend.query("SELECT seq, search_text FROM messages WHERE seq >= 8")} \
             == english
     finally:
         await store.close()
@@ -462,11 +465,11 @@ async def test_text_without_spaces_indexed_whole_by_an_earlier_release_is_indexe
 
 def test_the_repair_migrations_know_the_scripts_searchtext_reads_as_pairs() -> None:
     sqlite, postgres = (dict(sqlite_migrations.migrations(d)) for d in ("sqlite", "postgres"))
-    assert sqlite_migrations.fills_recall("0015_cjk_recall_repair") and "0016_cjk_recall_repair" in postgres
-    assert f"~ '[{CJK}]'" in postgres["0016_cjk_recall_repair"]
+    assert sqlite_migrations.fills_recall("0015_unspaced_recall_repair") and "0016_unspaced_recall_repair" in postgres
+    assert f"~ '[{UNSPACED}]'" in postgres["0016_unspaced_recall_repair"]
     # SQLite's picks each character of those scripts by the byte its UTF-8 starts with.
-    leads = {int(b, 16) for b in re.findall(r"x'([0-9A-F]{2})'", sqlite["0015_cjk_recall_repair"])}
-    ranges = re.findall(r"(.)-(.)|(.)", CJK)
+    leads = {int(b, 16) for b in re.findall(r"x'([0-9A-F]{2})'", sqlite["0015_unspaced_recall_repair"])}
+    ranges = re.findall(r"(.)-(.)|(.)", UNSPACED)
     points = [p for lo, hi, one in ranges for p in (range(ord(lo), ord(hi) + 1) if lo else [ord(one)])]
     assert len(points) > 100_000 and {chr(p).encode()[0] for p in points} <= leads
 
