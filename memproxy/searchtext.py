@@ -27,22 +27,38 @@ MAX_QUERY_WORDS = 24
 # A run of them is indexed and looked up as its overlapping pairs of characters ("长城很好" as 长城,
 # 城很, 很好), as Lucene's CJK analyzer does: without a dictionary, the pairs find a word of two
 # characters or more inside any run that holds it, where the whole run as one word found only the
-# same sentence again. (A run here includes the vowel signs and tone marks of the Southeast Asian
-# scripts, which a run of letters, `_WORD`, breaks at.)
+# same sentence again.
 UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1100-\u11ff\u1780-\u17ff\u3005\u3040-\u30ff\u3130-\u318f"
             "\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f"
             "\U00020000-\U0003134f")
+
+
+def _ranges(codes: list[int]) -> str:
+    """Ascending code points as a regular expression's character ranges."""
+    spans: list[list[int]] = []
+    for c in codes:
+        if spans and spans[-1][1] == c - 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return "".join(chr(lo) if lo == hi else f"{chr(lo)}-{chr(hi)}" for lo, hi in spans)
+
+
+# Combining marks (vowel signs, tone marks, vowel points, a decomposed accent) are left out of every
+# word and run, in a message and in a question alike: a run of letters (`_WORD`) broke a word at
+# each ("दिल्ली" was द, ल, ल), SQLite's FTS5 tokenizer splits a word at each too, and most text
+# omits Hebrew's and Arabic's vowel points anyway ("दिल्ली" as दलल, "กรุงเทพ" as กร, รง, งเ, เท,
+# ทพ, "مَرْحَبًا" as مرحبا; a Latin accent the stores fold away themselves). Words that differ only
+# by their marks are then one word: a question finds both. These are every combining mark of the
+# Basic Multilingual Plane (1,336 in Python 3.11's Unicode 14).
+MARKS = _ranges([c for c in range(0x0300, 0x10000) if unicodedata.category(chr(c))[0] == "M"])
+_MARKS = re.compile(f"[{MARKS}]")
 # A store may put the session's key before each word (`key_word`): `_` cannot be part of a word.
-_WORD = re.compile(r"[^\W_]+")
-_WORD_OR_UNSPACED = re.compile(f"([{UNSPACED}]+)|[^\\W_{UNSPACED}]+")  # a word, or such a run (group 1)
+_WORD = re.compile(r"[^\W_]+")  # text with neither those scripts nor combining marks (most text)
+_WORD_OR_UNSPACED = re.compile(  # a run of those scripts (group 1), or a word; their marks in them
+    f"([{UNSPACED}][{UNSPACED}{MARKS}]*)|[^\\W_{UNSPACED}{MARKS}][^\\W_{UNSPACED}]*(?:[{MARKS}]+[^\\W_{UNSPACED}]*)*")
+_SPECIAL = re.compile(f"[{UNSPACED}{MARKS}]")
 _UNSPACED_CHAR = re.compile(f"[{UNSPACED}]")
-# The vowel signs and tone marks of those scripts (combining marks: Thai, Lao, Burmese, Khmer, and
-# kana's separate voicing marks). SQLite's FTS5 tokenizer splits a word at each, so a pair holding
-# one would be indexed as a piece of itself: they are left out of a run before it is paired
-# ("กรุงเทพ" as กร, รง, งเ, เท, ทพ), in a message and in a question alike.
-_MARKS = re.compile("[{}]".format("".join(
-    chr(c) for lo, hi in ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3099, 0x309A))
-    for c in range(lo, hi + 1) if unicodedata.category(chr(c)).startswith("M"))))
 # The longest word indexed or looked up. PostgreSQL refuses a lexeme of 2,048 bytes or more (a
 # whole message's write would fail on one long hex token or 700 Devanagari letters without a break),
 # and a run of letters that long (a key, a hash, base64) is nothing anyone searches by.
@@ -156,17 +172,19 @@ def keyed(key: str, words: list[str]) -> str:
 
 def words_of(text: str) -> list[str]:
     """A text's words, lower-cased, in order: runs of letters and digits, each run of a script
-    written without spaces (`UNSPACED`) as its overlapping pairs of characters, its combining marks
-    left out (`_MARKS`; one character alone as itself), where it meets a letter of another script
-    too ("iPhone手机" is iphone, 手机)."""
+    written without spaces (`UNSPACED`) as its overlapping pairs of characters (one character alone
+    as itself), where it meets a letter of another script too ("iPhone手机" is iphone, 手机); its
+    combining marks left out (`MARKS`)."""
     text = text.lower()
-    if text.isascii() or not _UNSPACED_CHAR.search(text):  # most text: one pass, as fast as before
+    if text.isascii() or not _SPECIAL.search(text):  # most text: one pass, as fast as before
         return _WORD.findall(text)
     words: list[str] = []
     for match in _WORD_OR_UNSPACED.finditer(text):
         run = match.group(1)
         if run is None:
-            words.append(match.group())
+            word = _MARKS.sub("", match.group())
+            if word:
+                words.append(word)
             continue
         run = _MARKS.sub("", run)
         if run:

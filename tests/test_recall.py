@@ -403,6 +403,7 @@ def test_text_without_spaces_is_read_as_pairs_of_characters_on_both_sides() -> N
     assert words_of("iPhone手机, 中 and ラーメン!") == ["iphone", "手机", "中", "and", "ラー", "ーメ", "メン"]
     assert words_of("부산에 갔어요") == ["부산", "산에", "갔어", "어요"]
     assert words_of("ไปกรุงเทพ") == ["ไป", "ปก", "กร", "รง", "งเ", "เท", "ทพ"]  # vowel signs left out
+    assert words_of("दिल्ली, مَرْحَبًا, cafe\u0301") == ["दलल", "مرحبا", "cafe"]  # marks left out of any word
     assert words_of("Ünïcode café_2026") == ["ünïcode", "café", "2026"]  # other text as before
     assert query_words("猫？") == ["猫"]  # one character is a word here
     assert "长城" in message_words(user("我去了长城"), 0) and matched_words(["长城", "北京"], user("我去了长城"), 0) == ["长城"]

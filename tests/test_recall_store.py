@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.messages import Message
-from memproxy.searchtext import UNSPACED, date_words, keyed, query_words, recall_line
+from memproxy.searchtext import MARKS, UNSPACED, date_words, keyed, query_words, recall_line
 from memproxy.config import ConfigError, MemoryConfig
 from memproxy.memory.shrink import new_message
 from memproxy.store import Postings, RecalledMessage, SentContext, SessionState, Store, TurnRecord
@@ -409,34 +409,37 @@ UNSPACED_TURNS = [
     [user("東京でラーメンを食べました"), assistant("いいですね")],
     [user("저는 어제 부산에 갔어요"), assistant("좋아요")],
     [user("เมื่อวานฉันไปกรุงเทพ"), assistant("ดีมาก")],
+    [user("मैं कल दिल्ली गया था"), assistant("बहुत बढ़िया")],
+    [user("زرتُ القاهرةَ"), assistant("رائع")],
 ]
 
 
-async def test_a_word_inside_text_written_without_spaces_is_found(store: Store) -> None:
+async def test_a_word_in_another_script_is_found(store: Store) -> None:
     """Chinese, Japanese, Korean and Thai run words together: each run is indexed as its pairs of
     characters, so a question finds a word inside a sentence (indexed as one word, a run was
-    found only by the same run: never by a question)."""
+    found only by the same run: never by a question). A word with vowel signs or points is found
+    whole, with or without them (a run of letters broke it at each)."""
     for messages in UNSPACED_TURNS:
         session = await say(store, "s", messages)
     for question, seq in [("我们什么时候去了长城？", 0), ("北京", 0), ("ラーメンはどこ", 2), ("부산", 4), ("부산에서", 4),
-                          ("กรุงเทพ", 6)]:
+                          ("กรุงเทพ", 6), ("दिल्ली", 8), ("القاهرة", 10)]:
         hits = await store.search("t", query_words(question), 10)
         assert [h.seq for h in hits][:1] == [seq], question
     assert (await store.recall_postings(session, query_words("长城"), session.length)).words == [{"s": [0]}]
     assert (await store.recall_postings(session, query_words("食べました"), session.length)).words[0] == {"s": [2]}
 
 
-async def test_text_without_spaces_indexed_whole_by_an_earlier_release_is_indexed_again(
+async def test_words_in_other_scripts_indexed_by_an_earlier_release_are_indexed_again(
         backend: StoreUnderTest) -> None:
-    """A store written before such text was read as pairs of characters: the repair migration
-    indexes each of its messages again (and nothing else), on both stores."""
+    """A store written before runs were read as pairs of characters and marks left out: the repair
+    migration indexes each such message again (and nothing else), on both stores."""
     store = await backend.open()
     for messages in UNSPACED_TURNS:
         session = await say(store, "s", messages)
     session = await say(store, "s", [user("the lighthouse"), assistant("north")])
     await store.close()
     rows = await backend.query("SELECT seq, search_text, body, created_at FROM messages ORDER BY seq")
-    english = {seq: text for seq, text, _, _ in rows if seq >= 8}
+    english = {seq: text for seq, text, _, _ in rows if seq >= 12}
     for seq, text, body, created_at in rows:  # as earlier releases wrote them: each run one word
         key = text.partition("_")[0]
         whole = keyed(key, re.findall(r"[^\W_]+", f"{json.loads(body)['content']} {date_words(created_at)}".lower()))
@@ -448,30 +451,32 @@ async def test_text_without_spaces_indexed_whole_by_an_earlier_release_is_indexe
                                 rowid, text)
             await backend.query("INSERT INTO messages_fts (rowid, search_text) VALUES (?, ?)", rowid, whole)
         await backend.query("UPDATE messages SET search_text = ? WHERE seq = ?", whole, seq)
-    await backend.query("DELETE FROM schema_migrations WHERE id LIKE '%unspaced_recall_repair'")
+    await backend.query("DELETE FROM schema_migrations WHERE id LIKE '%scripts_recall_repair'")
 
     store = await backend.open()
     try:
         assert [h.seq for h in await store.search("t", query_words("长城"), 10)] == [0]
         assert [h.seq for h in await store.search("t", query_words("부산"), 10)] == [4]
         assert [h.seq for h in await store.search("t", query_words("กรุงเทพ"), 10)] == [6]
-        assert [h.seq for h in await store.search("t", ["lighthouse"], 10)] == [8]
-        assert await indexed(backend, "t") == {("s", seq) for seq in range(10)}
-        assert {seq: text for seq, text in await backend.query("SELECT seq, search_text FROM messages WHERE seq >= 8")} \
+        assert [h.seq for h in await store.search("t", query_words("दिल्ली"), 10)] == [8]
+        assert [h.seq for h in await store.search("t", query_words("القاهرة"), 10)] == [10]
+        assert [h.seq for h in await store.search("t", ["lighthouse"], 10)] == [12]
+        assert await indexed(backend, "t") == {("s", seq) for seq in range(14)}
+        assert {seq: text for seq, text in await backend.query("SELECT seq, search_text FROM messages WHERE seq >= 12")} \
             == english
     finally:
         await store.close()
 
 
-def test_the_repair_migrations_know_the_scripts_searchtext_reads_as_pairs() -> None:
+def test_the_repair_migrations_know_the_characters_searchtext_reads_anew() -> None:
     sqlite, postgres = (dict(sqlite_migrations.migrations(d)) for d in ("sqlite", "postgres"))
-    assert sqlite_migrations.fills_recall("0015_unspaced_recall_repair") and "0016_unspaced_recall_repair" in postgres
-    assert f"~ '[{UNSPACED}]'" in postgres["0016_unspaced_recall_repair"]
-    # SQLite's picks each character of those scripts by the byte its UTF-8 starts with.
-    leads = {int(b, 16) for b in re.findall(r"x'([0-9A-F]{2})'", sqlite["0015_unspaced_recall_repair"])}
-    ranges = re.findall(r"(.)-(.)|(.)", UNSPACED)
+    assert sqlite_migrations.fills_recall("0015_scripts_recall_repair") and "0016_scripts_recall_repair" in postgres
+    assert f"~ '[{UNSPACED}{MARKS}]'" in postgres["0016_scripts_recall_repair"]
+    # SQLite's picks each of those characters by the byte its UTF-8 starts with, but E2's.
+    leads = {int(b, 16) for b in re.findall(r"x'([0-9A-F]{2})'", sqlite["0015_scripts_recall_repair"])}
+    ranges = re.findall(r"(.)-(.)|(.)", UNSPACED + MARKS)
     points = [p for lo, hi, one in ranges for p in (range(ord(lo), ord(hi) + 1) if lo else [ord(one)])]
-    assert len(points) > 100_000 and {chr(p).encode()[0] for p in points} <= leads
+    assert len(points) > 100_000 and {chr(p).encode()[0] for p in points} - {0xE2} <= leads
 
 
 def words_of(n: int) -> str:

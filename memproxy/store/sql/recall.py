@@ -418,7 +418,7 @@ def backfill_recall(fts: bool) -> Script[None]:
     a `recall_text` missing (a store migrated by `0009_recall` as first released, with no such
     column) or spanning lines (stored before lines were made one line), a `search_text` missing
     (written by a release before `0009_recall` that kept serving after another migrated, or set
-    aside by the repair for being indexed otherwise before: `unspaced_recall_repair`). Their
+    aside by the repair for being indexed otherwise before: `scripts_recall_repair`). Their
     `recall_tokens` become null (counted when recalled); `fts`: SQLite's FTS5 table, which its
     triggers fill only as rows are inserted, gets each active message given its search text."""
     stale = " OR ".join(["recall_text IS NULL", "search_text IS NULL", *(["recall_text LIKE ?"] * len(_LINE_BREAKS))])
