@@ -105,6 +105,9 @@ _SHORT_CHARS = 2_000_000  # ...and this many characters (at most some 10 MB of f
 # in turn made every recall block encode its labels again (a third of its rendering time).
 _TINY_TEXT = 64
 _TINY_TEXTS = 65536  # at most a few MB
+# tiktoken's pre-tokenizer gives up on a run of about a million whitespace characters (its regex
+# engine's backtracking limit: "Max stack size exceeded"); such a text is encoded in pieces this long.
+_PIECE = 100_000
 
 
 def encoding_name_for(model: str) -> str:
@@ -132,7 +135,7 @@ class TiktokenCounter:
     def text(self, text: str) -> int:
         size = len(text)
         if size > _SHORT_TEXT:
-            return len(self.encoding.encode(text, disallowed_special=()))
+            return self._encoded(text)
         if size <= _TINY_TEXT:
             count = self._tiny.get(text)
             if count is None:
@@ -150,6 +153,15 @@ class TiktokenCounter:
                 self._short_chars -= len(oldest)
             count = short[text] = len(self.encoding.encode(text, disallowed_special=()))
         return count
+
+    def _encoded(self, text: str) -> int:
+        try:
+            return len(self.encoding.encode(text, disallowed_special=()))
+        except ValueError:
+            # Two pieces of a run of whitespace can count one token fewer than the run whole (as
+            # measured on both encodings): one more per piece, so the count errs high, never low.
+            return sum(len(self.encoding.encode(text[i:i + _PIECE], disallowed_special=())) + 1
+                       for i in range(0, len(text), _PIECE))
 
     def message(self, message: Message) -> int:
         total = TOKENS_PER_MESSAGE
