@@ -347,7 +347,9 @@ def _pillow_size(head: bytes) -> tuple[int, int] | None:
             warnings.simplefilter("ignore")  # a bomb, corrupt metadata: sized, never decoded
             with Image.open(io.BytesIO(head)) as image:
                 width, height = image.size
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except Exception:
+        # Bytes no reader can size: Pillow's readers raise what they will on them, not only OSError
+        # (a DDS of unknown pixel format flags: NotImplementedError; a SPIDER stack: AttributeError).
         return None
     return (width, height) if width > 0 and height > 0 else None
 

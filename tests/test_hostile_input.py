@@ -18,11 +18,13 @@ MEMPROXY_HOSTILE_EXAMPLES to run that many fresh ones.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import gzip
 import json
 import os
 import socket
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -399,6 +401,12 @@ def _chat_with(**changes: Any) -> bytes:
     return _json({**CHAT, **changes})
 
 
+# A DDS header whose pixel format flags no reader knows: Pillow raises NotImplementedError opening it.
+_DDS = (b"DDS " + struct.pack("<7I", 124, 0x1007, 4, 4, 0, 0, 0) + bytes(44)
+        + struct.pack("<2I4s5I", 32, 0x18, bytes(4), 0, 0, 0, 0, 0) + struct.pack("<5I", 0x1000, 0, 0, 0, 0))
+UNSIZED = "data:image/png;base64," + base64.b64encode(_DDS).decode()
+
+
 # (name, method, path, extra headers, body, status, param)
 REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int, str | None]] = [
     ("surrogate in content", "POST", "/v1/chat/completions", (("X-Session-Id", SEED),),
@@ -477,6 +485,11 @@ REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int
      _chat_with(messages=[{"role": "user", "content": "x" + " " * 1_000_000 + "y"}]), 400, "messages"),
     ("a million spaces in a preview", "POST", f"/v1/sessions/{SEED}/context", (),
      _json({"messages": [{"role": "user", "content": " " * 1_000_000}]}), 400, "messages"),
+    # An inline image is sized by Pillow, whose readers raise more than OSError on bytes they cannot
+    # read (here NotImplementedError): an image of unknown size, counted as a photo, not a 500.
+    ("an image Pillow cannot size", "POST", "/v1/chat/completions", (("X-Session-Id", SEED),),
+     _chat_with(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": UNSIZED}}]}]),
+     200, None),
     ("gzip that is not gzip", "POST", "/v1/chat/completions", (("Content-Encoding", "gzip"),), b"not gzip",
      400, None),
     ("import, gzip that is not gzip", "POST", "/v1/sessions/import", (("Content-Encoding", "gzip"),), b"nope",
