@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -49,6 +50,20 @@ def _finite(value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError("must be a finite number, not negative")
     return value
+
+
+_HASH = re.compile("[0-9a-f]{32}")  # what `messages.chain_hash` makes
+
+
+def _hash(empty: bool = False) -> AfterValidator:
+    """A chain hash (or, `empty`, none: the head of an empty session). Only a hash can match one,
+    and only such text is sure to fit a text column: PostgreSQL refuses a NUL in one with an error,
+    answered as a store failure (503) rather than the client's mistake."""
+    def check(value: str) -> str:
+        if not (_HASH.fullmatch(value) or (empty and not value)):
+            raise ValueError("must be a chain hash, 32 hex digits" + (", or empty" if empty else ""))
+        return value
+    return AfterValidator(check)
 
 
 def _flag(value: int) -> int:
@@ -85,6 +100,7 @@ Int = Annotated[int, _range(0, _INT32)]  # an INTEGER column
 Big = Annotated[int, _range(0, _INT64)]  # a BIGINT column
 Number = Annotated[float, AfterValidator(_finite)]
 Flag = Annotated[int, AfterValidator(_flag)]
+Hash = Annotated[str, _hash()]
 Role = Literal["assistant", "developer", "function", "system", "tool", "user"]  # messages.ROLES
 
 
@@ -103,7 +119,7 @@ class SessionRecord(_Record):
     created_at: Number
     updated_at: Number
     length: Int
-    head_hash: str
+    head_hash: Annotated[str, _hash(empty=True)]
     head_cum: Big
     head_compact_cum: Big
     system_prompt: Annotated[Any, AfterValidator(_system_prompt)] = None
@@ -169,7 +185,7 @@ class MessageRecord(_Record):
     tokens: Int
     cum_before: Big
     unit_start: Flag
-    chain_hash: str
+    chain_hash: Hash
     created_at: Number
     compact_body: Annotated[Any, _message("compact_body", nullable=True)] = None
     compact_tokens: Int
@@ -187,7 +203,7 @@ class SummaryRecord(_Record):
     version: Annotated[int, _range(1, _INT32)]
     text: str
     covers: Annotated[int, _range(1, _INT32)]
-    covers_hash: str
+    covers_hash: Hash
     tokens: Int
     replaced_tokens: Int
     model: str

@@ -530,6 +530,18 @@ def test_reproductions(target: Target) -> None:
             assert answer.json()["error"]["type"] == "invalid_request_error", (name, answer)
 
 
+def test_an_import_holding_a_nul_where_a_hash_goes_is_refused(target: Target) -> None:
+    """A summary's `covers_hash` was written as it came: PostgreSQL refused its NUL with an error,
+    answered 503 `store_unavailable` (a store failure, retried), and SQLite stored it. A hash is
+    32 hex digits, or the import is the client's mistake."""
+    summary = {"type": "summary", "version": 1, "text": "s", "covers": 1, "covers_hash": "hostile\x00",
+               "tokens": 1, "replaced_tokens": 1, "model": "small", "created_at": 1.0}
+    body = target.export + _json(summary) + b"\n"
+    answer = check(target, Request("POST", "/v1/sessions/import?session_id=imported", _auth(), body))
+    assert answer.status == 400, answer
+    assert "'covers_hash' must be a chain hash" in answer.json()["error"]["message"], answer
+
+
 # --- what aiohttp refuses before memproxy's handlers run ------------------------------------------
 
 POST_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + PROXY_KEY.encode()
