@@ -18,6 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from .errors import BadRequest
 
 _Count = Annotated[StrictInt, Field(ge=1)]
+
+
+class _Choice(BaseModel):
+    """A `tool_choice` object: every form OpenAI takes names its `type` (`function`, `allowed_tools`,
+    `custom`, ...); litellm refuses one without (`{}`) in its own code, which read as a 502."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
 _Number = StrictFloat | StrictInt
 
 
@@ -41,7 +50,7 @@ class _Params(BaseModel):
     stream: StrictBool | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tool_choice: StrictStr | _Choice | None = None
     function_call: StrictStr | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
@@ -61,7 +70,8 @@ _EXPECTED = {
     "seed": "an integer", "logprobs": "a boolean", "top_logprobs": "an integer of at least 0",
     "parallel_tool_calls": "a boolean", "store": "a boolean", "user": "a string",
     "stop": "a string or an array of strings", "stream": "a boolean", "tools": "an array", "functions": "an array",
-    "tool_choice": "a string or an object", "function_call": "a string or an object", "response_format": "an object",
+    "tool_choice": "a string or an object with a 'type'", "function_call": "a string or an object",
+    "response_format": "an object",
     "stream_options": "an object", "web_search_options": "an object", "metadata": "an object",
     "logit_bias": "an object", "audio": "an object", "prediction": "an object", "modalities": "an array of strings",
     "reasoning_effort": "a string", "service_tier": "a string",

@@ -568,7 +568,8 @@ class Provider:
         """`litellm.aresponses`'s arguments: the parameters it names, the others in `extra_body`;
         the model's provider name, endpoint, key and timeout."""
         named = self._responses_parameters
-        kwargs: dict[str, Any] = {k: v for k, v in params.items() if k in named and k not in ("model", "input")}
+        kwargs: dict[str, Any] = {k: v for k, v in params.items()
+                                  if k in named and k not in ("model", "input") and v is not None}
         extra = {k: v for k, v in params.items() if k not in named and k != "model"}
         if extra:
             kwargs["extra_body"] = extra
@@ -709,8 +710,10 @@ def litellm_kwargs(model: ModelConfig, params: dict[str, Any], named: frozenset[
     parameters, `named`, as keyword arguments, each allowed, as litellm would refuse some for a model
     it does not know; every other one in `extra_body`), the model's provider name, endpoint, key and
     timeout, and no retries (the client retries; a proxy that retries too multiplies the wait). The
-    body's own `model` is the client's name for it, replaced here."""
-    native = {k: v for k, v in params.items() if k in named}
+    body's own `model` is the client's name for it, replaced here. A parameter litellm names that
+    is null is left out: null means the default, which for litellm is the parameter left unset
+    (given `None`, it reads some as set: `web_search_options` made it raise, a 502)."""
+    native = {k: v for k, v in params.items() if k in named and v is not None}
     extra = {k: v for k, v in params.items() if k not in named and k != "model"}
     kwargs: dict[str, Any] = {**native, **_target(model), "max_retries": 0, "allowed_openai_params": list(native)}
     if extra:

@@ -479,6 +479,11 @@ REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int
     ("preview role a list", "POST", f"/v1/sessions/{SEED}/context", (), b'{"messages":[{"role":[]}]}', 400,
      "messages[0].role"),
     ("preview tools a number", "POST", f"/v1/sessions/{SEED}/context", (), b'{"tools":5}', 400, "tools"),
+    # litellm read these in its own code, and refused them as a failed upstream call (a 502 the SDKs retry):
+    # null means the default, and a tool choice names its type.
+    ("web_search_options null", "POST", "/v1/chat/completions", (), _chat_with(web_search_options=None), 200, None),
+    ("tool_choice an empty object", "POST", "/v1/chat/completions", (("X-Session-Id", SEED),),
+     _chat_with(tool_choice={}), 400, "tool_choice"),
     # tiktoken's pre-tokenizer gives up on a run of a million spaces (a ValueError, answered 500):
     # counted in pieces, the request is read, and refused only as too long for the model.
     ("a million spaces in a row", "POST", "/v1/chat/completions", (("X-Session-Id", SEED),),
