@@ -133,14 +133,16 @@ def load_litellm(observed: bool = True) -> Any:
     # litellm's loggers write a line per call at INFO (twice: their own handler and the root's),
     # request content at DEBUG, and at ERROR multi-line tracebacks whose text quotes the request (a
     # host named in a message's image URL); memproxy logs what matters itself, one line a request,
-    # never message content. At memproxy's DEBUG, their warnings and errors are written too.
+    # never message content. At memproxy's DEBUG, their warnings and errors are written too. So is
+    # the OpenAI SDK's, which litellm calls for OpenAI-compatible providers: it warns with a client's
+    # parameter as sent ("Unexpected audio response format: ..."), a new line and all.
     quiet = logging.WARNING if log.isEnabledFor(logging.DEBUG) else logging.CRITICAL
     for name in LITELLM_LOGGERS:
         logging.getLogger(name).setLevel(quiet)
     return litellm
 
 
-LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "openai")
 
 
 class LitellmCounter:

@@ -103,6 +103,11 @@ def json_logs(tmp_path: Path, upstream: FakeUpstream) -> tuple[list[dict[str, An
         with pytest.raises(openai.APIError):
             for _ in client.chat.completions.create(model="small", messages=chat, stream=True):  # type: ignore[arg-type]
                 pass
+        # A transcription goes through the OpenAI SDK (litellm's client for it), which warns of a
+        # response format it does not know as sent: a line of the client's own, a new line and all.
+        audio = {"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")}
+        form = {"model": "small", "response_format": f"x\n{SECRET_CONTENT}"}
+        assert http(served, "POST", "/v1/audio/transcriptions", files=audio, data=form).status_code == 200
         put = http(served, "PUT", f"/v1/sessions/{SESSION}/metadata", json={"note": SECRET_METADATA})
         assert put.status_code == 200, put.text
         assert http(served, "GET", "/metrics", key=ADMIN_KEY).status_code == 200
@@ -131,6 +136,7 @@ def test_one_json_line_per_request_whatever_its_status(json_logs: tuple[list[dic
         ("/v1/chat/completions", 502): 2, ("/v1/chat/completions", 429): 1,
         ("/v1/sessions/{session_id}/metadata", 200): 1, ("/metrics", 200): 1, ("/healthz", 200): 1,
         ("-", 400): 1, ("/v1/embeddings", 400): 1, ("/v1/embeddings", 401): 1,
+        ("/v1/audio/transcriptions", 200): 1,
     })
     assert [line for line in lines if line["level"] in ("ERROR", "CRITICAL")] == []
     for line in requests:
