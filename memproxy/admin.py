@@ -302,7 +302,7 @@ async def context(
         raise BadRequest("'messages' must be an array of the turn's new messages", param="messages")
     for i, message in enumerate(new):
         validate_message(message, f"messages[{i}]")
-    check_params(params)
+    check_params(params, provider.through_litellm(model))
     counter = provider.counter(model)
     # The budget, the output reserve included, by the rule the chat endpoint follows (memory.plan).
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,

@@ -280,7 +280,7 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
 def _parse(config: Config, provider: Provider, body: dict[str, Any], timings: Timings) -> Exchange:
     model = requested_model(config, body.get("model"))
     messages = validate_messages(body.get("messages"), provider.user_part_types(model))
-    check_params(body)
+    check_params(body, provider.through_litellm(model))
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}
     return Exchange(model=model, messages=messages, params=params, timings=timings)
 

@@ -78,10 +78,22 @@ _EXPECTED = {
 }
 
 
-def check_params(body: dict[str, Any]) -> None:
-    """Raise `BadRequest` naming the first parameter of `body` of the wrong type."""
+# The `tool_choice` objects litellm takes without a `function` (any other it refuses in its own code,
+# before a provider sees it, as a connection error: a 502 clients retry).
+_LITELLM_BARE_CHOICES = ("auto", "none", "required")
+
+
+def check_params(body: dict[str, Any], through_litellm: bool = False) -> None:
+    """Raise `BadRequest` naming the first parameter of `body` of the wrong type, or, for a model
+    reached through litellm (`through_litellm`), of a form litellm refuses."""
     try:
         _Params.model_validate(body)
     except ValidationError as exc:
         param = str(exc.errors()[0]["loc"][0])
         raise BadRequest(f"'{param}' must be {_EXPECTED[param]}, or null", param=param) from None
+    choice = body.get("tool_choice")
+    if through_litellm and isinstance(choice, dict) and choice.get("function") is None \
+            and choice.get("type") not in _LITELLM_BARE_CHOICES:
+        raise BadRequest("'tool_choice' as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}} "
+                         "on this model, which is reached through litellm (transport: openai relays any other form)",
+                         param="tool_choice")

@@ -303,7 +303,11 @@ class Provider:
         litellm, those it takes (it refuses any other before a provider sees it, as a connection
         error: a 502 clients retry); None (any) on memproxy's own client, which passes every part
         on for the server to judge."""
-        return None if self._native[model.name] else self._user_parts
+        return self._user_parts if self.through_litellm(model) else None
+
+    def through_litellm(self, model: ModelConfig) -> bool:
+        """Whether a client's chat request to `model` goes through litellm (not memproxy's own client)."""
+        return not self._native[model.name]
 
     def counter(self, model: ModelConfig) -> TokenCounter:
         return self._counters[model.name]

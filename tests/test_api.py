@@ -319,6 +319,29 @@ async def test_a_models_own_headers_go_upstream_and_a_clients_never_do(
         assert not {"x-client-header", "x-evil"} & set(headers)
 
 
+async def test_a_tool_choice_litellm_refuses_is_a_400_not_a_retried_502(
+    proxy: Proxy, config: Config, upstream: FakeUpstream, transport: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
+                                                                                   "name": "lookup"}]}}
+    client = proxy.client(session="s1")
+    if transport == "litellm":  # litellm refuses it in its own code: said as the client's error, nothing stored
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}],
+                                                 tools=[tool], tool_choice=choice)  # type: ignore[arg-type]
+        assert (caught.value.code, caught.value.param) == (None, "tool_choice")
+        assert upstream.received == [] and rows(config, "SELECT * FROM messages") == []
+    else:  # memproxy's own client relays it as sent
+        await client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}],
+                                             tools=[tool], tool_choice=choice)  # type: ignore[arg-type]
+        assert upstream.last().body["tool_choice"] == choice
+    await client.chat.completions.create(  # the form litellm takes goes through on both
+        model="small", messages=[{"role": "user", "content": "hi"}], tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert upstream.last().body["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+
+
 # --- streaming ------------------------------------------------------------------------------------
 
 
