@@ -25,8 +25,8 @@ from memproxy import admin
 from memproxy.config import StorageConfig
 from memproxy.exports import from_jsonl, to_jsonl
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
-from memproxy.store import (EndpointUsage, NewMessage, NewResponse, SessionState, SQLiteStore, Store, StoredCounts,
-                            StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
+from memproxy.store import (EndpointUsage, KeptAnswer, NewMessage, NewResponse, SessionState, SQLiteStore, Store,
+                            StoredCounts, StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
 from memproxy.store import open_store as open_store_config
 from memproxy.store.base import MIXED_COUNTS
 from memproxy.store.errors import StoreConflict, StoreUnavailable
@@ -474,6 +474,26 @@ async def test_a_response_is_kept_with_its_turn_for_its_tenant_alone(open_store:
     assert session is not None
     await writer.delete_session(session)
     assert await reader.get_response("t", "resp_2") is None
+
+
+async def test_kept_answers_are_the_sessions_responses_whose_answers_stand(open_store: Opener) -> None:
+    """What names a conversation's items (`memproxy.conversation_items`): the kept responses of the
+    session whose answers are still active, by position; an edit before one drops it."""
+    writer, reader = await open_store(), await open_store()
+    output = [{"type": "message", "id": "msg_1_0"}]
+    await writer.record_turn(dataclasses.replace(turn(None, [user("hi"), assistant("hello")]),
+                                                 response=NewResponse("resp_1", {"output": output}, [])))
+    session = await reader.get_session("t", "s")
+    assert session is not None
+    await writer.record_turn(dataclasses.replace(turn(session, [user("more"), assistant("ok")]),
+                                                 response=NewResponse("resp_2", {"output": []}, [])))
+    session = await reader.get_session("t", "s")
+    assert session is not None
+    assert await reader.kept_answers(session) == [KeptAnswer("resp_1", 1, output), KeptAnswer("resp_2", 3, [])]
+    await writer.record_turn(dataclasses.replace(turn(session, [user("edited"), assistant("e")], base=2),
+                                                 kind="edit"))
+    session = await reader.get_session("t", "s")
+    assert session is not None and await reader.kept_answers(session) == [KeptAnswer("resp_1", 1, output)]
 
 
 async def test_a_rebased_turn_keeps_its_response_where_its_answer_landed(open_store: Opener) -> None:

@@ -26,9 +26,12 @@ from ..messages import Message, without_reasoning
 
 # How a chat turn's messages matched the stored ones (`memory.reconcile`), kept with the turn.
 ChatKind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
-# What a stored turn was: a chat turn, a summariser call (`record_summary_call`), or the turn a
-# fork's copy starts with (`memproxy.admin.fork`).
-TurnKind = Literal[ChatKind, "summary", "fork"]
+# A write of the Conversations API's items (`memproxy.conversations`): items appended, or one
+# deleted (the tail cut back and written again without it), with no model call.
+ItemsKind = Literal["items"]
+# What a stored turn was: a chat turn, a summariser call (`record_summary_call`), the turn a fork's
+# copy starts with (`memproxy.admin.fork`), or a write of conversation items.
+TurnKind = Literal[ChatKind, "summary", "fork", ItemsKind]
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,15 @@ class StoredResponse:
 
 
 @dataclass(frozen=True)
+class KeptAnswer:
+    """A kept response whose answer is an active message of its session (`TurnStore.kept_answers`)."""
+
+    response_id: str
+    seq: int  # position of its answer
+    output: list[Any]  # the response's output items, as returned
+
+
+@dataclass(frozen=True)
 class TurnRecord:
     """One successful exchange, written atomically.
 
@@ -333,7 +345,7 @@ class TurnRecord:
     messages: Sequence[NewMessage]
     system: list[Message] | None
     model: str
-    kind: ChatKind
+    kind: ChatKind | ItemsKind
     context_tokens: int
     latency_ms: float
     usage: Usage = field(default_factory=Usage)
@@ -530,6 +542,11 @@ class TurnStore(Protocol):
         """The tenant's kept response of that id (None: no such response, or another tenant's);
         without `with_input`, its `input_items` are not read (left empty): they hold the whole
         history a full-history client sent, where its output is one answer."""
+        ...
+
+    async def kept_answers(self, session: SessionState) -> list[KeptAnswer]:
+        """The session's kept responses whose answers are still active (on the chain, unedited),
+        by position: what names a conversation's items where they are a kept response's output."""
         ...
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:

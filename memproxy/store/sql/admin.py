@@ -262,7 +262,7 @@ class SQLAdmin(SQLBase):
                " WHERE session_pk = ?) WHERE pk = ?", (pk, pk))
 
     async def last_model(self, session: SessionState) -> str | None:
-        row = await self._one("SELECT model FROM turns WHERE session_pk = ? AND kind NOT IN ('summary', 'fork')"
+        row = await self._one("SELECT model FROM turns WHERE session_pk = ? AND kind NOT IN ('summary', 'fork', 'items')"
                               " ORDER BY id DESC LIMIT 1", (session.pk,))
         return None if row is None else text_out(str(row[0]))
 

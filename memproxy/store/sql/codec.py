@@ -22,9 +22,9 @@ from .script import Row, Step
 # The columns an export carries, as they are named in the tables and in the export records.
 SESSION_COLUMNS = ("created_at, updated_at, length, head_hash, head_cum, head_compact_cum, system_prompt,"
                    " title, metadata, end_user, tokenizer")
-# Turns of chat, not summariser calls nor forks (`turns` rows of kind `summary`, `fork`), in a LEFT
-# JOIN on turns `t`.
-CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind NOT IN ('summary', 'fork') THEN 1 ELSE 0 END), 0)"
+# Turns of chat, not summariser calls, forks nor writes of conversation items (`turns` rows of kind
+# `summary`, `fork`, `items`), in a LEFT JOIN on turns `t`.
+CHAT_TURNS = "coalesce(sum(CASE WHEN t.kind NOT IN ('summary', 'fork', 'items') THEN 1 ELSE 0 END), 0)"
 # What a chat turn's request was made of (`SentContext`), in the order of its fields.
 SENT_COLUMNS = ("summary_version, first_sent, included, omitted, unsummarised_omitted, marker, trimmed, deduplicated,"
                 " recalled")

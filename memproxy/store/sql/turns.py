@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from ...messages import chain_hash
 from ...timing import charge_store
-from ..base import (MIXED_COUNTS, EndpointUsage, Loaded, SessionState, Snapshot, StoredMessage, StoredResponse,
-                    Summary, SummaryCall, Totals, TurnRecord, UsageTotals, mandatory_start)
+from ..base import (MIXED_COUNTS, EndpointUsage, KeptAnswer, Loaded, SessionState, Snapshot, StoredMessage,
+                    StoredResponse, Summary, SummaryCall, Totals, TurnRecord, UsageTotals, mandatory_start)
 from ..errors import SessionDeleted, StoreConflict
 from ..history_cache import Cached, message_cost
 from ..recall_index import Checked, SessionIndex
@@ -91,6 +91,9 @@ QUERIES = {
     " ON m.session_pk = s.session_pk AND m.active = 1 AND m.seq = s.covers - 1 AND m.chain_hash = s.covers_hash"
     " WHERE s.session_pk = ? AND s.covers <= ? ORDER BY s.version DESC LIMIT 1",
     "chain_hash_at": "SELECT chain_hash FROM messages WHERE session_pk = ? AND active = 1 AND seq = ?",
+    # A session's kept responses whose answers are active, for its conversation items' ids.
+    "kept_answers": "SELECT r.id, r.seq, r.body FROM responses r JOIN messages m ON m.session_pk = r.session_pk"
+    " AND m.active = 1 AND m.seq = r.seq AND m.chain_hash = r.chain_hash WHERE r.session_pk = ? ORDER BY r.seq",
     "get_response": _GET_RESPONSE.format(input_items="r.input_items"),
     # The same without its input items (a full-history client's whole history): `item_reference`s.
     "get_response_output": _GET_RESPONSE.format(input_items="'[]'"),
@@ -422,6 +425,14 @@ class SQLTurns(SQLBase):
         return StoredResponse(id=row[0], tenant=tenant, session_id=row[1], seq=row[2], chain_hash=row[3],
                               body=json.loads(row[4]), input_items=json.loads(row[5]), created_at=row[6],
                               active=bool(row[7]), head=row[8] == row[3])
+
+    async def kept_answers(self, session: SessionState) -> list[KeptAnswer]:
+        rows = await self._fetch(QUERIES["kept_answers"], (session.pk,))
+        answers = []
+        for response_id, seq, body in rows:
+            output = json.loads(body).get("output")
+            answers.append(KeptAnswer(response_id, seq, output if isinstance(output, list) else []))
+        return answers
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         rows = await self._write_one("DELETE FROM responses WHERE tenant = ? AND id = ? RETURNING id",
