@@ -41,16 +41,15 @@ from .messages import Message, split_system, validate_messages
 from .observe import notes
 from .params import check_params
 from .provider import Provider
-from .responses_wire import (ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input, check_item,
-                             input_items, item_ids, new_id, output_items, parse_request, response_object,
-                             response_of_item, responses_usage, sse, status_of)
+from .responses_wire import (ITEM_PREFIXES, ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input,
+                             check_item, input_items, item_ids, item_page, new_id, output_items, parse_request,
+                             response_object, response_of_item, responses_usage, sse, status_of)
 from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
 from .typedefs import CONFIG, PROVIDER, STORE
 
-_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _PREFIX = re.compile("[a-z]+")
 _TERMINAL = frozenset({"response.completed", "response.incomplete"})
 _FAILED = frozenset({"response.failed", "error"})
@@ -79,12 +78,14 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
     provider = app[PROVIDER]
     body = await json_object(request)
     tenant = caller_tenant(request)
-    parsed = await _referenced(app[STORE], tenant, parse_request(body))
+    parsed = parse_request(body)
+    if isinstance(parsed.input, list):
+        parsed = dataclasses.replace(parsed, input=await referenced_items(app[STORE], tenant, parsed.input))
     model = requested_model(app[CONFIG], parsed.model)
     if model.responses_api != "native":
         check_bridge_input(parsed)
     check_params({k: v for k, v in body.items() if k in _CHAT_PARAMS})
-    messages = _messages(provider, parsed)
+    messages = items_as_messages(provider, parsed.input, parsed.instructions)
     try:
         params = provider.responses_chat_params(model, parsed.params)
     except Exception as exc:  # litellm's bridge could not read the tools or formats: the client's
@@ -135,16 +136,17 @@ async def _resent_session(store: TurnStore, tenant: str, parsed: ResponsesReques
     return None
 
 
-async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -> ResponsesRequest:
-    """The request with each `item_reference` in its input replaced by the item it names: an item
-    of a kept response of the tenant's (its output, or its input), found by that response, whose
-    id the item's names (`response_of_item`). What the Vercel AI SDK sends back for the answers of
-    kept responses. A reference to no such item is a 404, as OpenAI answers one."""
-    if not isinstance(parsed.input, list) or not any(item.get("type") == "item_reference" for item in parsed.input):
-        return parsed
+async def referenced_items(store: TurnStore, tenant: str, given: list[Item], name: str = "input") -> list[Item]:
+    """The items with each `item_reference` replaced by the item it names: an item of a kept
+    response of the tenant's (its output, or its input), found by that response, whose id the
+    item's names (`response_of_item`). What the Vercel AI SDK sends back for the answers of kept
+    responses. A reference to no such item is a 404, as OpenAI answers one (`name`: the field that
+    holds the items, as errors name it)."""
+    if not any(item.get("type") == "item_reference" for item in given):
+        return given
     outputs: dict[str, list[Any] | None] = {}  # each kept response's output items (None: none kept)
     items: list[Item] = []
-    for i, item in enumerate(parsed.input):
+    for i, item in enumerate(given):
         if item.get("type") != "item_reference":
             items.append(item)
             continue
@@ -160,26 +162,28 @@ async def _referenced(store: TurnStore, tenant: str, parsed: ResponsesRequest) -
                 kept = await _stored(store, tenant, response_id)
                 found = _item_of(kept.input_items if kept is not None else [], item_id)
         if found is None:
-            raise NotFound(f"Item with id '{item_id}' not found.", param=f"input[{i}]")
-        check_item(found, f"input[{i}]")  # a kind memory cannot keep (a native built-in tool's) is refused
+            raise NotFound(f"Item with id '{item_id}' not found.", param=f"{name}[{i}]")
+        check_item(found, f"{name}[{i}]")  # a kind memory cannot keep (a native built-in tool's) is refused
         items.append(found)
-    return dataclasses.replace(parsed, input=items)
+    return items
 
 
 def _item_of(items: list[Any], item_id: str) -> Item | None:
     return next((item for item in items if isinstance(item, dict) and item.get("id") == item_id), None)
 
 
-def _messages(provider: Provider, parsed: ResponsesRequest) -> list[Message]:
-    """The input as chat messages, checked as chat messages are."""
+def items_as_messages(provider: Provider, items: str | list[Item], instructions: str | None,
+                      name: str = "input") -> list[Message]:
+    """Input items as the chat messages memory stores, checked as chat messages are: what a
+    request's input and a conversation's new items both become (`name`: the field that holds them)."""
     try:
-        messages = provider.responses_messages(parsed.input, parsed.instructions)
+        messages = provider.responses_messages(items, instructions)
     except Exception as exc:  # litellm's bridge refused the items: the client's input
-        raise BadRequest(f"'input' could not be read: {type(exc).__name__}", param="input") from exc
+        raise BadRequest(f"'{name}' could not be read: {type(exc).__name__}", param=name) from exc
     try:
         return validate_messages(_thinking_joined(messages))
     except BadRequest as exc:
-        raise BadRequest(f"'input' does not make a valid conversation: {exc.message}", param="input") from exc
+        raise BadRequest(f"'{name}' does not make a valid conversation: {exc.message}", param=name) from exc
 
 
 _THINK = re.compile(r"\s*<think>\n?(.*?)\n?</think>\s*", re.DOTALL)
@@ -436,7 +440,7 @@ def _reply_from(provider: Provider, response: dict[str, Any]) -> Message:
 
 def _with_ids(items: list[Item], make_id: Callable[[str], str]) -> list[Item]:
     """Input items as `input_items` lists them: each with an id (the client's, else a new one)."""
-    return [item if item.get("id") else {"id": make_id(_ITEM_PREFIXES.get(item.get("type", "message"), "item")),
+    return [item if item.get("id") else {"id": make_id(ITEM_PREFIXES.get(item.get("type", "message"), "item")),
                                         **item} for item in items]
 
 
@@ -479,27 +483,6 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     """A kept response's input items, a page at a time (`limit` 1-100, default 20; `order` desc by
     default, as OpenAI lists them; `after` an item id)."""
     _, stored = await _kept(request)
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise BadRequest("'order' must be asc or desc", param="order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise BadRequest("'limit' must be an integer from 1 to 100", param="limit")
-    items: list[Item] = list(stored.input_items)
-    if order == "desc":
-        items.reverse()
-    after = query.get("after")
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise BadRequest(f"no input item '{after}' in this response", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return web.Response(body=dumps({
-        "object": "list", "data": page, "first_id": page[0].get("id") if page else None,
-        "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit,
-    }), content_type="application/json", charset="utf-8")
+    after = request.query.get("after")
+    page = item_page(stored.input_items, request.query, f"no input item '{after}' in this response")
+    return web.Response(body=dumps(page), content_type="application/json", charset="utf-8")

@@ -26,7 +26,7 @@ import itertools
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,6 +61,8 @@ def item_ids(response_id: str) -> Callable[[str], str]:
     return lambda prefix: f"{prefix}_{own}_{next(counter)}"
 
 
+# An item's id begins with its kind's prefix (`msg_...`, `fc_...`).
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _ITEM_ID = re.compile(r"[a-z]+_([0-9a-f]{24})_[0-9]+")
 
 
@@ -90,7 +92,7 @@ class ResponsesRequest:
         text as a part (`output_text` for an assistant's, `input_text` for the others)."""
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
-        return [_listed(item) for item in self.input]
+        return [listed_item(item) for item in self.input]
 
     @property
     def params(self) -> dict[str, Any]:
@@ -98,7 +100,8 @@ class ResponsesRequest:
         return {k: v for k, v in self.body.items() if k not in REQUEST_KEYS}
 
 
-def _listed(item: Item) -> Item:
+def listed_item(item: Item) -> Item:
+    """An item as `input_items` lists it: a message in short form given its type and text parts."""
     if item.get("type", "message") != "message":
         return item
     content = item.get("content")
@@ -550,17 +553,52 @@ def check_bridge_input(request: ResponsesRequest) -> None:
     (a chat provider takes images by URL; litellm's bridge sends an empty one), audio (dropped) and
     a file by URL (chat completions take a file's data or id only; the bridge sends the URL as an
     id)."""
-    for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
+    check_bridge_items(request.input if isinstance(request.input, list) else [])
+
+
+def check_bridge_items(items: list[Item], name: str = "input") -> None:
+    """`check_bridge_input` over items (`name`: the field that holds them, as errors name it)."""
+    for i, item in enumerate(items):
         content = item.get("content") if item.get("type", "message") == "message" else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type")
             if kind == "input_audio" or (kind == "input_image" and not part.get("image_url")):
-                raise BadRequest(f"input[{i}].content[{j}]: an input_image by file_id, or input_audio, cannot "
+                raise BadRequest(f"{name}[{i}].content[{j}]: an input_image by file_id, or input_audio, cannot "
                                  "reach this model, which takes the Responses API as chat completions "
                                  "(responses_api: bridge); send the image by URL, or use a model with "
-                                 "responses_api: native", param=f"input[{i}].content[{j}]")
+                                 "responses_api: native", param=f"{name}[{i}].content[{j}]")
             if kind == "input_file" and not (part.get("file_id") or part.get("file_data")):
-                raise BadRequest(f"input[{i}].content[{j}]: an input_file by file_url cannot reach this model, "
+                raise BadRequest(f"{name}[{i}].content[{j}]: an input_file by file_url cannot reach this model, "
                                  "which takes the Responses API as chat completions (responses_api: bridge); send "
                                  "its file_data (with its filename) or a file_id, or use a model with "
-                                 "responses_api: native", param=f"input[{i}].content[{j}]")
+                                 "responses_api: native", param=f"{name}[{i}].content[{j}]")
+
+
+# --- lists of items, a page at a time ---------------------------------------------------------------
+
+
+def item_page(items: list[Item], query: Mapping[str, str], unknown_after: str) -> dict[str, Any]:
+    """A page of `items` (in stored order) as OpenAI lists items: `limit` 1-100 (default 20),
+    `order` desc by default, `after` the id of the item before the page (`unknown_after`: the
+    error's message where no item has it)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("'order' must be asc or desc", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise BadRequest("'limit' must be an integer from 1 to 100", param="limit")
+    items = list(items)
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise BadRequest(unknown_after, param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}

@@ -45,7 +45,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/search", search)
 
 
-def _tenant(request: web.Request, listing: bool = False) -> str | None:
+def addressed_tenant(request: web.Request, listing: bool = False) -> str | None:
     """The tenant addressed: the caller's own, or for an admin key the `tenant` parameter (every
     tenant when listing without one)."""
     caller = request[CALLER]
@@ -60,7 +60,7 @@ def _tenant(request: web.Request, listing: bool = False) -> str | None:
 
 
 async def _session(request: web.Request) -> tuple[str, SessionState]:
-    tenant = _tenant(request)
+    tenant = addressed_tenant(request)
     assert tenant is not None
     session_id = request.match_info["session_id"]
     session = await request.app[STORE].get_session(tenant, session_id) if is_session_id(session_id) else None
@@ -82,7 +82,7 @@ async def list_sessions(request: web.Request) -> web.Response:
         limit = int(request.query.get("limit", "50"))
     except ValueError:
         limit = 0  # refused as out of range by admin.list_sessions
-    page = await admin.list_sessions(request.app[STORE], _tenant(request, listing=True), limit,
+    page = await admin.list_sessions(request.app[STORE], addressed_tenant(request, listing=True), limit,
                                      request.query.get("after"))
     return web.json_response(page)
 
@@ -103,7 +103,7 @@ async def delete_all(request: web.Request) -> web.Response:
     the list by mistake deletes nothing); an admin key names the tenant."""
     if request.query.get("all") != "true":
         raise BadRequest("deleting every session of the tenant needs ?all=true", param="all")
-    tenant = _tenant(request)
+    tenant = addressed_tenant(request)
     assert tenant is not None
     deleted = await request.app[STORE].delete_tenant(tenant)
     return web.json_response({"object": "session.deleted", "tenant": tenant, "deleted": deleted})
@@ -133,7 +133,7 @@ async def export(request: web.Request) -> web.Response:
 
 
 async def import_session(request: web.Request) -> web.Response:
-    tenant = _tenant(request)
+    tenant = addressed_tenant(request)
     assert tenant is not None
     records = await asyncio.to_thread(exports.from_jsonl, await body_bytes(request))
     session_id = request.query.get("session_id") or exports.exported_id(records)
@@ -179,7 +179,7 @@ async def search(request: web.Request) -> web.Response:
     _no_query_in_url(request)
     body = await json_object(request)
     since = expired_before(request.app[CONFIG].retention.idle_ttl_seconds)
-    return web.json_response(await admin.search(request.app[STORE], _tenant(request, listing=True), body,
+    return web.json_response(await admin.search(request.app[STORE], addressed_tenant(request, listing=True), body,
                                                 active_since=since))
 
 
@@ -202,7 +202,7 @@ async def get_metadata(request: web.Request) -> web.Response:
 
 async def put_metadata(request: web.Request) -> web.Response:
     """Replace the metadata; creates the session if needed, so an agent can set state first."""
-    tenant = _tenant(request)
+    tenant = addressed_tenant(request)
     assert tenant is not None
     session_id = request.match_info["session_id"]
     if not is_session_id(session_id):
@@ -224,4 +224,4 @@ async def patch_metadata(request: web.Request) -> web.Response:
 
 
 async def usage(request: web.Request) -> web.Response:
-    return web.json_response(await admin.usage(request.app[STORE], _tenant(request, listing=True)))
+    return web.json_response(await admin.usage(request.app[STORE], addressed_tenant(request, listing=True)))
