@@ -16,6 +16,7 @@ from .bodies import BodyBudget
 from .chat import chat_completions
 from .concurrency import BackgroundTasks, SessionLocks
 from .config import Config
+from .conversations import add_routes as add_conversation_routes
 from .deadlines import body_deadline, header_deadline, send_deadline
 from .endpoints import add_routes as add_endpoint_routes, not_found_message, wrong_method_message
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
@@ -58,6 +59,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/chat/completions", chat_completions)
     add_endpoint_routes(app)
     add_responses_routes(app)
+    add_conversation_routes(app)
     add_session_routes(app)
     add_inspector_routes(app)
     add_cors(app, config)

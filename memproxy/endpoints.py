@@ -314,7 +314,8 @@ _SESSION_API = ("/v1/sessions", "/v1/usage", "/v1/search")
 
 
 def served(app: web.Application) -> str:
-    """The OpenAI endpoints this app serves, from its router (so a route added later is listed)."""
+    """The OpenAI endpoints this app serves, from its router (so a route added later, such as the
+    Conversations API's, is listed)."""
     found: dict[str, set[str]] = {}
     for route in app.router.routes():
         path = route.resource.canonical if route.resource is not None else ""
@@ -329,8 +330,9 @@ def not_found_message(request: web.Request) -> str:
 
 def wrong_method_message(request: web.Request, allowed: str) -> str:
     """A 405's: an SDK calling an endpoint memproxy does not serve (`GET /v1/chat/completions`,
-    OpenAI's stored completions; `POST /v1/responses/compact`) lands on a path memproxy serves with
-    another method, and should learn that, not only that the method was wrong."""
+    OpenAI's stored completions; `POST /v1/responses/compact`; a method of the Conversations API
+    memproxy lacks) lands on a path memproxy serves with another method, and should learn that, not
+    only that the method was wrong."""
     return f"memproxy does not serve {request.method} {request.path} (that path takes {allowed}). {_serves(request.app)}"
 
 

@@ -497,7 +497,10 @@ async def test_an_unknown_path_is_a_404_that_lists_the_endpoints(proxy: Proxy, u
         assert f"({method} {path})" in message
         for served in ["POST /v1/chat/completions", "POST /v1/embeddings", "POST /v1/completions",
                        "POST /v1/moderations", "POST /v1/images/generations", "POST /v1/audio/transcriptions",
-                       "POST /v1/audio/speech", "GET /v1/models", "GET /v1/models/{model}"]:
+                       "POST /v1/audio/speech", "GET /v1/models", "GET /v1/models/{model}", "POST /v1/conversations",
+                       "DELETE/GET/POST /v1/conversations/{conversation_id}",
+                       "GET/POST /v1/conversations/{conversation_id}/items",
+                       "DELETE/GET /v1/conversations/{conversation_id}/items/{item_id}"]:
             assert served in message, served
     # A known path with another method stays a 405 that says what it allows, and what memproxy
     # serves: an SDK's endpoint memproxy lacks may share a path with one it has.
