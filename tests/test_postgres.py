@@ -96,6 +96,7 @@ def plans_expected(hashes: list[str]) -> dict[str, tuple[tuple[Any, ...], str]]:
         "message_id": (("t", "s1", 40), "messages_active_seq"),
         "chain_hash_at": ((1, 40), "messages_active_seq"),
         "supersede": (("t", "s1", 50), "messages_active_seq"),
+        "kept_answers": ((1,), "responses_session"),
         "get_response": (("t", "resp_s1_3"), "responses_pkey"),
         "get_response_output": (("t", "resp_s1_3"), "responses_pkey"),
     }
