@@ -14,37 +14,24 @@
 -- and of Old Church Slavonic, whose words stay as they were. Other messages match too, and are
 -- indexed again unchanged. Measured on 200,000 messages: 0.3 s; the classes matched by GLOB took
 -- seconds.
+CREATE TEMP TABLE scripts_repair AS SELECT id FROM messages WHERE length(body) <> length(CAST(body AS BLOB)) AND (
+    instr(CAST(body AS BLOB), x'CC') OR instr(CAST(body AS BLOB), x'CD') OR
+    instr(CAST(body AS BLOB), x'D2') OR instr(CAST(body AS BLOB), x'D6') OR
+    instr(CAST(body AS BLOB), x'D7') OR instr(CAST(body AS BLOB), x'D8') OR
+    instr(CAST(body AS BLOB), x'D9') OR instr(CAST(body AS BLOB), x'DB') OR
+    instr(CAST(body AS BLOB), x'DC') OR instr(CAST(body AS BLOB), x'DD') OR
+    instr(CAST(body AS BLOB), x'DE') OR instr(CAST(body AS BLOB), x'DF') OR
+    instr(CAST(body AS BLOB), x'E0') OR instr(CAST(body AS BLOB), x'E1') OR
+    instr(CAST(body AS BLOB), x'E3') OR instr(CAST(body AS BLOB), x'E4') OR
+    instr(CAST(body AS BLOB), x'E5') OR instr(CAST(body AS BLOB), x'E6') OR
+    instr(CAST(body AS BLOB), x'E7') OR instr(CAST(body AS BLOB), x'E8') OR
+    instr(CAST(body AS BLOB), x'E9') OR instr(CAST(body AS BLOB), x'EA') OR
+    instr(CAST(body AS BLOB), x'EB') OR instr(CAST(body AS BLOB), x'EC') OR
+    instr(CAST(body AS BLOB), x'ED') OR instr(CAST(body AS BLOB), x'EF') OR
+    instr(CAST(body AS BLOB), x'F0')
+);
 INSERT INTO messages_fts (messages_fts, rowid, search_text)
 SELECT 'delete', session_pk * 4294967296 + seq, search_text FROM messages
-WHERE active = 1 AND search_text IS NOT NULL AND length(body) <> length(CAST(body AS BLOB)) AND (
-    instr(CAST(body AS BLOB), x'CC') OR instr(CAST(body AS BLOB), x'CD') OR
-    instr(CAST(body AS BLOB), x'D2') OR instr(CAST(body AS BLOB), x'D6') OR
-    instr(CAST(body AS BLOB), x'D7') OR instr(CAST(body AS BLOB), x'D8') OR
-    instr(CAST(body AS BLOB), x'D9') OR instr(CAST(body AS BLOB), x'DB') OR
-    instr(CAST(body AS BLOB), x'DC') OR instr(CAST(body AS BLOB), x'DD') OR
-    instr(CAST(body AS BLOB), x'DE') OR instr(CAST(body AS BLOB), x'DF') OR
-    instr(CAST(body AS BLOB), x'E0') OR instr(CAST(body AS BLOB), x'E1') OR
-    instr(CAST(body AS BLOB), x'E3') OR instr(CAST(body AS BLOB), x'E4') OR
-    instr(CAST(body AS BLOB), x'E5') OR instr(CAST(body AS BLOB), x'E6') OR
-    instr(CAST(body AS BLOB), x'E7') OR instr(CAST(body AS BLOB), x'E8') OR
-    instr(CAST(body AS BLOB), x'E9') OR instr(CAST(body AS BLOB), x'EA') OR
-    instr(CAST(body AS BLOB), x'EB') OR instr(CAST(body AS BLOB), x'EC') OR
-    instr(CAST(body AS BLOB), x'ED') OR instr(CAST(body AS BLOB), x'EF') OR
-    instr(CAST(body AS BLOB), x'F0')
-);
-UPDATE messages SET search_text = NULL WHERE length(body) <> length(CAST(body AS BLOB)) AND (
-    instr(CAST(body AS BLOB), x'CC') OR instr(CAST(body AS BLOB), x'CD') OR
-    instr(CAST(body AS BLOB), x'D2') OR instr(CAST(body AS BLOB), x'D6') OR
-    instr(CAST(body AS BLOB), x'D7') OR instr(CAST(body AS BLOB), x'D8') OR
-    instr(CAST(body AS BLOB), x'D9') OR instr(CAST(body AS BLOB), x'DB') OR
-    instr(CAST(body AS BLOB), x'DC') OR instr(CAST(body AS BLOB), x'DD') OR
-    instr(CAST(body AS BLOB), x'DE') OR instr(CAST(body AS BLOB), x'DF') OR
-    instr(CAST(body AS BLOB), x'E0') OR instr(CAST(body AS BLOB), x'E1') OR
-    instr(CAST(body AS BLOB), x'E3') OR instr(CAST(body AS BLOB), x'E4') OR
-    instr(CAST(body AS BLOB), x'E5') OR instr(CAST(body AS BLOB), x'E6') OR
-    instr(CAST(body AS BLOB), x'E7') OR instr(CAST(body AS BLOB), x'E8') OR
-    instr(CAST(body AS BLOB), x'E9') OR instr(CAST(body AS BLOB), x'EA') OR
-    instr(CAST(body AS BLOB), x'EB') OR instr(CAST(body AS BLOB), x'EC') OR
-    instr(CAST(body AS BLOB), x'ED') OR instr(CAST(body AS BLOB), x'EF') OR
-    instr(CAST(body AS BLOB), x'F0')
-);
+WHERE active = 1 AND search_text IS NOT NULL AND id IN (SELECT id FROM scripts_repair);
+UPDATE messages SET search_text = NULL WHERE id IN (SELECT id FROM scripts_repair);
+DROP TABLE scripts_repair;
