@@ -472,7 +472,7 @@ async def run(proxies: dict[str, Proxy], make_storage: Callable[..., StorageConf
 
 # The committed run is fixed (derandomized) and bounded to stay under a minute; for a longer hunt:
 # MEMPROXY_FUZZ_EXAMPLES=2000 MEMPROXY_FUZZ_RANDOM=1 pytest tests/test_reconcile_fuzz.py -n 0
-EXAMPLES = int(os.environ.get("MEMPROXY_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("MEMPROXY_FUZZ_EXAMPLES", "80"))
 DERANDOMIZE = not os.environ.get("MEMPROXY_FUZZ_RANDOM")
 
 

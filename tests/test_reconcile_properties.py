@@ -246,7 +246,7 @@ def proxies() -> dict[str, Proxy]:
     return {}
 
 
-@settings(max_examples=200, deadline=None, database=None,
+@settings(max_examples=120, deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(script=st.lists(steps, min_size=1, max_size=10))
