@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from .errors import BadRequest
 
 _Count = Annotated[StrictInt, Field(ge=1)]
+_Number = StrictFloat | StrictInt
 
 
 class _Choice(BaseModel):
@@ -27,7 +28,6 @@ class _Choice(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: StrictStr
-_Number = StrictFloat | StrictInt
 
 
 class _Params(BaseModel):
