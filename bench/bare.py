@@ -4,7 +4,8 @@
 
 Run as its own process against the bench's fake upstream, with what memproxy's default path passes
 (`memproxy.provider`: litellm loaded and set up as memproxy does, the same keyword arguments, the
-answer turned into a dict), on conversations shaped like the latency phase's memory-on requests (a
+call's set-up run on the loop as memproxy runs it (`memproxy.inline_setup`), the answer turned
+into a dict), on conversations shaped like the latency phase's memory-on requests (a
 system prompt, a few earlier exchanges, the new question). Prints one JSON line: per round, the
 p50 and p99 of a call in ms and the CPU it took per call (this process; the fake upstream's is its
 own). What memproxy's `Server-Timing: upstream` shows beyond this is what memproxy does around the
@@ -25,6 +26,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load  # noqa: E402
+from memproxy import inline_setup  # noqa: E402
 from memproxy.config import ModelConfig  # noqa: E402
 from memproxy.provider import chat_parameters, litellm_kwargs, load_litellm, register_unmapped  # noqa: E402
 
@@ -43,6 +45,7 @@ def conversation(question: int) -> list[dict[str, str]]:
 
 async def run(api_base: str, requests: int, rounds: int, warmup: int) -> list[dict[str, float]]:
     litellm = load_litellm()
+    inline_setup.install(asyncio.get_running_loop())  # as memproxy's server does
     model = ModelConfig(name="bench", model="openai/bench-model", api_base=api_base, api_key="upstream-key")
     params = {"model": "bench", "max_tokens": 64}
     named = chat_parameters(litellm, model)
@@ -56,7 +59,8 @@ async def run(api_base: str, requests: int, rounds: int, warmup: int) -> list[di
             question += 1
             kwargs = {**litellm_kwargs(model, params, named), "messages": conversation(question)}
             started = time.perf_counter()
-            response = await litellm.acompletion(**kwargs)
+            with inline_setup.inline():  # as memproxy calls an `openai/` model
+                response = await litellm.acompletion(**kwargs)
             response.model_dump(exclude_none=True)
             times.append((time.perf_counter() - started) * 1000)
         if r:

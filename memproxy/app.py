@@ -4,6 +4,7 @@ pending writes finish before the provider and the store close."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -11,6 +12,7 @@ from typing import Any
 
 from aiohttp import http_exceptions, web
 
+from . import inline_setup
 from .auth import authenticate
 from .bodies import BodyBudget
 from .chat import chat_completions
@@ -83,6 +85,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _provider(app: web.Application) -> AsyncIterator[None]:
+    inline_setup.install(asyncio.get_running_loop())  # litellm's call set-up on the loop, not a thread
     app[PROVIDER] = Provider(app[CONFIG])
     yield
     await app[PROVIDER].close()

@@ -49,6 +49,7 @@ from . import observability
 from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
+from .inline_setup import inline
 from .messages import Message, assistant_message, detached
 from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
                      encoding_name_for, hoisted_image_words)
@@ -71,6 +72,12 @@ _MOST_ERROR_TEXT = 65_536  # a longer error text is relayed as it is, not parsed
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _REGISTERED: set[str] = set()  # the models `register_unmapped` added to litellm's map, in this process
 _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-openai", "azure_ai"})
+# The providers whose call litellm sets up without I/O, so on the loop (`memproxy.inline_setup`):
+# OpenAI-compatible ones with a static key, whose message parts go on as they are. Not Anthropic,
+# Gemini, Ollama (litellm fetches an image URL to inline it), Vertex, Bedrock, SageMaker, Azure,
+# watsonx (credentials or a token may be fetched).
+_INLINE_SETUP = frozenset({"openai", "text-completion-openai", "custom_openai", "hosted_vllm", "lm_studio",
+                           "openrouter", "deepseek", "groq", "xai", "together_ai", "fireworks_ai"})
 Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
 JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
 # Each endpoint's path under the provider's base URL, and litellm's function for it.
@@ -84,6 +91,9 @@ _LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions"
 _SIGNATURES: dict[Endpoint, str] = {"embeddings": "embedding", "completions": "text_completion",
                                     "moderations": "moderation", "images": "image_generation",
                                     "transcriptions": "transcription", "speech": "speech"}
+# The calls that begin by handing their set-up to the executor (`memproxy.inline_setup`); litellm's
+# moderation call does not, so nothing of it is asked to run in place.
+_HANDED_OFF: frozenset[Endpoint] = frozenset(_LITELLM_CALLS) - {"moderations"}
 _SLOW_TOKENIZER_SECONDS = 2.0  # a tokenizer that took this long to load is said so (`LitellmCounter.load`)
 TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
 # Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
@@ -255,6 +265,7 @@ class Provider:
         self._unpriced: set[str] = set()
         self._sdk_clients: dict[str, Any] = {}  # `_sdk_client`
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
+        self._inline: dict[str, bool] = {}  # litellm sets a call up on the loop (`memproxy.inline_setup`)
         self._chat_parameters: dict[str, frozenset[str]] = {}  # `chat_parameters`
         # How each model's provider counts what memproxy counts (`memory.calibrate_tokens`).
         self.calibration = Calibration(config.memory.calibrate_tokens)
@@ -270,6 +281,7 @@ class Provider:
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
             self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
+            self._inline[model.name] = _litellm_provider(self._litellm, model.model) in _INLINE_SETUP
             self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
             register_unmapped(self._litellm, model, self._windows[model.name])
         self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
@@ -356,7 +368,8 @@ class Provider:
         if self._native[model.name]:
             return await self._openai.complete(model, messages, params)
         try:
-            response = await _whole_within(model.timeout_seconds, self._acompletion(self._kwargs(model, messages, params)))
+            response = await _whole_within(model.timeout_seconds,
+                                           self._acompletion(model, self._kwargs(model, messages, params)))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
@@ -374,7 +387,7 @@ class Provider:
         kwargs = self._kwargs(model, messages, params)
         del kwargs["allowed_openai_params"]
         try:
-            response = await self._acompletion({**kwargs, "drop_params": True})
+            response = await self._acompletion(model, {**kwargs, "drop_params": True})
         except Exception as exc:
             raise self.upstream_error(exc) from exc
         result: dict[str, Any] = response.model_dump(exclude_none=True)
@@ -386,7 +399,7 @@ class Provider:
         """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
-        return await self._first_chunk(self._acompletion(self._kwargs(model, messages, {**params, "stream": True})),
+        return await self._first_chunk(self._acompletion(model, self._kwargs(model, messages, {**params, "stream": True})),
                                        _dumped_chunk)
 
     async def _first_chunk(self, call: Awaitable[Any], dump: Callable[[Any], dict[str, Any]]
@@ -471,7 +484,9 @@ class Provider:
             # the client is shared.
             kwargs["client"] = self._sdk_client(model)
         try:
-            return await _whole_within(model.timeout_seconds, getattr(self._litellm, _LITELLM_CALLS[endpoint])(**kwargs))
+            call = getattr(self._litellm, _LITELLM_CALLS[endpoint])
+            with inline(self._inline[model.name] and endpoint in _HANDED_OFF):
+                return await _whole_within(model.timeout_seconds, call(**kwargs))
         except Exception as exc:
             raise self.upstream_error(exc) from exc
 
@@ -488,9 +503,10 @@ class Provider:
             self._sdk_clients[model.name] = client
         return client
 
-    async def _acompletion(self, kwargs: dict[str, Any]) -> Any:
+    async def _acompletion(self, model: ModelConfig, kwargs: dict[str, Any]) -> Any:
         try:
-            return await self._litellm.acompletion(**kwargs)
+            with inline(self._inline[model.name] and not _fetches(kwargs["messages"])):
+                return await self._litellm.acompletion(**kwargs)
         except Exception as exc:
             if not _caused_by(exc, UnicodeEncodeError):
                 raise
@@ -742,11 +758,31 @@ def _target(model: ModelConfig) -> dict[str, Any]:
 
 def _sdk_route(litellm: Any, name: str) -> bool:
     """Whether litellm reaches `name` through the OpenAI SDK (its `openai` providers)."""
+    return _litellm_provider(litellm, name) in ("openai", "text-completion-openai")
+
+
+def _fetches(messages: list[Message]) -> bool:
+    """Whether litellm's OpenAI set-up downloads something for `messages`: a user message's `file`
+    part whose `file_id` is a URL (it sends the file's bytes instead, fetched with its SSRF checks
+    and a timeout); such a call keeps the executor's thread."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and message.get("role") == "user":
+            for part in content:
+                file = part.get("file") if isinstance(part, dict) and part.get("type") == "file" else None
+                file_id = file.get("file_id") if isinstance(file, dict) else None
+                if isinstance(file_id, str) and file_id.startswith(("https://", "http://", "www.")):
+                    return True
+    return False
+
+
+def _litellm_provider(litellm: Any, name: str) -> str | None:
+    """The provider litellm calls `name` through (`gpt-4o`: openai, `claude-...`: anthropic)."""
     try:
-        provider = litellm.get_llm_provider(name)[1]
+        provider: str = litellm.get_llm_provider(name)[1]
     except Exception:
-        return False
-    return provider in ("openai", "text-completion-openai")
+        return None
+    return provider
 
 
 def _provider_of(model: ModelConfig) -> str:

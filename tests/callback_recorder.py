@@ -22,6 +22,7 @@ class Event:
 
 class RecordingLogger(CustomLogger):  # type: ignore[misc]  # litellm's class is untyped
     events: list[Event] = []
+    set_up_on: list[str] = []  # the thread each call's synchronous set-up ran on (`log_pre_api_call`)
     _lock = threading.Lock()
 
     @classmethod
@@ -33,6 +34,11 @@ class RecordingLogger(CustomLogger):  # type: ignore[misc]  # litellm's class is
     def clear(cls) -> None:
         with cls._lock:
             cls.events.clear()
+            cls.set_up_on.clear()
+
+    def log_pre_api_call(self, model: Any, messages: Any, kwargs: Any) -> None:
+        with self._lock:
+            self.set_up_on.append(threading.current_thread().name)
 
     async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
         with self._lock:
