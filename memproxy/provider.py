@@ -280,8 +280,9 @@ class Provider:
             self._reasoning[model.name] = _provider_of(model) in _OPENAI_LIKE and _reasons(self._litellm, model.model)
             self._fills_max_tokens[model.name] = not self._native[model.name] and _fills_max_tokens(
                 self._litellm, model.model)
-            self._sdk_route[model.name] = _sdk_route(self._litellm, model.model)
-            self._inline[model.name] = _litellm_provider(self._litellm, model.model) in _INLINE_SETUP
+            provider = _litellm_provider(self._litellm, model.model)
+            self._sdk_route[model.name] = provider in ("openai", "text-completion-openai")
+            self._inline[model.name] = provider in _INLINE_SETUP
             self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
             register_unmapped(self._litellm, model, self._windows[model.name])
         self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
@@ -399,8 +400,8 @@ class Provider:
         """Chunks as dicts; the first is awaited before this returns, so early errors raise here."""
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
-        return await self._first_chunk(self._acompletion(model, self._kwargs(model, messages, {**params, "stream": True})),
-                                       _dumped_chunk)
+        kwargs = self._kwargs(model, messages, {**params, "stream": True})
+        return await self._first_chunk(self._acompletion(model, kwargs), _dumped_chunk)
 
     async def _first_chunk(self, call: Awaitable[Any], dump: Callable[[Any], dict[str, Any]]
                            ) -> AsyncGenerator[dict[str, Any], None]:
@@ -754,11 +755,6 @@ def _target(model: ModelConfig) -> dict[str, Any]:
     if model.headers:
         target["extra_headers"] = dict(model.headers)
     return target
-
-
-def _sdk_route(litellm: Any, name: str) -> bool:
-    """Whether litellm reaches `name` through the OpenAI SDK (its `openai` providers)."""
-    return _litellm_provider(litellm, name) in ("openai", "text-completion-openai")
 
 
 def _fetches(messages: list[Message]) -> bool:

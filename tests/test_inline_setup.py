@@ -83,6 +83,15 @@ async def test_an_openai_compatible_call_is_set_up_on_the_loop(
     assert recorder.set_up_on == [threading.current_thread().name] * 2
 
 
+async def test_another_endpoints_call_is_set_up_on_the_loop(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream, recorder: type[RecordingLogger]
+) -> None:
+    proxy: Proxy = await start_proxy(recorded(make_config(storage, upstream.url)))
+    result = await proxy.client(session=None).embeddings.create(model="small", input="hello")
+    assert len(result.data) == 1
+    assert recorder.set_up_on == [threading.current_thread().name]
+
+
 async def test_a_call_whose_set_up_may_fetch_keeps_its_thread(
     start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic, recorder: type[RecordingLogger]
 ) -> None:
