@@ -1,9 +1,10 @@
 """The `memproxy` command's entry point: for `serve`, the stop signals are handled from here on.
 
-Importing `memproxy.cli` (aiohttp, pydantic, the store drivers) takes about half a second, and a
-SIGTERM in that time must stop `serve` as one later does (`memproxy.stopping`). So this module
-installs the handler first and imports the command after it. The other commands keep Python's
-own signal behaviour: an interrupted `check-config` or `sessions ...` must not exit 0.
+Importing `memproxy.cli` (pydantic, the store drivers), then for `serve` `memproxy.daemon` (aiohttp,
+the app), takes about half a second, and a SIGTERM in that time must stop `serve` as one later
+does (`memproxy.stopping`). So this module installs the handler first and imports the command
+after it. The other commands keep Python's own signal behaviour: an interrupted `check-config` or
+`sessions ...` must not exit 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["serve"]:
         stop_signals.install()
     try:
-        from .cli import main as run  # after the handler: this import alone takes ~0.5 s
+        from .cli import main as run  # after the handler: `serve`'s imports take ~0.5 s
 
         return run(args)
     except Stopped:  # during the import, before `serve` began: nothing is open

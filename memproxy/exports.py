@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .bodies import parse_json, refuse_lone_surrogates
+from .jsonparse import parse_json, refuse_lone_surrogates
 from .errors import BadRequest
 from .messages import SYSTEM_ROLES, chain_hash, validate_message
 from .store.base import TurnKind

@@ -15,7 +15,7 @@ import asyncio
 
 from aiohttp import web
 
-from . import admin, exports
+from . import admin, exports, preview
 from .bodies import body_bytes, json_object
 from .errors import BadRequest, NotFound, UpstreamError
 from .memory.retention import expired_before, has_expired
@@ -153,10 +153,10 @@ async def context(request: web.Request) -> web.Response:
     app = request.app
     model = await admin.session_model(app[STORE], app[CONFIG], session,
                                       body.get("model") or request.query.get("model"))
-    preview = await admin.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
-                                  tenant, session, body.get("messages", []), body,
-                                  end_user(request.headers, body))
-    return web.json_response(preview)
+    planned = await preview.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
+                                    tenant, session, body.get("messages", []), body,
+                                    end_user(request.headers, body))
+    return web.json_response(planned)
 
 
 def _no_query_in_url(request: web.Request) -> None:

@@ -18,13 +18,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import admin, exports
-from .bodies import parse_json
-from .concurrency import BackgroundTasks
 from .config import Config
 from .errors import ProxyError
+from .jsonparse import parse_json
 from .memory.retention import expired_before, has_expired
-from .memory.summaries import Summarizer
-from .provider import Provider
 from .session_ids import is_session_id
 from .store import SessionState, Store, open_store
 from .store.errors import StoreConflict, StoreUnavailable
@@ -232,10 +229,17 @@ def _text(message: dict[str, Any]) -> str:
 async def _context(args: argparse.Namespace, config: Config, store: Store) -> int:
     session = await _session(args, store, args.id)
     model = await admin.session_model(store, config, session, args.model)
+    # The planner, the provider and the summariser it plans with: imported here, for this command
+    # alone, so that the others start without them (about half of a command's start-up time).
+    from .concurrency import BackgroundTasks
+    from .memory.summaries import Summarizer
+    from .preview import context
+    from .provider import Provider
+
     provider = Provider(config)
     summarizer = Summarizer(config, store, provider, BackgroundTasks())
     new = [{"role": "user", "content": args.message}] if args.message else []
-    preview = await admin.context(store, summarizer, provider, config, model, _tenant(args), session, new, {})
+    preview = await context(store, summarizer, provider, config, model, _tenant(args), session, new, {})
     await provider.close()
     if args.json:
         _print_json(preview)
@@ -337,7 +341,7 @@ async def _metadata(args: argparse.Namespace, config: Config, store: Store) -> i
 
 
 def _json_object(text: str, option: str) -> dict[str, Any]:
-    """An option's JSON object, read as a request body is (`bodies.parse_json`): what the HTTP API
+    """An option's JSON object, read as a request body is (`jsonparse.parse_json`): what the HTTP API
     refuses (NaN, a lone surrogate, nesting past its limit) is refused here too, before anything
     is written, or it would break the session's metadata reads and exports."""
     try:

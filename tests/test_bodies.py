@@ -1,4 +1,4 @@
-"""`memproxy.bodies.parse_json` against the reference it must agree with: `json.loads`, minus what
+"""`memproxy.jsonparse.parse_json` against the reference it must agree with: `json.loads`, minus what
 nothing downstream can hold (lone surrogates, deep nesting, NaN and infinities)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memproxy.bodies import MAX_DEPTH, parse_json
+from memproxy.jsonparse import MAX_DEPTH, parse_json
 from memproxy.errors import BadRequest
 
 # Pieces of a JSON string's inside: surrogate escapes in both cases, pairs, escaped backslashes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -198,6 +199,22 @@ def test_check_config_refuses_what_serve_refuses_a_window_litellm_does_not_know(
     config.write_text(config.read_text().replace("ollama/some-local-model", "openai/gpt-4o-mini"))
     if command == "check-config":
         assert run_cli(command, "-c", str(config), MEMPROXY_TEST_UPSTREAM_KEY="k").returncode == 0
+
+
+def test_light_commands_start_without_the_server_the_planner_or_litellm(tmp_path: Path) -> None:
+    """A command imports what it needs when it runs (memproxy.cli): `migrate` and the `sessions`
+    verbs but `context` start with the config and the store alone, not aiohttp's server, the
+    planner (numpy) or litellm, in about half the time."""
+    config = tmp_path / "memproxy.yaml"
+    config.write_text(f"storage:\n  url: sqlite:///{tmp_path / 'memproxy.db'}\n", encoding="utf-8")
+    code = ("import sys; from memproxy.entry import main\n"
+            "for args in (['migrate'], ['sessions', 'list'], ['sessions', 'usage'], ['sessions', 'search', 'x']):\n"
+            "    assert main([*args[:1], '-c', 'memproxy.yaml', *args[1:]]) == 0, args\n"
+            "heavy = [m for m in ('aiohttp', 'numpy', 'litellm') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path, env=clean_env())
+    assert result.returncode == 0, result.stderr
 
 
 def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:

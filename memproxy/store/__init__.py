@@ -71,6 +71,7 @@ __all__ = [
     "TurnRecord",
     "TurnStore",
     "Usage",
+    "apply_migrations",
     "open_store",
 ]
 
@@ -81,3 +82,9 @@ async def open_store(config: StorageConfig) -> Store:
     if config.is_postgres:
         return await PostgresStore.open(config, **caches)
     return await SQLiteStore.open(config.url, busy_timeout_ms=config.busy_timeout_ms, **caches)
+
+
+async def apply_migrations(config: StorageConfig) -> None:
+    """The store `storage.url` names brought to the newest schema (opening it does that), and closed."""
+    store = await open_store(config)
+    await store.close()
