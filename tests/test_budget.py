@@ -658,3 +658,21 @@ async def test_function_and_output_schemas_count_against_the_budget(proxy: Proxy
     stored_turn = COUNTER.message({"role": "assistant", "content": "reply 1"}) + COUNTER.message(message[0])
     assert grown == stored_turn + COUNTER.tools([*functions, schema])
     assert upstream.last().body["response_format"] == {"type": "json_schema", "json_schema": schema}
+
+
+async def test_a_resent_history_whose_newest_message_cannot_fit_is_refused_and_not_stored(
+    proxy: Proxy, upstream: FakeUpstream
+) -> None:
+    """A conversation the session does not hold, too long to send, whose newest message alone
+    cannot fit: refused with a 400 before anything is sent or stored; its history, which would be
+    stored first were the request answered, is not stored either (bad input changes nothing)."""
+    history = exchanges(3)
+    huge = {"role": "user", "content": words(2000)}
+    assert tokens([huge]) + REPLY_PRIMING > DEFAULT_BUDGET
+    state = db_state(proxy)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client(session="resent-huge").chat.completions.create(
+            model="small", messages=[*history, huge])  # type: ignore[arg-type]
+    assert_context_length_exceeded(caught.value, "messages")
+    assert upstream.chat_requests() == []
+    assert db_state(proxy) == state

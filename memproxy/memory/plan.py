@@ -184,6 +184,8 @@ async def _prepare(
         + tools + REPLY_PRIMING,
     )
     split = resent_history(reconciled) if fixed.tokens > budget.input_tokens and not preview else 0
+    if split and fixed.tokens - sum(m.tokens for m in new[:split]) > budget.input_tokens:
+        split = 0  # its newest exchange alone cannot fit either: refused (`fit`) before anything is stored
     if split:
         # A conversation this session does not hold, too long to send whole (an existing chat
         # pointed at memproxy, or resent after its session expired or was cleared, or an edit of
