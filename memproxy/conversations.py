@@ -111,9 +111,9 @@ async def create(request: web.Request) -> web.Response:
     while await store.get_session(tenant, conversation_id) is not None:
         conversation_id = new_conversation_id()
     async with app[LOCKS].hold(tenant, conversation_id):
-        if messages:
-            await _write(request, tenant, conversation_id, None, messages)
-        if metadata or not messages:  # a conversation without items is a session without messages
+        if messages:  # its items and metadata in one write: a conversation is made whole or not at all
+            await _write(request, tenant, conversation_id, None, messages, metadata=metadata or None)
+        else:  # a conversation without items is a session without messages
             await app[TASKS].run(store.set_metadata(tenant, conversation_id, metadata))
         session = await store.get_session(tenant, conversation_id)
     if session is None:  # deleted as soon as it was made
@@ -234,9 +234,10 @@ async def delete_item(request: web.Request) -> web.Response:
 
 async def _write(request: web.Request, tenant: str, session_id: str, session: SessionState | None,
                  messages: list[Message], base: int | None = None, base_hash: str | None = None,
-                 base_totals: Totals | None = None) -> None:
+                 base_totals: Totals | None = None, metadata: dict[str, Any] | None = None) -> None:
     """Write `messages` after the first `base` of the session's (default: after all of them), as
-    a turn that called no model: counted by the counter of the model the session last talked to.
+    a turn that called no model (with `metadata`, the session's, replaced in the same write):
+    counted by the counter of the model the session last talked to.
     Pinned: if the session moved since it was read, a 409 and nothing written. A session idle past
     its TTL is started afresh first, as a turn would start it."""
     app = request.app
@@ -255,7 +256,7 @@ async def _write(request: web.Request, tenant: str, session_id: str, session: Se
         expected_length=current.length if current else 0, expected_head_hash=current.head_hash if current else "",
         base=base, base_totals=base_totals, base_hash=base_hash, messages=new, system=None, model="-",
         kind="items", context_tokens=0, latency_ms=0.0, title=title_of(messages), expired_before=cutoff,
-        tokenizer=counter.name, pinned=True)
+        tokenizer=counter.name, pinned=True, metadata=metadata)
     await app[TASKS].run(store.record_turn(record))
     cap = config.retention.max_messages_per_session
     if cap is not None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
+from db import execute, table_rows
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import Config
 from memproxy.conversation_items import without_item
@@ -22,6 +23,7 @@ from test_responses import call, session_messages
 pytestmark = [pytest.mark.both_stores]
 
 ADMIN_KEY = "test-admin-key-conv"
+TABLES = ("sessions", "turns", "messages")
 
 
 @pytest.fixture
@@ -375,3 +377,37 @@ async def test_the_agents_sdks_conversations_session_holds_two_runs(proxy: Proxy
     await session.clear_session()
     with pytest.raises(openai.NotFoundError):
         await client.conversations.retrieve(conversation_id)
+
+
+def refuse_metadata(config: Config) -> None:
+    """From now on the database refuses every write of a session's metadata: a store failing
+    halfway through what a request writes."""
+    if config.storage.is_postgres:
+        execute(config, "CREATE FUNCTION refuse_metadata() RETURNS trigger AS $$"
+                        " BEGIN RAISE EXCEPTION 'refused'; END $$ LANGUAGE plpgsql")
+        execute(config, "CREATE TRIGGER refuse BEFORE UPDATE OF metadata ON sessions FOR EACH ROW"
+                        " EXECUTE FUNCTION refuse_metadata()")
+    else:
+        execute(config, "CREATE TRIGGER refuse BEFORE UPDATE OF metadata ON sessions"
+                        " BEGIN SELECT RAISE(ABORT, 'refused'); END")
+
+
+async def test_a_conversation_made_with_items_and_metadata_is_stored_whole_or_not_at_all(
+    proxy: Proxy, config: Config
+) -> None:
+    """Its items and its metadata are one write: a store that fails on either stores neither, and
+    the client's retry (the SDK's own, on a 503) makes one conversation, not a second beside an
+    orphan holding the items without the metadata."""
+    client = proxy.client(None)
+    refuse_metadata(config)
+    with pytest.raises(openai.InternalServerError) as caught:
+        await client.conversations.create(items=[{"role": "user", "content": "hello"}], metadata={"topic": "x"})
+    assert caught.value.status_code == 503
+    assert table_rows(config, *TABLES) == {table: [] for table in TABLES}
+    execute(config, "DROP TRIGGER refuse ON sessions" if config.storage.is_postgres else "DROP TRIGGER refuse")
+    conversation = await client.conversations.create(items=[{"role": "user", "content": "hello"}],
+                                                     metadata={"topic": "x"})
+    assert conversation.metadata == {"topic": "x"}
+    assert texts(await all_items(client, conversation.id)) == [("user", "hello")]
+    status, listed = await call(proxy, "GET", "/sessions")
+    assert [s["id"] for s in listed["data"]] == [conversation.id]

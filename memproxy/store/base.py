@@ -364,6 +364,9 @@ class TurnRecord:
     # What the turn continues is fixed (a Responses `previous_response_id`: the provider must see only
     # what led to that response): after another writer's turn it is refused, never rebased after it.
     pinned: bool = False
+    # The session's metadata, replaced whole with the turn (a conversation created with items and
+    # metadata: one write, so a failure leaves neither); None leaves it as it is.
+    metadata: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

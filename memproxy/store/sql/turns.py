@@ -354,6 +354,8 @@ class SQLTurns(SQLBase):
                  None if message.compact_body is None else dumps(message.compact_body), compact_tokens,
                  compact_cum, search_text(*session, message.body, now),
                  recall_text(message.body, message.compact_body), message.recall_tokens)))
+        if turn.metadata is not None:
+            steps.append((f"UPDATE sessions SET metadata = ? WHERE pk = {_SESSION_PK}", (dumps(turn.metadata), *session)))
         if turn.response is not None and placement:
             # A Responses API answer points at the turn's last message, where it landed (a rebased
             # turn's too: `placement` and the hashes are the rebased ones).
