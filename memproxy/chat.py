@@ -314,7 +314,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         provider.window(exchange.model), config.memory, tenant, session_id, exchange.messages,
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
         end_user=end_user(request.headers, exchange.params),
-        calibration=provider.calibration.factor(exchange.model.name, (tenant, session_id)),
+        calibration=provider.calibration.factor(exchange.model.name, (tenant, session_id)), tasks=app[TASKS],
     )
     exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -26,7 +27,7 @@ from fake_upstream import FakeUpstream, Reply
 from helpers import assistant, chat, complete, stream_chat, until, user
 from memproxy.app import create_app
 from memproxy.config import Config
-from memproxy.typedefs import LOCKS, TASKS
+from memproxy.typedefs import LOCKS, STORE, TASKS
 
 pytestmark = pytest.mark.both_stores
 
@@ -758,3 +759,62 @@ async def test_a_turn_whose_session_is_deleted_meanwhile_gets_its_answer_not_rem
                             headers={"Authorization": f"Bearer {PROXY_KEY}"}) as got:
             usage = await got.json()
     assert usage["deleted_sessions"]["turns"] == 2  # the first turn, deleted with its session, and this one
+
+
+def _writer(proxy: Proxy) -> Any:
+    """The SQLite store's writer (`SQLiteBackend`): whether a write is on its thread, or queued."""
+    return getattr(proxy.app[STORE], "_db")
+
+
+async def test_a_resent_history_written_for_a_client_that_hung_up_is_seen_by_its_retry(
+    upstream: FakeUpstream, config: Config
+) -> None:
+    """A conversation too long to send has its history stored before it is planned (`resent_history`).
+    If the client hangs up while that write waits for the file's write lock, the session stays
+    locked until the write is done, as for a turn's: the client's retry, sending the same
+    conversation, then finds the history stored and continues it, instead of planning on the
+    session as it was and storing the whole history a second time after the first."""
+    if config.storage.is_postgres:
+        pytest.skip("SQLite: a write the caller stopped waiting for still commits there")
+    handler_tasks: list[asyncio.Task[Any]] = []
+
+    @web.middleware
+    async def observe(request: web.Request, handler: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        handler_tasks.append(task)
+        result: web.StreamResponse = await handler(request)
+        return result
+
+    config = replace(config, storage=replace(config.storage, busy_timeout_ms=30_000))
+    app = create_app(config)
+    app.middlewares.append(observe)
+    proxy = Proxy(TestServer(app, host="127.0.0.1", port=0), app)
+    await proxy.server.start_server()
+    history = [m for n in range(40) for m in (user(f"question {n} " + "word " * 40), assistant(f"answer {n}"))]
+    conversation = [*history, user("and the first question?")]
+    try:
+        url = proxy.url + "/chat/completions"
+        headers = {"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
+        body = {"model": "small", "messages": conversation}
+        with write_lock_held(config):
+            async with aiohttp.ClientSession() as http:
+                request = asyncio.create_task(http.post(url, json=body, headers=headers))
+                try:
+                    await until(lambda: _writer(proxy)._in_flight > 0, "the history's write waits for the lock")
+                finally:
+                    request.cancel()  # the client hangs up
+                    with pytest.raises(asyncio.CancelledError):
+                        await request
+            [task] = handler_tasks
+            await until(lambda: task.cancelling() > 0 or task.done(), "the server notices the disconnect")
+            retry = asyncio.create_task(chat(proxy.client(), conversation))
+            # The retry waits: for the session (its lock held until the write is done), or for the writer
+            # (the hung-up request's write, whose caller stopped waiting, still first on its thread).
+            await until(lambda: proxy.app[LOCKS]._locks.get(("a", "s1"), (None, 0))[1] > 1
+                        or _writer(proxy)._in_flight > 0, "the retry waits")
+        _, reply_headers = await retry
+        assert stored(config) == [*conversation, assistant("reply 1")]  # the history once
+        assert reply_headers["X-Memproxy-Reconcile"] == "continue"
+    finally:
+        await proxy.close()

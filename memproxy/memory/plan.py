@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..concurrency import BackgroundTasks
 from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, history_end, split_system
@@ -126,10 +127,13 @@ async def prepare_turn(
     preview: bool = False,
     end_user: str | None = None,
     calibration: float = 1.0,
+    tasks: BackgroundTasks | None = None,
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded. `end_user`:
     whose other sessions recall may look in (`memory.recall_scope: user`). `calibration`: the
-    model's provider's tokens per counted token (`memproxy.calibration`).
+    model's provider's tokens per counted token (`memproxy.calibration`). `tasks`: what owns a
+    resent history's write (`resent_history`), so that it outlives a client that hangs up and the
+    session's lock is held until it is done, as a turn's is (`BackgroundTasks.run`).
 
     A session's stored counts were made by the counter of the model it was talking to then. Where
     that was another counter (a session moved from a cl100k model to an o200k one, or to a Claude),
@@ -137,7 +141,7 @@ async def prepare_turn(
     is counted again with this model's counter, and planned again for less while it does not fit."""
     args = (store, summarizer, model, counter, window, memory, tenant, session_id, messages, params,
             requested_history, idle_ttl, preview, end_user)
-    turn, plans = await _prepare(*args, calibration), 1
+    turn, plans = await _prepare(*args, calibration, tasks), 1
     while turn.session is not None and turn.session.tokenizer not in (None, counter.name):
         exact = request_tokens(counter, turn.context.messages, prompt_schemas(params))
         if exact <= turn.budget.input_tokens or plans == _PLANS:  # over still: the provider has the last word
@@ -145,7 +149,7 @@ async def prepare_turn(
         calibration *= exact / turn.budget.input_tokens * _REPLAN_STEP
         # A history the first plan stored (`resent_history`) is read as stored by the next: the
         # client's reading stays the first one's.
-        replanned = await _prepare(*args, calibration)
+        replanned = await _prepare(*args, calibration, tasks)
         turn, plans = dataclasses.replace(replanned, read_as=turn.read_as or replanned.read_as), plans + 1
     return turn
 
@@ -154,6 +158,7 @@ async def _prepare(
     store: TurnStore, summarizer: Summarizer, model: ModelConfig, counter: TokenCounter, window: int,
     memory: MemoryConfig, tenant: str, session_id: str, messages: list[Message], params: dict[str, Any],
     requested_history: str, idle_ttl: float | None, preview: bool, end_user: str | None, calibration: float,
+    tasks: BackgroundTasks | None,
 ) -> PreparedTurn:
     budget = request_budget(params, model, window, memory, calibration)
     schemas = prompt_schemas(params)
@@ -195,11 +200,12 @@ async def _prepare(
         base_totals = None
         if session is not None and reconciled.kind == "edit":
             base_totals = (await store.snapshot(session, reconciled.base, False, 0)).base_totals
-        await store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
-                                              system_changed, model.name, cutoff, end_user, counter.name,
-                                              base_totals))
+        write = store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
+                                                system_changed, model.name, cutoff, end_user, counter.name,
+                                                base_totals))
+        await (write if tasks is None else tasks.run(write))
         planned = await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
-                                 params, requested_history, idle_ttl, preview, end_user, calibration)
+                                 params, requested_history, idle_ttl, preview, end_user, calibration, tasks)
         return dataclasses.replace(planned, read_as=reconciled)
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
