@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import openai
 import pytest
 
 from admin_api import (
@@ -43,7 +44,7 @@ from admin_api import (
     write_db,
 )
 from conftest import OTHER_KEY, Proxy
-from db import rows
+from db import rows, table_rows
 from fake_upstream import FakeUpstream, Reply
 from helpers import Conversation, assistant, send_turn, until, user
 from memproxy.config import RetentionConfig
@@ -304,6 +305,24 @@ async def test_a_turn_on_a_session_near_its_ttl_marks_it_active_as_it_begins(
         assert (last_active(session) > before + 40) is touched, session
         gate.set()
         await turn
+
+
+async def test_a_request_refused_as_too_long_leaves_a_session_near_its_ttl_as_it_was(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
+) -> None:
+    """The mark of activity a turn near its session's TTL makes is for a turn that goes upstream:
+    a request refused as too long (400 `context_length_exceeded`) changes nothing stored, so it
+    neither keeps the session from expiring nor moves it up the list of recent sessions."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
+    config = config_of(proxy)
+    await send_turn(proxy, "near", [user("a conversation")])
+    await age(config, "near", 45)
+    before = table_rows(config, *TABLES)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await send_turn(proxy, "near", [user(words(2000, "x"))])
+    assert caught.value.code == "context_length_exceeded"
+    assert table_rows(config, *TABLES) == before
+    assert len(upstream.chat_requests()) == 1
 
 
 async def converse_with_edits(proxy: Proxy, upstream: FakeUpstream, api: Api,

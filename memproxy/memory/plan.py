@@ -171,8 +171,8 @@ async def _prepare(
     cutoff = expired_before(idle_ttl) if has_expired(session, idle_ttl) else None
     if cutoff is not None:
         session = None  # planned as new; the store restarts the old one when the turn is written
-    elif not preview:
-        await keep_alive(store, session, idle_ttl)
+    # Marked active once the plan stands (`keep_alive`): a request refused as too long changes nothing.
+    planned_on = None if preview else session
     system, conversation = split_system(messages)
     system_changed = bool(system) and (session is None or session.system != system)
     if not system and session is not None and session.system:
@@ -249,6 +249,7 @@ async def _prepare(
         context = await _recall(store, session, fixed, beside, floor, memory.recall_context, scope, counter, context,
                                 build, checked, expired_before(idle_ttl))
         lap("recall")
+    await keep_alive(store, planned_on, idle_ttl)
     return PreparedTurn(tenant, session_id, session, reconciled, new, system, system_changed, context, budget,
                         full_tokens=fixed.tokens + context.base_totals.full, expired_before=cutoff,
                         end_user=end_user, unsummarised=unsummarised)
