@@ -111,6 +111,11 @@ class Wire(Protocol):
         """A plain answer's body where its turn could not be recorded (told by `X-Memproxy-Stored`)."""
         ...
 
+    def without_memory(self) -> None:
+        """The turn goes upstream without memory and will not be recorded (`storage.on_failure:
+        passthrough`): nothing the client sees of it may say that it is kept."""
+        ...
+
     def done(self) -> bytes:
         """The end of a stream whose answer is complete and recorded."""
         ...
@@ -157,6 +162,9 @@ class ChatWire:
 
     def unkept(self, body: dict[str, Any]) -> dict[str, Any]:
         return body
+
+    def without_memory(self) -> None:
+        pass
 
     def done(self) -> bytes:
         return b"data: [DONE]\n\n"
@@ -240,6 +248,7 @@ async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, sess
             log.error("store unavailable, chat forwarded without memory: %s", type(exc.__cause__).__name__)
             request.app[METRICS].store_error("passthrough")
             exchange.turn = None
+            exchange.wire.without_memory()
             exchange.headers.update({MEMORY_HEADER: "unavailable", STORED_HEADER: "false"})
         try:
             return await _forward(request, exchange)

@@ -272,15 +272,24 @@ class ResponsesWire:
         self._native = native
         self._final: dict[str, Any] | None = None
         self._created_at = time.time()  # one creation time, in every event and the kept object
-        created = response_object(response_id, request, model, [], None, status="in_progress",
-                                  created_at=self._created_at)
         self._make_id = item_ids(response_id)  # an item_reference to any of them finds this response
         self._renamed: dict[str, str] = {}  # a native provider's item ids -> this response's
-        self._events = ChatEvents(created, self._make_id)
+        self._events = self._chat_events()
         self._assembler = StreamAssembler()
         self._started = False
         self._closing: list[dict[str, Any]] = []
         self._held: dict[str, Any] | None = None  # a native stream's terminal event
+
+    def _chat_events(self) -> ChatEvents:
+        created = response_object(self.id, self._request, self._model, [], None, status="in_progress",
+                                  created_at=self._created_at)
+        return ChatEvents(created, self._make_id)
+
+    def without_memory(self) -> None:
+        """Not recorded, the response is not kept: it says `store: false` from its first event on,
+        as one whose recording failed does (`unkept`), and cannot be retrieved or continued from."""
+        self._request = dataclasses.replace(self._request, store=False)
+        self._events = self._chat_events()
 
     def _upstream_params(self, exchange: Exchange) -> dict[str, Any]:
         # The provider keeps nothing: memproxy is the store, and sends the whole context each time.

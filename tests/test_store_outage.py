@@ -174,6 +174,28 @@ async def test_passthrough_forwards_without_memory_and_stores_nothing(
                                ("user", "three"), ("assistant", reply)]
 
 
+async def test_a_response_forwarded_without_memory_says_it_is_not_kept(
+    start_proxy: StartProxy, storage: StorageConfig, relay: Relay, upstream: FakeUpstream,
+) -> None:
+    """With `on_failure: passthrough`, a Response answered while the store is cut is kept nowhere:
+    plain or streamed, it says `store: false` (as one whose recording failed does), so that no
+    client goes on from it by `previous_response_id` into a 404 once the store is back."""
+    proxy = await start(start_proxy, storage, relay, upstream, on_failure="passthrough")
+    client = proxy.client(session=None)
+    await relay.cut()
+    raw = await client.responses.with_raw_response.create(model="small", input="hello")
+    assert (raw.headers["X-Memproxy-Memory"], raw.headers["X-Memproxy-Stored"]) == ("unavailable", "false")
+    plain = raw.parse()
+    assert plain.store is False
+    events = [event async for event in await client.responses.create(model="small", input="hello", stream=True)]
+    said = [event.response.store for event in events if event.type in ("response.created", "response.completed")]
+    assert said == [False, False]
+    relay.restore()
+    assert stored(storage) == []
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(plain.id)
+
+
 async def test_a_store_lost_while_the_provider_answers_keeps_the_answer(
     start_proxy: StartProxy, storage: StorageConfig, relay: Relay, upstream: FakeUpstream,
 ) -> None:
