@@ -818,3 +818,35 @@ async def test_a_resent_history_written_for_a_client_that_hung_up_is_seen_by_its
         assert reply_headers["X-Memproxy-Reconcile"] == "continue"
     finally:
         await proxy.close()
+
+
+async def test_one_conversation_resent_to_two_processes_at_once_is_stored_once(
+    start_proxy: StartProxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Two processes on one store (replicas, or `serve --workers`) each get the same conversation,
+    too long to send, for a session neither holds yet (a client's retry landing on another one):
+    both plan it as new and store its history first. The one that writes second finds the
+    session holding that history and goes on from it, planned again: the history is stored once,
+    not a second time after the first."""
+    storage = replace(config.storage, busy_timeout_ms=30_000, lock_timeout_ms=30_000)
+    config = replace(config, storage=storage)
+    first: Proxy = await start_proxy(config)
+    second: Proxy = await start_proxy(config)
+    history = [m for n in range(40) for m in (user(f"question {n} " + "word " * 40), assistant(f"answer {n}"))]
+    conversation = [*history, user("and the first question?")]
+
+    def waiting(count: int) -> bool:
+        if config.storage.is_postgres:
+            return len(writes_waiting(config)) == count
+        return sum(_writer(p)._in_flight for p in (first, second)) == count
+
+    with write_lock_held(config):  # both histories' writes wait until both are planned
+        sent = asyncio.create_task(chat(first.client(), conversation))
+        await until(lambda: waiting(1), "the first process's write waits")
+        resent = asyncio.create_task(chat(second.client(), conversation))
+        await until(lambda: waiting(2), "the second process's write waits")
+    await gather_all([sent, resent])
+    assert stored(config)[:len(history)] == history
+    # Each message of the history stored once; the two turns after it overlapped, as any two do.
+    everything = stored(config, active=None)
+    assert [everything.count(m) for m in history] == [1] * len(history)

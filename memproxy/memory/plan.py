@@ -25,6 +25,7 @@ from ..config import MemoryConfig, ModelConfig
 from ..errors import BadRequest, ContextLengthExceeded
 from ..messages import Message, chain_hashes, history_end, split_system
 from ..store import NewMessage, SessionState, Snapshot, StoredMessage, Totals, TurnRecord, TurnStore
+from ..store.errors import StoreConflict
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter, request_tokens
 from . import recall
@@ -203,7 +204,10 @@ async def _prepare(
         write = store.record_turn(_history_turn(tenant, session_id, session, reconciled, new[:split], system,
                                                 system_changed, model.name, cutoff, end_user, counter.name,
                                                 base_totals))
-        await (write if tasks is None else tasks.run(write))
+        try:
+            await (write if tasks is None else tasks.run(write))
+        except StoreConflict:
+            pass  # another writer (a process given the same conversation) moved the session: planned on it again
         planned = await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
                                  params, requested_history, idle_ttl, preview, end_user, calibration, tasks)
         return dataclasses.replace(planned, read_as=reconciled)
@@ -283,6 +287,7 @@ def _history_turn(tenant: str, session_id: str, session: SessionState | None, re
         base_hash=reconciled.base_hash, messages=history, system=system if system_changed else None,
         model=model, kind=reconciled.kind, context_tokens=0, latency_ms=0.0,
         title=title_of(m.body for m in history), expired_before=expired, end_user=end_user, tokenizer=tokenizer,
+        pinned=True,  # a history goes where the client's conversation has it, never after another writer's turn
     )
 
 
