@@ -423,8 +423,8 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
         if exchange.turn is not None:
             try:
                 await _record(request, exchange, *reply, upstream_ms)
-            except SessionDeleted:
-                pass  # paid for, its session gone: the answer ends as any other, not remembered
+            except SessionDeleted:  # paid for, its session gone: the answer ends as any other, not remembered
+                exchange.wire.without_memory()
         await response.write(exchange.wire.done())
     except ConnectionError:
         notes(request).status = CLIENT_GONE  # the client went away before the answer was complete

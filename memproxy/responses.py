@@ -286,10 +286,16 @@ class ResponsesWire:
         return ChatEvents(created, self._make_id)
 
     def without_memory(self) -> None:
-        """Not recorded, the response is not kept: it says `store: false` from its first event on,
-        as one whose recording failed does (`unkept`), and cannot be retrieved or continued from."""
+        """Not recorded, the response is not kept: it says `store: false` from its next event on
+        (all of them, where no event has left yet), as one whose recording failed does (`unkept`),
+        and cannot be retrieved or continued from."""
         self._request = dataclasses.replace(self._request, store=False)
-        self._events = self._chat_events()
+        if not self._started:
+            self._events = self._chat_events()
+        if self._final is not None:
+            self._final = {**self._final, "store": False}
+        if self._held is not None:
+            self._held = {**self._held, "response": {**self._held["response"], "store": False}}
 
     def _upstream_params(self, exchange: Exchange) -> dict[str, Any]:
         # The provider keeps nothing: memproxy is the store, and sends the whole context each time.

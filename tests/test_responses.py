@@ -7,8 +7,10 @@ What each provider received proves the memory; what the client got proves the wi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 from conftest import OTHER_KEY, PROXY_KEY, Proxy
 from fake_responses import FakeResponsesUpstream
 from fake_upstream import FakeUpstream, Reply
+from helpers import until
 from memproxy.config import Config, ModelConfig
 from memproxy.typedefs import SUMMARIZER
 from summaries import fact_summariser
@@ -393,6 +396,34 @@ async def test_a_cut_stream_ends_with_an_error_event_and_stores_nothing(proxy: P
                 pass
     status, _ = await call(proxy, "GET", "/sessions/cut-s")
     assert status == 404
+
+
+async def test_a_streamed_response_whose_session_is_deleted_meanwhile_says_it_is_not_kept(
+    proxy: Proxy, wire: Upstream
+) -> None:
+    """The session is deleted while a streamed turn is upstream: the answer, paid for, ends as
+    usual, but nothing of it is kept, so its Response says `store: false`, as a plain one does."""
+    client = proxy.client("gone-s")
+    await client.responses.create(model=wire.model, input="First.")
+    gate = threading.Event()
+    wire.enqueue(Reply(content="A late answer.", gate=gate))
+
+    async def streamed() -> list[Any]:
+        async with client.responses.stream(model=wire.model, input="Second.") as stream:
+            return [event async for event in stream]
+
+    task = asyncio.create_task(streamed())
+    try:
+        await until(lambda: len(wire.requests()) == 2, "the turn is upstream")
+        status, _ = await call(proxy, "DELETE", "/sessions/gone-s")
+        assert status == 200
+    finally:
+        gate.set()
+    [completed] = [event for event in await task if event.type == "response.completed"]
+    assert completed.response.output_text == "A late answer."
+    assert completed.response.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(completed.response.id)
 
 
 # --- kept responses ---------------------------------------------------------------------------------
