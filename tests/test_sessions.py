@@ -671,16 +671,22 @@ def turn_write_waiting(proxy: Proxy, config: Config) -> bool:
     return len(proxy.app[TASKS]) > 0
 
 
-async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
-    upstream: FakeUpstream, config: Config
-) -> None:
-    """The client hangs up after the upstream answer is complete, while the turn is being written.
+async def _hang_up_when(url: str, body: dict[str, Any], headers: dict[str, str], ready: Callable[[], bool],
+                        what: str) -> None:
+    """POST `body`, then, once `ready()` holds, hang up, as a client that goes away does."""
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(http.post(url, json=body, headers=headers))
+        try:
+            await until(ready, what)
+        finally:
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
 
-    The write is held back by another connection holding the store's write lock (SQLite's, or a table
-    lock every PostgreSQL write waits for); the test server cancels
-    the handler when the client goes away (aiohttp's `handler_cancellation`), so the write must outlive
-    the request. A follow-up request on the session must see the turn (requests are serialised).
-    """
+
+async def _observed_proxy(config: Config) -> tuple[Proxy, list[asyncio.Task[Any]]]:
+    """A started proxy, and the task of each request's handler as it comes (to wait for the
+    handler the test server cancels when its client goes away)."""
     handler_tasks: list[asyncio.Task[Any]] = []
 
     @web.middleware
@@ -695,20 +701,28 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
     app.middlewares.append(observe)
     proxy = Proxy(TestServer(app, host="127.0.0.1", port=0), app)
     await proxy.server.start_server()
+    return proxy, handler_tasks
+
+
+async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
+    upstream: FakeUpstream, config: Config
+) -> None:
+    """The client hangs up after the upstream answer is complete, while the turn is being written.
+
+    The write is held back by another connection holding the store's write lock (SQLite's, or a table
+    lock every PostgreSQL write waits for); the test server cancels
+    the handler when the client goes away (aiohttp's `handler_cancellation`), so the write must outlive
+    the request. A follow-up request on the session must see the turn (requests are serialised).
+    """
+    proxy, handler_tasks = await _observed_proxy(config)
     try:
         url = proxy.url + "/chat/completions"
         headers = {"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
         body = {"model": "small", "messages": [user("q1")]}
         with write_lock_held(config):
-            async with aiohttp.ClientSession() as http:
-                request = asyncio.create_task(http.post(url, json=body, headers=headers))
-                try:
-                    # The answer came back and the turn is waiting for the write lock.
-                    await until(lambda: turn_write_waiting(proxy, config), "the turn is being written")
-                finally:
-                    request.cancel()  # the client hangs up
-                    with pytest.raises(asyncio.CancelledError):
-                        await request
+            # The answer came back and the turn is waiting for the write lock.
+            await _hang_up_when(url, body, headers, lambda: turn_write_waiting(proxy, config),
+                                "the turn is being written")
             # The server noticed and cancelled the handler while the write was pending.
             [task] = handler_tasks
             await until(lambda: task.cancelling() > 0 or task.done(), "the server notices the disconnect")
@@ -776,21 +790,8 @@ async def test_a_resent_history_written_for_a_client_that_hung_up_is_seen_by_its
     session as it was and storing the whole history a second time after the first."""
     if config.storage.is_postgres:
         pytest.skip("SQLite: a write the caller stopped waiting for still commits there")
-    handler_tasks: list[asyncio.Task[Any]] = []
-
-    @web.middleware
-    async def observe(request: web.Request, handler: Any) -> web.StreamResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        handler_tasks.append(task)
-        result: web.StreamResponse = await handler(request)
-        return result
-
     config = replace(config, storage=replace(config.storage, busy_timeout_ms=30_000))
-    app = create_app(config)
-    app.middlewares.append(observe)
-    proxy = Proxy(TestServer(app, host="127.0.0.1", port=0), app)
-    await proxy.server.start_server()
+    proxy, handler_tasks = await _observed_proxy(config)
     history = [m for n in range(40) for m in (user(f"question {n} " + "word " * 40), assistant(f"answer {n}"))]
     conversation = [*history, user("and the first question?")]
     try:
@@ -798,14 +799,8 @@ async def test_a_resent_history_written_for_a_client_that_hung_up_is_seen_by_its
         headers = {"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}
         body = {"model": "small", "messages": conversation}
         with write_lock_held(config):
-            async with aiohttp.ClientSession() as http:
-                request = asyncio.create_task(http.post(url, json=body, headers=headers))
-                try:
-                    await until(lambda: _writer(proxy)._in_flight > 0, "the history's write waits for the lock")
-                finally:
-                    request.cancel()  # the client hangs up
-                    with pytest.raises(asyncio.CancelledError):
-                        await request
+            await _hang_up_when(url, body, headers, lambda: _writer(proxy)._in_flight > 0,
+                                "the history's write waits for the lock")
             [task] = handler_tasks
             await until(lambda: task.cancelling() > 0 or task.done(), "the server notices the disconnect")
             retry = asyncio.create_task(chat(proxy.client(), conversation))
@@ -838,7 +833,7 @@ async def test_one_conversation_resent_to_two_processes_at_once_is_stored_once(
     def waiting(count: int) -> bool:
         if config.storage.is_postgres:
             return len(writes_waiting(config)) == count
-        return sum(_writer(p)._in_flight for p in (first, second)) == count
+        return bool(sum(_writer(p)._in_flight for p in (first, second)) == count)
 
     with write_lock_held(config):  # both histories' writes wait until both are planned
         sent = asyncio.create_task(chat(first.client(), conversation))
