@@ -91,16 +91,21 @@ def validate_message(message: Any, where: str, user_parts: frozenset[str] | None
             raise BadRequest(f"{where}.tool_calls must be an array on an assistant message",
                              param=f"{where}.tool_calls")
         for j, call in enumerate(tool_calls):
-            function = call.get("function") if isinstance(call, dict) else None
+            # A function's call, or a custom tool's (`{"type": "custom", "custom": {"name", "input"}}`).
+            kind = "custom" if isinstance(call, dict) and call.get("type") == "custom" else "function"
+            said = call.get(kind) if isinstance(call, dict) else None
             if not (isinstance(call, dict) and isinstance(call.get("id"), str)
-                    and isinstance(function, dict) and isinstance(function.get("name"), str)):
+                    and isinstance(said, dict) and isinstance(said.get("name"), str)):
                 raise BadRequest(
-                    f"{where}.tool_calls[{j}] must have an 'id' and a 'function' with a 'name'",
+                    f"{where}.tool_calls[{j}] must have an 'id' and a 'function' (a custom tool's call: a"
+                    " 'custom') with a 'name'",
                     param=f"{where}.tool_calls[{j}]",
                 )
-            if function.get("arguments") is not None and not isinstance(function["arguments"], str):
-                raise BadRequest(f"{where}.tool_calls[{j}].function.arguments must be a string (of JSON)",
-                                 param=f"{where}.tool_calls[{j}].function.arguments")
+            given = "input" if kind == "custom" else "arguments"
+            if said.get(given) is not None and not isinstance(said[given], str):
+                raise BadRequest(f"{where}.tool_calls[{j}].{kind}.{given} must be a string"
+                                 f"{'' if kind == 'custom' else ' (of JSON)'}",
+                                 param=f"{where}.tool_calls[{j}].{kind}.{given}")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
@@ -178,14 +183,8 @@ def canonical(message: Message) -> Message:
             out[key] = message[key]
     calls = message.get("tool_calls")
     if calls:
-        out["tool_calls"] = [
-            {
-                "id": call.get("id"),
-                "name": (call.get("function") or {}).get("name"),
-                "arguments": (call.get("function") or {}).get("arguments") or "",
-            }
-            for call in calls
-        ]
+        out["tool_calls"] = [{"id": call.get("id"), "name": name, "arguments": given or ""}
+                             for call in calls for name, given in (called(call),)]
     if message.get("function_call"):
         out["function_call"] = message["function_call"]
     return out
@@ -397,15 +396,17 @@ def assistant_message(message: Message) -> Message:
     if out["content"] is None and not any(key in out for key in ("tool_calls", "function_call", "refusal", "audio")):
         out["content"] = ""
     if out.get("tool_calls"):
-        out["tool_calls"] = [
-            {
-                "id": call.get("id"),
-                "type": call.get("type") or "function",
-                "function": {
-                    "name": (call.get("function") or {}).get("name"),
-                    "arguments": (call.get("function") or {}).get("arguments") or "",
-                },
-            }
-            for call in out["tool_calls"]
-        ]
+        out["tool_calls"] = [_stored_call(call) for call in out["tool_calls"]]
     return out
+
+
+def _stored_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as stored: its id, type, and its function's name and arguments, or a custom
+    tool's name and input (which OpenAI wants back as `custom`, not as a function)."""
+    if call.get("type") == "custom":
+        custom = call.get("custom") or {}
+        return {"id": call.get("id"), "type": "custom",
+                "custom": {"name": custom.get("name"), "input": custom.get("input") or ""}}
+    function = call.get("function") or {}
+    return {"id": call.get("id"), "type": call.get("type") or "function",
+            "function": {"name": function.get("name"), "arguments": function.get("arguments") or ""}}

@@ -95,6 +95,8 @@ class StreamAssembler:
         if delta.get("type"):
             call["type"] = delta["type"]
         _merge(call["function"], delta.get("function") or {}, ("name", "arguments"))
+        if isinstance(delta.get("custom"), dict):  # a custom tool's call: its name and input
+            _merge(call.setdefault("custom", {}), delta["custom"], ("name", "input"))
 
     def message(self) -> Message:
         raw: Message = {"role": "assistant", "content": "".join(self._content) or None, **self._extra}

@@ -284,11 +284,13 @@ class FakeUpstream:
         if reply.refusal:
             await send({"refusal": reply.refusal})
         for index, call in enumerate(reply.tool_calls or []):
-            args = call["function"].get("arguments", "")
+            # A function's arguments, or a custom tool's input, in two pieces.
+            kind, given = ("custom", "input") if call.get("type") == "custom" else ("function", "arguments")
+            args = call[kind].get(given, "")
             half = len(args) // 2
-            await send({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                        "function": {"name": call["function"]["name"], "arguments": args[:half]}}]})
-            await send({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
+            await send({"tool_calls": [{"index": index, "id": call["id"], "type": kind,
+                                        kind: {"name": call[kind]["name"], given: args[:half]}}]})
+            await send({"tool_calls": [{"index": index, kind: {given: args[half:]}}]})
         await send({}, reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())

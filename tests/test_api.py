@@ -229,6 +229,36 @@ async def test_tool_calls_come_back_to_the_client(proxy: Proxy, upstream: FakeUp
     assert arguments == call["function"]["arguments"]
 
 
+
+GRAMMAR_TOOL: Any = [{"type": "custom", "custom": {"name": "grammar", "description": "An arithmetic expression."}}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_a_custom_tools_call_is_taken_and_sent_back_as_it_came(
+        proxy: Proxy, upstream: FakeUpstream, stream: bool) -> None:
+    """OpenAI's custom tools (GPT-5's free-form input) are called `{"type": "custom", "custom":
+    {"name", "input"}}`: a client resending one in its history is not refused, and one the model
+    made is stored and sent back so, not as a function of no name."""
+    call: dict[str, Any] = {"id": "call_1", "type": "custom", "custom": {"name": "grammar", "input": "2 + 3"}}
+    question = {"role": "user", "content": "add two and three"}
+    upstream.enqueue(Reply(tool_calls=[call]), Reply(content="5"), Reply(content="done"))
+    client = proxy.client(session="custom")
+    if stream:
+        chunks = await client.chat.completions.create(model="small", messages=[question], tools=GRAMMAR_TOOL,
+                                                      stream=True)
+        async for _ in chunks:
+            pass
+    else:
+        await client.chat.completions.create(model="small", messages=[question], tools=GRAMMAR_TOOL)
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "5"}
+    await client.chat.completions.create(model="small", messages=[result], tools=GRAMMAR_TOOL)
+    assert upstream.last().messages[1] == {"role": "assistant", "tool_calls": [call]}
+    history = [question, {"role": "assistant", "content": None, "tool_calls": [call]}, result,
+               {"role": "assistant", "content": "5"}, {"role": "user", "content": "thanks"}]
+    await proxy.client(session=None).chat.completions.create(model="small", messages=history, tools=GRAMMAR_TOOL)
+    assert upstream.last().messages[1]["tool_calls"] == [call]
+
+
 # --- auth --------------------------------------------------------------------------------------------
 
 
