@@ -963,8 +963,10 @@ async def _chunks(
 ) -> AsyncGenerator[dict[str, Any], None]:
     yield first
     try:
+        noted = getattr(rest, "received_finish_reason", None)  # as it stood once the chunk before came
         async for chunk in rest:
-            yield _finished_by_provider(chunk, dump(chunk), rest)
+            yield _finished_by_provider(chunk, dump(chunk), rest, noted)
+            noted = getattr(rest, "received_finish_reason", None)
     except UpstreamError:
         raise
     except Exception as exc:
@@ -973,7 +975,7 @@ async def _chunks(
         raise provider.upstream_error(exc) from exc
 
 
-def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any) -> dict[str, Any]:
+def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any, noted_before: Any = None) -> dict[str, Any]:
     """`chunk` (`raw` as dumped), unless it ends a stream its provider never ended. A provider's
     stream that stops without a finish reason (the connection closed cleanly mid-answer) is ended
     by litellm's stream wrapper with a finish reason of its own, which would pass a cut answer off
@@ -981,15 +983,18 @@ def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any) -> dict[
     (`received_finish_reason`, None if it sent none). Its own HTTP handler for OpenAI-compatible
     providers (memproxy's default route to them, `load_litellm`) reads the closing `data: [DONE]`
     as a finish, noted too; but a chunk the provider sent carries its id (`received_model_id`
-    among litellm's notes of the chunk), one litellm made of `[DONE]` none. A stream that is not
-    litellm's chat stream has no such notes and is taken as it comes."""
+    among litellm's notes of the chunk), one litellm made of `[DONE]` none. Where the provider's
+    last chunk held both text and its finish reason (vLLM, Ollama, llama.cpp), the wrapper relays
+    the text and ends with a chunk of its own: the finish reason, noted already when that text came
+    (`noted_before`), is the provider's. A stream that is not litellm's chat stream has no such
+    notes and is taken as it comes."""
     choices = chunk.get("choices")
     if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
         noted = getattr(stream, "received_finish_reason", "")
         hidden = getattr(raw, "_hidden_params", None)
         made_of_done = isinstance(hidden, dict) and hidden.get("custom_llm_provider") in _OPENAI_LIKE \
             and "received_model_id" not in hidden
-        if noted is None or (noted and made_of_done):
+        if noted is None or (noted and made_of_done and not noted_before):
             raise UpstreamError("upstream stream ended before its answer did", code="upstream_incomplete")
     return chunk
 

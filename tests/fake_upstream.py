@@ -37,6 +37,7 @@ class Reply:
     end_stream_early: bool = False  # end the stream cleanly after the first content chunk: no finish, no [DONE]
     done_early: bool = False  # the same, but with the closing `data: [DONE]` (a gateway giving up)
     finish_reason: str | None = None  # the answer's, if not "stop" (or "tool_calls" for calls)
+    finish_with_text: bool = False  # stream: the finish reason on the last text chunk (vLLM, Ollama, llama.cpp)
     no_chunks: str | None = None  # a stream without one chunk: "done" ([DONE] alone) or "cut" (the connection closed)
     # Where the request asks for `logprobs`: choice 0's `logprobs.content` (a stream: with its first piece).
     logprobs: list[dict[str, Any]] | None = None
@@ -267,8 +268,13 @@ class FakeUpstream:
         pieces = [text[i : i + max(1, len(text) // 3)] for i in range(0, len(text), max(1, len(text) // 3))]
         if reply.raw_content is not None:
             pieces = [_RAW]
+        finish = reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
         for i, piece in enumerate(pieces):
-            await send({"content": piece}, logprobs=reply.logprobs if i == 0 and body.get("logprobs") else None)
+            last = reply.finish_with_text and i == len(pieces) - 1
+            await send({"content": piece}, finish if last else None,
+                       logprobs=reply.logprobs if i == 0 and body.get("logprobs") else None)
+            if last:
+                break
             if reply.cut_stream and i == 0:
                 assert request.transport is not None
                 request.transport.close()
@@ -291,7 +297,8 @@ class FakeUpstream:
             await send({"tool_calls": [{"index": index, "id": call["id"], "type": kind,
                                         kind: {"name": call[kind]["name"], given: args[:half]}}]})
             await send({"tool_calls": [{"index": index, kind: {given: args[half:]}}]})
-        await send({}, reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"))
+        if not reply.finish_with_text:
+            await send({}, finish)
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

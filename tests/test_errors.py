@@ -472,3 +472,20 @@ async def test_a_stream_the_upstream_ends_before_its_answer_is_not_passed_off_as
     last = json.loads(events[-1])
     assert_shape(last, type=last["error"]["type"], code="upstream_incomplete", param=None)
     assert stored_rows(config) == {table: [] for table in TABLES}
+
+
+async def test_a_stream_whose_last_text_chunk_carries_its_finish_reason_is_whole(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """vLLM, Ollama and llama.cpp send the finish reason on the chunk with the answer's last text.
+    litellm's stream wrapper relays that text and ends the stream with a finish chunk of its own, as
+    it ends one the provider broke off: this one the provider finished, so it ends with [DONE] and
+    is stored."""
+    upstream.enqueue(Reply(content="The capital of France is Paris", finish_with_text=True))
+    status, events = await read_sse(proxy, chat(stream=True))
+    assert status == 200 and events[-1] == "[DONE]", events[-1]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["delta"].get("content") or "" for e in chunks for c in e["choices"]) \
+        == "The capital of France is Paris"
+    assert [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]] == ["stop"]
+    assert rows(config, "SELECT role FROM messages WHERE active = 1 ORDER BY seq") == [("user",), ("assistant",)]
