@@ -922,7 +922,7 @@ def _as_openai_choice(choice: dict[str, Any]) -> None:
     if not choice.get("provider_specific_fields"):
         choice.pop("provider_specific_fields", None)  # litellm's, empty: no provider sent it
     choice.setdefault("finish_reason", None)
-    choice.setdefault("logprobs", None)
+    _with_null_logprobs(choice)
     message = choice.get("message")
     if not isinstance(message, dict):
         return
@@ -933,6 +933,15 @@ def _as_openai_choice(choice: dict[str, Any]) -> None:
         if not extra:
             del message["provider_specific_fields"]
     message.setdefault("content", None)
+
+
+def _with_null_logprobs(choice: dict[str, Any]) -> None:
+    """A chat choice's `logprobs` as OpenAI's say them: null, or both `content` and `refusal`, null
+    where they are (litellm's dump leaves a null one out: a client may test `refusal !== null`)."""
+    logprobs = choice.setdefault("logprobs", None)
+    if isinstance(logprobs, dict):
+        logprobs.setdefault("content", None)
+        logprobs.setdefault("refusal", None)
 
 
 def _dumped_chunk(chunk: Any) -> dict[str, Any]:
@@ -952,9 +961,11 @@ def _dumped_chunk(chunk: Any) -> dict[str, Any]:
     for choice in result["choices"]:
         if isinstance(choice, dict):
             choice.setdefault("finish_reason", None)
-            choice.setdefault("logprobs", None)
             if text:
+                choice.setdefault("logprobs", None)
                 choice.setdefault("text", "")
+            else:
+                _with_null_logprobs(choice)
     return result
 
 

@@ -216,7 +216,8 @@ class FakeUpstream:
         choices = [
             {"index": i, "message": message if i == 0 or i > len(extra) else {**message, "content": extra[i - 1]},
              "finish_reason": reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop"),
-             "logprobs": {"content": reply.logprobs} if i == 0 and reply.logprobs and body.get("logprobs") else None}
+             "logprobs": {"content": reply.logprobs, "refusal": None} if i == 0 and reply.logprobs and body.get("logprobs")
+             else None}
             for i in range(0 if reply.no_choices else int(body.get("n") or 1))
         ]
         text = _raw(json.dumps({
@@ -249,7 +250,7 @@ class FakeUpstream:
         async def send(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> None:
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
             if logprobs is not None:
-                choice["logprobs"] = {"content": logprobs}
+                choice["logprobs"] = {"content": logprobs, "refusal": None}  # as OpenAI's say
             chunk = {**base, "choices": [choice], **usage_field}
             await response.write(f"data: {_raw(json.dumps(chunk), reply)}\n\n".encode())
 

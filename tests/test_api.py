@@ -187,6 +187,26 @@ async def test_answers_and_chunks_carry_the_null_fields_openai_sends(
     assert [c["finish_reason"] for c in choices][-1] == "stop" and choices[0]["finish_reason"] is None
 
 
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_logprobs_come_back_with_the_null_fields_openai_sends(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession, stream: bool) -> None:
+    """OpenAI's logprobs say `"refusal": null` beside the content's tokens: a client may test
+    `logprobs.refusal !== null` before it reads them, so the key is there, as the provider sent it."""
+    tokens = [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": []}]
+    upstream.enqueue(Reply(content="Hi", logprobs=tokens))
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": stream}
+    async with http.post(f"{proxy.url}/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+        text = await response.text()
+    if stream:
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        logprobs = [c["logprobs"] for chunk in chunks for c in chunk["choices"] if c.get("logprobs") is not None]
+    else:
+        logprobs = [json.loads(text)["choices"][0]["logprobs"]]
+    assert logprobs == [{"content": tokens, "refusal": None}]
+
+
 async def test_stream_parameters_reach_upstream_unchanged(proxy: Proxy, upstream: FakeUpstream) -> None:
     upstream.enqueue(Reply(content="streamed answer"))
     client = proxy.client()
