@@ -16,7 +16,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-from .messages import Message, audio_transcript
+from .messages import Message, audio_transcript, called
 
 # The most characters of a message's text indexed: a tool output of megabytes is found by its start.
 MAX_INDEXED_CHARS = 32_000
@@ -133,9 +133,10 @@ def line_text(body: Message) -> str:
     calls = body.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict):
-                parts.append(f"[calls {function.get('name')}({function.get('arguments')})]")
+            said = call.get("custom" if call.get("type") == "custom" else "function") if isinstance(call, dict) else None
+            if isinstance(said, dict):  # a function's call, or a custom tool's (its name and input)
+                name, given = called(call)
+                parts.append(f"[calls {name}({given})]")
     return " ".join(word for part in parts for word in part.split())
 
 

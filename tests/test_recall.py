@@ -351,6 +351,18 @@ def test_what_an_answer_said_aloud_or_refused_is_found_and_shown() -> None:
     assert title_of([shown]) == "Look:"  # a picture with a question: the question
 
 
+def test_a_custom_tools_call_is_found_and_shown_as_a_functions_is() -> None:
+    """A custom tool's call (`{"type": "custom", "custom": {"name", "input"}}`) says what it was
+    given in its `input`, as a function's call does in its `arguments`: both are indexed and shown."""
+    custom = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "custom", "custom": {"name": "code_exec", "input": "print(walrus)"}}]}
+    function = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_2", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "walrus"}'}}]}
+    assert line_text(custom) == "[calls code_exec(print(walrus))]"
+    assert line_text(function) == '[calls lookup({"q": "walrus"})]'
+    assert "walrus" in message_words(custom, 0) and "walrus" in message_words(function, 0)
+
+
 class WholeCounter(TiktokenCounter):
     """A counter that cannot say its counts add up across lines (as litellm's, for other tokenizers)."""
 
