@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,9 @@ class ListedItem:
     item: Item
 
 
-def message_items(message: Message) -> list[Item]:
-    """A stored message as conversation items, without ids."""
+def message_items(message: Message, custom_calls: Container[str] = frozenset()) -> list[Item]:
+    """A stored message as conversation items, without ids; `custom_calls`: the ids of the custom
+    tools' calls before it, whose results are custom tool call outputs."""
     role = message.get("role")
     if role == "assistant":
         items = output_items(message, lambda prefix: "")
@@ -56,6 +57,8 @@ def message_items(message: Message) -> list[Item]:
             item.pop("id", None)
         return items
     [item] = input_items([message])
+    if item.get("type") == "function_call_output" and item.get("call_id") in custom_calls:
+        item = {**item, "type": "custom_tool_call_output"}
     return [{**listed_item(item), "status": "completed"}]
 
 
@@ -64,8 +67,10 @@ def conversation_items(tenant: str, session_id: str, messages: Sequence[StoredMe
     """Every item of the active messages, in order, each with its id (see the module's docstring)."""
     answers = {answer.seq: answer.output for answer in kept}
     listed: list[ListedItem] = []
+    custom: set[str] = set()
     for message in messages:
-        items = message_items(message.body)
+        items = message_items(message.body, custom)
+        custom.update(str(item.get("call_id")) for item in items if item.get("type") == "custom_tool_call")
         ids = _kept_ids(items, answers.get(message.seq)) or [
             item_id(tenant, session_id, message.chain_hash, item, place) for place, item in enumerate(items)]
         listed += [ListedItem(message.seq, place, {"id": ids[place], **item}) for place, item in enumerate(items)]

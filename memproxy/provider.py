@@ -525,12 +525,17 @@ class Provider:
     def responses_messages(self, items: str | list[dict[str, Any]], instructions: str | None) -> list[Message]:
         """Responses input items (and `instructions`, a leading system message) as chat messages:
         consecutive function calls join the assistant message before them, reasoning items become
-        that message's `reasoning_content`, function call outputs become tool messages."""
+        that message's `reasoning_content`, function call outputs become tool messages. A custom
+        tool's call, which the bridge makes a function's taking `{"content": input}`, is kept as
+        chat's custom tool call (`{"type": "custom", "custom": {"name", "input"}}`), as it came."""
         bridge = _responses_bridge()
         raw = bridge.transform_responses_api_input_to_messages(
             input=items, responses_api_request={"instructions": instructions} if instructions else {},
             replay_reasoning=True)
-        return _files_kept([_plain_message(m) for m in raw], items)
+        messages = _files_kept([_plain_message(m) for m in raw], items)
+        custom = {item.get("call_id"): item for item in items if isinstance(item, dict)
+                  and item.get("type") == "custom_tool_call"} if isinstance(items, list) else {}
+        return [_custom_calls_kept(m, custom) for m in messages] if custom else messages
 
     def responses_chat_params(self, model: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
         """A Responses request's parameters (`tools`, `tool_choice`, `text`, `reasoning`,
@@ -1013,6 +1018,18 @@ def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any, noted_be
 # Responses parameters that chat completions take under the same name, which litellm's bridge
 # (1.100) does not carry over.
 _CHAT_TOO = ("service_tier", "prompt_cache_key", "safety_identifier", "top_logprobs")
+
+
+def _custom_calls_kept(message: Message, custom: dict[Any, dict[str, Any]]) -> Message:
+    """`message` with each tool call that is one of the `custom` tool call items (by call id) as
+    chat says a custom tool's call."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not any(isinstance(c, dict) and c.get("id") in custom for c in calls):
+        return message
+    return {**message, "tool_calls": [
+        {"id": call["id"], "type": "custom",
+         "custom": {"name": custom[call["id"]].get("name"), "input": custom[call["id"]].get("input") or ""}}
+        if isinstance(call, dict) and call.get("id") in custom else call for call in calls]}
 
 
 def _responses_bridge() -> Any:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from .errors import BadRequest
 from .jsonbytes import dumps
-from .messages import Message, SYSTEM_ROLES, audio_transcript
+from .messages import Message, SYSTEM_ROLES, audio_transcript, called
 
 Item = dict[str, Any]
 Event = dict[str, Any]
@@ -62,7 +62,8 @@ def item_ids(response_id: str) -> Callable[[str], str]:
 
 
 # An item's id begins with its kind's prefix (`msg_...`, `fc_...`).
-ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                 "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
 _ITEM_ID = re.compile(r"[a-z]+_([0-9a-f]{24})_[0-9]+")
 
 
@@ -162,7 +163,9 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
                             conversation=conversation, body=body)
 
 
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference"})
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference",
+                         "custom_tool_call", "custom_tool_call_output"})
+_CUSTOM_ITEMS = frozenset({"custom_tool_call", "custom_tool_call_output"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # The message content parts memory keeps; any other would be dropped or emptied on the way.
@@ -171,8 +174,9 @@ _PARTS = _TEXT_PARTS | {"refusal", "input_image", "input_file", "input_audio"}
 
 def check_item(item: Any, where: str) -> None:
     """An input item of the kinds memory keeps: messages (a role and content), function calls and
-    their outputs, reasoning. Other kinds (built-in tool calls) are the provider's; memproxy cannot
-    replay them on another provider, so they are refused rather than silently dropped."""
+    custom tools' calls (GPT-5's free-form tools) and their outputs, reasoning. Other kinds
+    (built-in tool calls) are the provider's; memproxy cannot replay them on another provider, so
+    they are refused rather than silently dropped."""
     if not isinstance(item, dict):
         raise BadRequest(f"{where} must be an object", param=where)
     kind = item.get("type", "message")
@@ -205,14 +209,14 @@ def check_item(item: Any, where: str) -> None:
                                      param=f"{where}.content[{j}]")
         elif not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or an array", param=f"{where}.content")
-    elif kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
+    elif kind in ("function_call", "custom_tool_call"):
+        for key in ("call_id", "name", "arguments" if kind == "function_call" else "input"):
             if not isinstance(item.get(key), str):
                 raise BadRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
     elif kind == "item_reference":
         if not isinstance(item.get("id"), str) or not item["id"]:
             raise BadRequest(f"{where}.id must be an item id", param=f"{where}.id")
-    elif kind == "function_call_output":
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
             raise BadRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
         if not isinstance(item.get("output"), (str, list)):
@@ -239,10 +243,19 @@ def output_items(message: Message, make_id: Callable[[str], str] = new_id, logpr
             item["content"] = [*(item["content"] if text else []), {"type": "refusal", "refusal": refusal}]
         items.append(item)
     for call in message.get("tool_calls") or []:
+        call_id = str(call.get("id") or make_id("call"))
+        if call.get("type") == "custom":
+            items.append({"type": "custom_tool_call", "id": make_id("ctc"), **custom_call(call, call_id)})
+            continue
         function = call.get("function") or {}
-        items.append(call_item(make_id("fc"), str(call.get("id") or make_id("call")), str(function.get("name") or ""),
-                               _arguments(function)))
+        items.append(call_item(make_id("fc"), call_id, str(function.get("name") or ""), _arguments(function)))
     return items
+
+
+def custom_call(call: dict[str, Any], call_id: str) -> Item:
+    """A chat custom tool's call as a Responses `custom_tool_call` says it (less its type and id)."""
+    name, given = called(call)
+    return {"call_id": call_id, "name": str(name or ""), "input": str(given or "")}
 
 
 def text_logprobs(logprobs: Any) -> list[dict[str, Any]]:
@@ -498,15 +511,18 @@ def sse(event: Event) -> bytes:
 def input_items(messages: Iterable[Message]) -> list[Item]:
     """Chat messages (what memory decided to send) as Responses input items: system and developer
     messages as messages of that role, an assistant's text and tool calls as a message and
-    function calls, tool results as function call outputs. Reasoning is not sent: without the
-    provider's own item (its id or encrypted content) a provider cannot take it back."""
+    function calls (a custom tool's as a custom tool call), tool results as the outputs of the
+    calls they answer. Reasoning is not sent: without the provider's own item (its id or encrypted
+    content) a provider cannot take it back."""
     items: list[Item] = []
+    custom: set[str] = set()  # the ids of custom tools' calls: their results are custom tool call outputs
     for message in messages:
         role = message.get("role")
         content = message.get("content")
         if role == "tool":
-            items.append({"type": "function_call_output", "call_id": str(message.get("tool_call_id") or ""),
-                          "output": _text(content) if not isinstance(content, str) else content})
+            call_id = str(message.get("tool_call_id") or "")
+            items.append({"type": "custom_tool_call_output" if call_id in custom else "function_call_output",
+                          "call_id": call_id, "output": _text(content) if not isinstance(content, str) else content})
         elif role == "assistant":
             refusal = message.get("refusal")
             # An answer spoken or refused holds no text: what it said goes back as text.
@@ -515,6 +531,10 @@ def input_items(messages: Iterable[Message]) -> list[Item]:
                 items.append({"type": "message", "role": "assistant",
                               "content": [{"type": "output_text", "text": text}]})
             for call in message.get("tool_calls") or []:
+                if call.get("type") == "custom":
+                    custom.add(str(call.get("id") or ""))
+                    items.append({"type": "custom_tool_call", **custom_call(call, str(call.get("id") or ""))})
+                    continue
                 function = call.get("function") or {}
                 items.append({"type": "function_call", "call_id": str(call.get("id") or ""),
                               "name": str(function.get("name") or ""),
@@ -552,13 +572,24 @@ def check_bridge_input(request: ResponsesRequest) -> None:
     bridge would empty or drop are refused, never sent changed and stored so: an image by file id
     (a chat provider takes images by URL; litellm's bridge sends an empty one), audio (dropped) and
     a file by URL (chat completions take a file's data or id only; the bridge sends the URL as an
-    id)."""
+    id). Custom tools (GPT-5's free-form tools) too: litellm's bridge makes each a function taking
+    `{"content": ...}`, which the client's next turn would not send back as it came."""
+    tools = request.params.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") == "custom":
+            raise BadRequest(f"tools[{i}]: a custom tool cannot reach this model, which takes the Responses API "
+                             "as chat completions (responses_api: bridge); use a function tool, or a model with "
+                             "responses_api: native", param=f"tools[{i}]")
     check_bridge_items(request.input if isinstance(request.input, list) else [])
 
 
 def check_bridge_items(items: list[Item], name: str = "input") -> None:
     """`check_bridge_input` over items (`name`: the field that holds them, as errors name it)."""
     for i, item in enumerate(items):
+        if item.get("type") in _CUSTOM_ITEMS:
+            raise BadRequest(f"{name}[{i}]: a custom tool's call or output cannot reach this model, which takes the "
+                             "Responses API as chat completions (responses_api: bridge); use a model with "
+                             "responses_api: native", param=f"{name}[{i}]")
         content = item.get("content") if item.get("type", "message") == "message" else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type")

@@ -335,6 +335,43 @@ async def test_a_reference_to_an_item_memory_cannot_keep_is_refused_as_the_item_
     assert len(native_upstream.responses_requests()) == sent
 
 
+async def test_a_custom_tools_call_goes_back_to_a_native_provider_as_it_came(
+    proxy: Proxy, native_upstream: FakeResponsesUpstream
+) -> None:
+    """GPT-5's free-form tools (Codex sends `apply_patch` as one): the model's `custom_tool_call` and
+    the client's `custom_tool_call_output` for it are kept, and sent back as they came, whether the
+    client goes on by `previous_response_id` or resends the items; through the bridge, which would
+    make the tool a function taking JSON, a 400 naming it."""
+    tools: Any = [{"type": "custom", "name": "apply_patch", "description": "Applies a patch"}]
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hello \"world\"\n*** End Patch"
+    made = {"type": "custom_tool_call", "call_id": "call_p1", "name": "apply_patch", "input": patch}
+    output = {"type": "custom_tool_call_output", "call_id": "call_p1", "output": "applied"}
+    native_upstream.enqueue(Reply(output_items=[{**made, "id": "ctc_1"}]), Reply(content="Patched."),
+                            Reply(content="Patched again."))
+    client = proxy.client("custom-tools")
+    first = await client.responses.create(model="native", input="add a.txt", tools=tools)
+    [call] = [item for item in first.output if item.type == "custom_tool_call"]
+    assert (call.call_id, call.name, call.input) == ("call_p1", "apply_patch", patch)
+    second = await client.responses.create(model="native", previous_response_id=first.id, tools=tools,
+                                           input=[output])  # type: ignore[list-item]
+    assert second.output_text == "Patched."
+    resent = await proxy.client("custom-tools-whole").responses.create(model="native", tools=tools, input=[
+        {"role": "user", "content": "add a.txt"}, call.model_dump(exclude_none=True), output])  # type: ignore[list-item]
+    assert resent.output_text == "Patched again."
+    for request in native_upstream.responses_requests()[-2:]:
+        assert [i for i in request.body["input"] if i.get("type") != "message"] == [made, output]
+    stored = await session_messages(proxy, "custom-tools")
+    assert [m["message"].get("tool_calls") for m in stored["messages"]][1] == [
+        {"id": "call_p1", "type": "custom", "custom": {"name": "apply_patch", "input": patch}}]
+    # The session's items, as the Conversations API lists them: the call and its output as they came.
+    listed = [item.model_dump(exclude_none=True) async for item in client.conversations.items.list("custom-tools", order="asc")]
+    assert [i["type"] for i in listed] == ["message", "custom_tool_call", "custom_tool_call_output", "message"]
+    assert {k: listed[1][k] for k in made} == made and listed[2]["call_id"] == "call_p1"
+    with pytest.raises(openai.BadRequestError) as refused:
+        await proxy.client("custom-bridge").responses.create(model="small", input="add a.txt", tools=tools)
+    assert refused.value.body["param"] == "tools[0]"  # type: ignore[index]
+
+
 # --- streams ----------------------------------------------------------------------------------------
 
 
