@@ -6,8 +6,8 @@ imported.
 
 A command imports what it needs when it runs: the daemon's app and server for `serve`, the
 provider's checks for `check-config`, the planner for `sessions context`. The others (`init`,
-`migrate`, most `sessions` verbs) start with the config and the store alone, in about half the
-time (measured: 0.33 s against 0.75 s to import). Only `serve`, `sessions context` and
+`migrate`, most `sessions` verbs) start with the config and the store alone, in less than half the
+time (measured: 0.40-0.59 s against 0.92-1.21 s to import). Only `serve`, `sessions context` and
 `check-config` (for a model whose window is not set) import litellm (once).
 """
 

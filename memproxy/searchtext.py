@@ -133,9 +133,8 @@ def line_text(body: Message) -> str:
     calls = body.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
-            said = call.get("custom" if call.get("type") == "custom" else "function") if isinstance(call, dict) else None
-            if isinstance(said, dict):  # a function's call, or a custom tool's (its name and input)
-                name, given = called(call)
+            name, given = called(call)  # a function's name and arguments, or a custom tool's name and input
+            if name is not None:
                 parts.append(f"[calls {name}({given})]")
     return " ".join(word for part in parts for word in part.split())
 
