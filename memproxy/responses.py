@@ -37,6 +37,7 @@ from .chat import Answer, Exchange, caller_tenant, serve_turn, session_id_header
 from .errors import BadRequest, Conflict, NotFound, UpstreamError
 from .jsonbytes import dumps
 from .memory.reconcile import HistoryMode
+from .memory.retention import has_expired
 from .messages import Message, split_system, validate_messages
 from .observe import notes
 from .params import check_params
@@ -104,7 +105,8 @@ async def _create(request: web.Request, timings: Timings) -> web.StreamResponse:
         previous_id = parsed.previous_response_id
 
         async def planning() -> tuple[list[Message], HistoryMode]:
-            return await _continuing(app[STORE], tenant, previous_id, messages)
+            return await _continuing(app[STORE], tenant, previous_id, messages,
+                                     app[CONFIG].retention.idle_ttl_seconds)
     if session_id is None and parsed.store:
         # A kept response always has a session: its chain has memory. Input that resends items of
         # a kept response (the Vercel AI SDK's references, the Agents SDK's `to_input_list`) goes on
@@ -230,17 +232,23 @@ def _no_previous(response_id: str) -> NotFound:
                     param="previous_response_id")
 
 
-async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages: list[Message]
-                      ) -> tuple[list[Message], HistoryMode]:
+async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages: list[Message],
+                      idle_ttl: float | None) -> tuple[list[Message], HistoryMode]:
     """What a request continuing `previous_id` reconciles, read under the session's lock: its new
     messages alone where that response is the session's newest answer; else the stored history up
-    to that answer and then the new messages, as a full history (an edit from there)."""
+    to that answer and then the new messages, as a full history (an edit from there). A response
+    of a session that has expired (`idle_ttl`) is not found, as an expired response is at OpenAI:
+    its session's past is gone, and continuing it would go on without it, or bring it back."""
     previous = await _stored(store, tenant, previous_id)
     if previous is None:  # deleted since the request began
         raise _no_previous(previous_id)
+    session = None
+    if idle_ttl is not None or not previous.head:
+        session = await store.get_session(tenant, previous.session_id)
+    if has_expired(session, idle_ttl):
+        raise _no_previous(previous_id)
     if previous.head:
         return messages, "new"
-    session = await store.get_session(tenant, previous.session_id)
     if not previous.active or session is None:
         raise Conflict(f"response '{previous_id}' was superseded by an edit of its session; continue from a "
                        "newer response")
