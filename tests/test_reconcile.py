@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import unicodedata
 from typing import Any
 
 import openai
@@ -212,6 +213,40 @@ async def test_answers_resent_with_their_whitespace_trimmed_are_the_stored_ones(
     assert stored(config, active=0) == []
     assert [m["content"] for m in stored(config)] == ["q1", "Answer 1\n\n", "q2", "Answer 2\n\n", "q3",
                                                       "Answer 3\n\n"]
+    assert_chain_consistent(config)
+
+
+async def test_a_history_resent_in_another_unicode_form_is_the_stored_one(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client that keeps its history normalised (a UI's store, macOS input in the decomposed
+    form) resends "café" as other code points than it first sent or was answered with: the same
+    text, not new messages. Read as new, the whole history was stored and sent twice."""
+    decomposed = "Un cafe\u0301 cre\u0300me."
+    upstream.enqueue(Reply(content="Voila\u0300 votre cafe\u0301."))
+    reply, _ = await chat(proxy.client(), [user(decomposed)])
+    history = [user(unicodedata.normalize("NFC", decomposed)), assistant(unicodedata.normalize("NFC", reply)),
+               user("Merci.")]
+    _, headers = await chat(proxy.client(), history)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert stored(config) == [user(decomposed), assistant(reply), user("Merci."), assistant("reply 2")]
+    assert upstream.last().messages == stored(config)[:3]  # the stored forms, each once
+
+    # A tool's result of text beside a picture (a screenshot tool), first composed, then resent
+    # decomposed with the rest of the tool loop.
+    def seen(text: str) -> Message:
+        return {"role": "tool", "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": text},
+                            {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}
+
+    client = proxy.client(session="s2")
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    await chat(client, [user("Look.")], tools=TOOLS)
+    reply, _ = await chat(client, [seen(unicodedata.normalize("NFC", decomposed))], tools=TOOLS)
+    _, headers = await chat(client, [user("Look."), calls_message(call("call_1", "Paris")), seen(decomposed),
+                                     assistant(reply), user("Merci.")], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert len(stored(config, session="s2")) == 6 and stored(config, session="s2", active=0) == []
     assert_chain_consistent(config)
 
 
