@@ -14,7 +14,7 @@ text-only content given as a list of parts), so the same message always hashes t
 some clients (LangChain) re-serialise them with other spacing; an image compares by the object its
 URL names, without the signature a client that signs its media URLs makes anew for each request,
 and whatever `detail` it asks for; a refusal compares the same as a part or as the field; text
-compares in Unicode's composed form (NFC), whichever form a client resends it in.
+compares in Unicode's composed form (NFC) and with LF line ends, whichever a client resends.
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ def said_within(inner: Message, outer: Message) -> bool:
         return False
     texts, parts = _said(inner.get("content"))
     outer_texts, outer_parts = _said(outer.get("content"))
-    whole = _composed("\n".join(outer_texts).strip())
-    return all((said := _composed(text.strip())) and (said == whole or whole.startswith(said + "\n")
+    whole = _normal_text("\n".join(outer_texts).strip())
+    return all((said := _normal_text(text.strip())) and (said == whole or whole.startswith(said + "\n")
                                            or whole.endswith("\n" + said)) for text in texts) \
         and all(part in outer_parts for part in parts)
 
@@ -262,7 +262,7 @@ def _said(content: Any) -> tuple[list[str], list[Any]]:
 def _content_key(message: Message) -> Any:
     content = _canonical_content(message.get("content"))
     if isinstance(content, str):
-        content = _composed(content.strip())
+        content = _normal_text(content.strip())
     elif isinstance(content, list):
         content = [_loose_part(part) for part in content]
     if content in (None, "", []) and isinstance(message.get("refusal"), str) and message["refusal"]:
@@ -270,22 +270,23 @@ def _content_key(message: Message) -> Any:
     return None if content in (None, "") else content
 
 
-def _composed(text: str) -> str:
-    """Text in Unicode's composed form (NFC): "é" typed as one character or as "e" and a combining
-    accent is the same text, and clients differ in which they resend (a UI or a store that
-    normalises what it keeps, macOS input in the decomposed form). Read as another message, a
-    history resent so would be stored, and sent, twice."""
-    return unicodedata.normalize("NFC", text)
+def _normal_text(text: str) -> str:
+    """Text as a resent message's is compared: in Unicode's composed form (NFC), its line ends as
+    LF. "é" typed as one character or as "e" and a combining accent is the same text, and so are
+    lines ended CRLF or LF: clients differ in which they resend (a UI or a store that
+    normalises what it keeps, macOS input in the decomposed form, a Windows client's first send).
+    Read as another message, a history resent so would be stored, and sent, twice."""
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n"))
 
 
 def _loose_part(part: Any) -> Any:
     """A content part as a client may send it back: an image by the object its URL names,
-    whatever `detail` it asks for this time; text in its composed form."""
+    whatever `detail` it asks for this time; text as `_normal_text` compares it."""
     if not isinstance(part, dict):
         return part
     kind = part.get("type")
     if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-        return {**part, "text": _composed(part["text"])}
+        return {**part, "text": _normal_text(part["text"])}
     if kind == "image_url" and isinstance(part.get("image_url"), dict):
         url = part["image_url"].get("url")
         return {"type": kind, "url": _stable_url(url) if isinstance(url, str) else url}

@@ -250,6 +250,23 @@ async def test_a_history_resent_in_another_unicode_form_is_the_stored_one(
     assert_chain_consistent(config)
 
 
+async def test_a_history_resent_with_other_line_ends_is_the_stored_one(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A question first sent with CRLF line ends (a Windows client, a form post) and resent with
+    LF ones, as most clients keep text: the same question. Read as new, the whole history was
+    stored and sent twice."""
+    client = proxy.client()
+    upstream.enqueue(Reply(content="Two lines.\r\nAs asked."))
+    reply, _ = await chat(client, [user("Line one.\r\nLine two.")])
+    history = [user("Line one.\nLine two."), assistant(reply.replace("\r\n", "\n")), user("Thanks.")]
+    _, headers = await chat(client, history)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
+    assert stored(config) == [user("Line one.\r\nLine two."), assistant(reply), user("Thanks."), assistant("reply 2")]
+    assert upstream.last().messages == stored(config)[:3]  # the stored forms, each once
+    assert_chain_consistent(config)
+
+
 async def test_the_clients_own_version_of_the_first_answer_is_an_edit_of_it(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:
