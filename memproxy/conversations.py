@@ -33,7 +33,7 @@ from .errors import BadRequest, Conflict, NotFound
 from .jsonbytes import dumps
 from .memory.retention import cap_messages, expired_before, has_expired
 from .memory.shrink import new_message, title_of
-from .messages import Message, chain_hashes
+from .messages import Message, chain_hashes, unanswered_result
 from .responses import items_as_messages, referenced_items
 from .responses_wire import check_bridge_items, check_item, item_page
 from .session_ids import is_session_id
@@ -107,6 +107,7 @@ async def create(request: web.Request) -> web.Response:
     messages = await _new_messages(request, tenant, body, required=False)
     app = request.app
     store = app[STORE]
+    await _check_answered(store, None, messages)
     conversation_id = new_conversation_id()
     while await store.get_session(tenant, conversation_id) is not None:
         conversation_id = new_conversation_id()
@@ -176,7 +177,9 @@ async def create_items(request: web.Request) -> web.Response:
     session = await _conversation(request, tenant)
     async with request.app[LOCKS].hold(tenant, session.session_id):
         session = await _conversation(request, tenant)  # as it stands once the lock is held
-        first = 0 if _expired(request, session) else session.length
+        expired = _expired(request, session)
+        first = 0 if expired else session.length
+        await _check_answered(request.app[STORE], None if expired else session, messages)
         await _write(request, tenant, session.session_id, session, messages)
         session = await _conversation(request, tenant)
         created = [listed.item for listed in await _items(request, session) if listed.seq >= first]
@@ -230,6 +233,25 @@ async def delete_item(request: web.Request) -> web.Response:
         await _write(request, tenant, session.session_id, session, rest, base, base_hash, totals)
         session = await _conversation(request, tenant)
     return _json(await _conversation_object(request, session))
+
+
+_TAIL = 64  # a conversation's last messages read for the call that new results answer
+
+
+async def _check_answered(store: Store, session: SessionState | None, messages: list[Message]) -> None:
+    """Refuse items holding a `function_call_output` that follows no `function_call` of its own, in
+    the items or as the last of the conversation (`session`, None: none stored): stored, it would be
+    sent with every later turn, and providers refuse them all."""
+    if not any(m.get("role") == "tool" for m in messages):
+        return
+    stored = await store.active_range(session, max(session.length - _TAIL, 0), session.length) if session else []
+    index = unanswered_result([m.body for m in stored], messages)
+    if index is not None:
+        raise BadRequest(
+            f"A function_call_output answers call '{messages[index].get('tool_call_id')}', but it does not follow "
+            "the function_call it answers (in these items, or as the conversation's last items): stored so, every "
+            "later response of the conversation would be refused by the provider. Add the call and its output "
+            "together.", param="items")
 
 
 async def _write(request: web.Request, tenant: str, session_id: str, session: SessionState | None,

@@ -379,6 +379,27 @@ def starts_unit(message: Message) -> bool:
     return message.get("role") not in ("tool", "function")
 
 
+def unanswered_result(history: Sequence[Message], new: Sequence[Message]) -> int | None:
+    """The index in `new` of the first tool result that answers no call of the assistant message
+    its run of results follows (`history`: the messages `new` comes after), or None. Providers
+    refuse a request holding such a result, every request after it alike."""
+    calls: set[Any] = set()  # the calls of the assistant message the run of results follows
+    for message in reversed(history):
+        if message.get("role") != "tool":
+            if message.get("role") == "assistant":
+                calls = {c.get("id") for c in message.get("tool_calls") or []}
+            break
+    for i, message in enumerate(new):
+        role = message.get("role")
+        if role == "tool" and message.get("tool_call_id") not in calls:
+            return i
+        if role == "assistant":
+            calls = {c.get("id") for c in message.get("tool_calls") or []}
+        elif role != "tool":
+            calls = set()
+    return None
+
+
 # What a model said to itself before answering, as providers and litellm name it: stored and shown,
 # but not resent once its exchange is over (`without_reasoning`).
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking_blocks")

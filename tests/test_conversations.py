@@ -67,6 +67,9 @@ TOOL_ITEMS: list[Any] = [
 ]
 
 
+OUTPUT = TOOL_ITEMS[2]
+
+
 # --- conversations ---------------------------------------------------------------------------------
 
 
@@ -253,6 +256,18 @@ async def test_a_call_and_its_output_are_deleted_together(proxy: Proxy) -> None:
                                              {"role": "assistant", "content": RAINY}]
 
 
+async def test_a_calls_output_may_come_in_the_next_items(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """The Agents SDK's way: the call stored (here as items, as a response's output would be), its
+    output added after it; the provider then gets the call and its result in order."""
+    client = proxy.client(None)
+    conversation = await client.conversations.create(items=TOOL_ITEMS[:2])
+    await client.conversations.items.create(conversation.id, items=[OUTPUT])
+    await client.responses.create(model="small", input="And tomorrow?", conversation=conversation.id)
+    sent = upstream.last().messages
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool", "user"]
+    assert sent[1]["tool_calls"][0]["id"] == sent[2]["tool_call_id"] == "call_w1"
+
+
 def test_without_item_takes_a_call_out_of_a_message_with_others() -> None:
     calls = [{**CALL, "id": "c1"}, {**CALL, "id": "c2"}]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Two calls.", "tool_calls": calls},
@@ -319,6 +334,12 @@ async def test_bad_requests_are_refused_in_openais_shape_and_store_nothing(proxy
         ("POST", base + "/items", {"items": [{"role": "robot", "content": "x"}]}, 400, None, "items[0].role"),
         ("POST", base + "/items", {"items": [{"type": "function_call", "call_id": "c"}]}, 400, None,
          "items[0].name"),
+        # A call's output with no call before it (here, or as the conversation's last item) would be
+        # sent with every later turn, and refused by the provider each time.
+        ("POST", "/conversations", {"items": [OUTPUT]}, 400, None, "items"),
+        ("POST", base + "/items", {"items": [OUTPUT]}, 400, None, "items"),
+        ("POST", base + "/items", {"items": [{**TOOL_ITEMS[1], "call_id": "call_other"}, OUTPUT]}, 400, None,
+         "items"),
         ("POST", base, {"metadata": {"k": ["v"]}}, 400, None, "metadata.k"),
         ("POST", base, {}, 400, None, "metadata"),
         ("GET", "/conversations/conv_nowhere", None, 404, "not_found", "conversation_id"),

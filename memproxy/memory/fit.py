@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import BadRequest, ContextLengthExceeded
-from ..messages import Message, called, starts_unit
+from ..messages import Message, called, starts_unit, unanswered_result
 from ..store import Snapshot, StoredMessage, Summary, Totals
 from ..tokens import TokenCounter
 from .shrink import dedupe_repeats
@@ -285,24 +285,13 @@ def _check_answered(history: list[Message], new: list[Message]) -> None:
     the provider refuses them, after memory would have left their call out."""
     if not any(m.get("role") == "tool" for m in new):
         return
-    called: set[str] = set()  # the calls of the assistant message the stored history ends on, with results
-    for message in reversed(history):
-        if message.get("role") != "tool":
-            if message.get("role") == "assistant":
-                called = {c.get("id") for c in message.get("tool_calls") or []}
-            break
-    for message in new:
-        role = message.get("role")
-        if role == "tool" and message.get("tool_call_id") not in called:
-            raise BadRequest(
-                f"A tool result answers call '{message.get('tool_call_id')}', but it does not follow the "
-                "assistant message that made that call: the session's latest message is another one (did "
-                "another request continue the session meanwhile?). Send a call's results right after it, "
-                "or resend the conversation whole.", param="messages")
-        if role == "assistant":
-            called = {c.get("id") for c in message.get("tool_calls") or []}
-        elif role != "tool":
-            called = set()
+    index = unanswered_result(history, new)
+    if index is not None:
+        raise BadRequest(
+            f"A tool result answers call '{new[index].get('tool_call_id')}', but it does not follow the "
+            "assistant message that made that call: the session's latest message is another one (did "
+            "another request continue the session meanwhile?). Send a call's results right after it, "
+            "or resend the conversation whole.", param="messages")
 
 
 def _verbatim_from(snapshot: Snapshot, seq: int | None, must_tokens: int) -> int:
