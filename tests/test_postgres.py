@@ -24,7 +24,7 @@ import pytest
 from helpers import assistant, tool, user
 from memproxy.config import StorageConfig
 from memproxy.messages import ROOT_HASH, Message, chain_hashes
-from memproxy.store import EndpointUsage, NewResponse, SQLiteStore, Store, Summary, open_store
+from memproxy.store import EndpointUsage, NewResponse, SQLiteStore, Store, Summary, SummaryCall, Usage, open_store
 from memproxy.store.errors import StoreUnavailable
 from memproxy.store.postgres import PostgresBackend, numbered
 from memproxy.store.sql import QUERIES
@@ -474,3 +474,41 @@ async def test_a_write_waits_longer_for_a_connection_than_a_read() -> None:
         assert await write == [[(1,)]]
     finally:
         await pool.close()
+
+
+async def test_a_summary_call_racing_its_sessions_deletion_is_counted_with_the_tenant(
+    postgres: StoreUnderTest,
+) -> None:
+    """A summariser call answered while another replica deletes its session: the deletion holds the
+    session's row when the call is recorded. The call, paid for, goes to the tenant's usage of
+    deleted sessions; inserted under the row being deleted, it failed on the foreign key instead,
+    and its cost was counted nowhere."""
+    store, other = await postgres.open(), await postgres.open()
+    try:
+        await store.record_turn(turn(None, [user("1"), assistant("a")]))
+        session = await store.get_session("t", "s")
+        assert session is not None
+        holder = await postgres._postgres()  # holds the row as another replica's write would
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        try:
+            transaction = holder.transaction()
+            await transaction.start()
+            await holder.execute("SELECT pk FROM sessions WHERE pk = $1 FOR UPDATE", session.pk)
+            deleting = asyncio.ensure_future(other.delete_session(session))
+            while await holder.fetchval(waiting) < 1:
+                await asyncio.sleep(0.01)  # polled: the deletion is queued on the row
+            call = asyncio.ensure_future(store.record_summary_call(
+                session, SummaryCall("small", 200, Usage(50, 5), 1.0, cost=0.25)))
+            while await holder.fetchval(waiting) < 2:
+                await asyncio.sleep(0.01)  # polled: the call's record is queued behind it
+            await transaction.rollback()
+            await deleting
+            await call
+        finally:
+            await holder.close()
+        deleted = await other.deleted_usage("t")
+        assert (deleted.sessions, deleted.turns, deleted.summary_calls) == (1, 1, 1)
+        assert (deleted.prompt_tokens, deleted.completion_tokens, deleted.cost) == (7 + 50, 3 + 5, 0.25)
+    finally:
+        await store.close()
+        await other.close()

@@ -459,14 +459,17 @@ class SQLTurns(SQLBase):
     def _summary_call(self, session: SessionState, call: SummaryCall) -> Script[None]:
         """The call, paid for, as a turn of its session; of a session deleted meanwhile (its row id
         perhaps another session's since: the incarnation tells), in the tenant's usage of deleted
-        sessions."""
-        recorded = yield (
-            "INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
-            " completion_tokens, latency_ms, cost, full_tokens)"
-            " SELECT pk, ?, ?, 'summary', ?, ?, ?, ?, ?, 0 FROM sessions WHERE pk = ? AND incarnation = ? RETURNING id",
-            (time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
-             call.usage.completion_tokens, call.latency_ms, call.cost, session.pk, session.incarnation))
-        if not recorded:
+        sessions. The row is locked first: a deletion holding it (another replica's) is waited for
+        and then seen, where an insert alone found the row, waited for it on its foreign key and
+        failed once the deletion committed, the call counted nowhere."""
+        same = yield ("SELECT pk FROM sessions WHERE pk = ? AND incarnation = ?" + self._db.row_lock,
+                      (session.pk, session.incarnation))
+        if same:
+            yield ("INSERT INTO turns (session_pk, created_at, model, kind, context_tokens, prompt_tokens,"
+                   " completion_tokens, latency_ms, cost, full_tokens) VALUES (?, ?, ?, 'summary', ?, ?, ?, ?, ?, 0)",
+                   (session.pk, time.time(), text_in(call.model), call.context_tokens, call.usage.prompt_tokens,
+                    call.usage.completion_tokens, call.latency_ms, call.cost))
+        else:
             yield rollup_step(session.tenant, UsageTotals(
                 sessions=0, turns=0, summary_calls=1, prompt_tokens=call.usage.prompt_tokens or 0,
                 completion_tokens=call.usage.completion_tokens or 0, cost=call.cost,
