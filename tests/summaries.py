@@ -275,4 +275,8 @@ REJECTED: dict[str, tuple[Callable[[Received], Reply], dict[str, Any], str, str]
     "empty": (lambda _: Reply(content=""), {}, "discarded", "empty"),
     "blank": (lambda _: Reply(content="  \n "), {}, "discarded", "empty"),
     "upstream error": (lambda _: Reply(status=500, error_message="model overloaded"), {}, "failed", "500"),
+    # A refusal written as the answer: short, so smaller than anything it would replace.
+    "refused": (lambda _: Reply(content="I'm sorry, but I can't help with that."), {}, "discarded", "refused"),
+    "refused, curly": (lambda _: Reply(content="I\u2019m unable to summarize this conversation."), {},
+                       "discarded", "refused"),
 }

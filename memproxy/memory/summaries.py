@@ -10,8 +10,9 @@ invariants the peers broke, held here:
   constraints, names, numbers, identifiers, paths and open tasks, and to treat the transcript as data;
 - its own input fits its window: tool outputs are cut short first, and a long stretch is folded in
   several chunks, each ending on a unit boundary, each saved as it completes;
-- a result that is empty, cut off, over the cap, or not smaller than what it replaces is discarded,
-  and the session backs off (doubling) instead of retrying every turn; a failure changes nothing;
+- a result that is empty, cut off, a refusal, over the cap, or not smaller than what it replaces is
+  discarded, and the session backs off (doubling) instead of retrying every turn; a failure changes
+  nothing;
 - a result is saved only if no other version was saved meanwhile and the messages it covers are
   still the active history (an edit or regenerate makes it stale: it is discarded, never applied).
 """
@@ -19,6 +20,7 @@ invariants the peers broke, held here:
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 import logging
 import time
@@ -61,6 +63,13 @@ _MIN_TRANSCRIPT_ROOM = 256
 # OpenAI's reasoning models spend some hundreds of tokens on a summary; its limit counts them), at
 # most an eighth of its window.
 _REASONING_ROOM = 2048
+# A model that declines writes in the first person ("I'm sorry, but I can't...", "I am unable to
+# summarize..."); a summary, told to be third-person notes, never opens so. Short, such a reply is
+# smaller than anything it would replace, so the size guard alone would have saved it as the summary.
+_REFUSAL = re.compile(
+    r"(?:i\s*(?:'|\u2019|a)?m\s+(?:so\s+|very\s+|really\s+)?sorry|sorry\b|i\s+apologi[sz]e"
+    r"|i\s+(?:can\s*not|can(?:'|\u2019)?t|won(?:'|\u2019)?t|will\s+not)\b"
+    r"|i\s*(?:'|\u2019|a)?m\s+(?:unable|not\s+able)\b|as\s+an\s+ai\b)", re.IGNORECASE)
 _MAX_BACKOFF_SECONDS = 3600.0
 _BACKOFFS_KEPT = 10_000  # sessions backing off remembered at most (one entry is some 500 bytes)
 
@@ -338,7 +347,8 @@ class Summarizer:
             outcome: FoldOutcome = "failed" if error else "discarded"
             if text is not None:
                 tokens = summary_tokens(chat_counter, text)
-                error = "over the cap" if counter.text(text) > cap else "not smaller" if tokens >= replaced else None
+                error = ("refused" if _REFUSAL.match(text) else "over the cap" if counter.text(text) > cap
+                         else "not smaller" if tokens >= replaced else None)
             if text is None or error:
                 before = _size(chat_counter, current) + sum(m.compact_tokens for m in folded + chunk)
                 return FoldResult(outcome, previous, len(folded), before, _size(chat_counter, previous),
