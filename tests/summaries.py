@@ -279,4 +279,7 @@ REJECTED: dict[str, tuple[Callable[[Received], Reply], dict[str, Any], str, str]
     "refused": (lambda _: Reply(content="I'm sorry, but I can't help with that."), {}, "discarded", "refused"),
     "refused, curly": (lambda _: Reply(content="I\u2019m unable to summarize this conversation."), {},
                        "discarded", "refused"),
+    # A summary a content filter stopped short: what it left out is lost, as with a cut-off one.
+    "content filter": (lambda r: replace(fact_summariser(r), finish_reason="content_filter"), {},
+                       "discarded", "cut-off"),
 }

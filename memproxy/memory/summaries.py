@@ -10,9 +10,9 @@ invariants the peers broke, held here:
   constraints, names, numbers, identifiers, paths and open tasks, and to treat the transcript as data;
 - its own input fits its window: tool outputs are cut short first, and a long stretch is folded in
   several chunks, each ending on a unit boundary, each saved as it completes;
-- a result that is empty, cut off, a refusal, over the cap, or not smaller than what it replaces is
-  discarded, and the session backs off (doubling) instead of retrying every turn; a failure changes
-  nothing;
+- a result that is empty, cut off (by its limit or a content filter), a refusal, over the cap, or
+  not smaller than what it replaces is discarded, and the session backs off (doubling) instead of
+  retrying every turn; a failure changes nothing;
 - a result is saved only if no other version was saved meanwhile and the messages it covers are
   still the active history (an edit or regenerate makes it stale: it is discarded, never applied).
 """
@@ -444,7 +444,9 @@ class Summarizer:
         ))
         choice: dict[str, Any] = (response.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content")
-        if choice.get("finish_reason") == "length" or not isinstance(text, str) or not text.strip():
+        # Cut off by its limit, or stopped by a content filter: either way what it left out is lost.
+        if choice.get("finish_reason") in ("length", "content_filter") or not isinstance(text, str) \
+                or not text.strip():
             return None, None
         return text.strip(), None
 
