@@ -285,3 +285,31 @@ async def test_a_streamed_turn_completes_while_a_fold_is_in_flight(
     await chat.idle()
     assert [s.version for s in summary_rows(config)] == [1]
     assert len(upstream.summary_requests()) == 1
+
+
+async def test_a_request_waiting_for_a_fold_that_fails_does_not_call_the_summariser_again(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    """A summariser that is down costs one call per backoff period: an overflowing request that
+    found a fold in flight, and waited for it to fail, gets the marker instead of a call of its own."""
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES, failure_backoff_seconds=3600)
+    config = proxy.app[CONFIG]
+    gate = threading.Event()
+    upstream.summarizer = gated(gate, lambda _: Reply(status=500, error_message="model down"))
+    chat = Conversation(proxy, upstream)
+    try:
+        await talk_until_a_fold_starts(chat, config)
+        for turn in range(20):  # the history outgrows the window while the fold is held
+            waiting = asyncio.create_task(chat.say(f"more {turn}: {words(150, turn)}"))
+            done, _ = await asyncio.wait([waiting], timeout=0.3)
+            if not done:
+                break  # it overflowed, and waits for the fold in flight
+        assert not done
+        assert len(upstream.summary_requests()) == 1
+    finally:
+        gate.set()
+    sent = await waiting
+    await chat.idle()
+    assert sent.unsummarized_omitted > 0 and sent.marker == sent.unsummarized_omitted
+    assert len(upstream.summary_requests()) == 1  # the failed fold's call, and no other
+    assert summary_rows(config) == []

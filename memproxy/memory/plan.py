@@ -361,7 +361,7 @@ async def _fold_left_out(
         if not context.unsummarised_omitted or not summarizer.may_fold(session.tenant, session.session_id):
             break
         upto = min(max(context.first_sent, tail), context.mandatory_start)
-        fold = summarizer.fold(session.tenant, session.session_id, model, upto=upto)
+        fold = summarizer.fold(session.tenant, session.session_id, model, upto=upto, automatic=True)
         try:
             result: FoldResult | None = await asyncio.wait_for(fold, max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:

@@ -216,15 +216,20 @@ class Summarizer:
             await asyncio.wait(list(self._running.values()))
 
     async def fold(
-        self, tenant: str, session_id: str, chat_model: ModelConfig, upto: int | None = None
+        self, tenant: str, session_id: str, chat_model: ModelConfig, upto: int | None = None,
+        automatic: bool = False,
     ) -> FoldResult:
         """Fold now (waiting for a fold already running on the session first). `upto`: fold the
-        messages before this position; None: everything but the verbatim tail."""
+        messages before this position; None: everything but the verbatim tail. `automatic`: not
+        asked for (an overflowing request's): none starts while the session backs off (`may_fold`)."""
         key = (tenant, session_id)
         # Several callers may be waiting for the same fold: each waits until none runs, so they
         # start theirs one after another, never two at once on one session.
         while (running := self._running.get(key)) is not None:
             await asyncio.wait([running])
+        # The fold waited for may have failed: a summariser that is down is not called again at once.
+        if automatic and not self.may_fold(tenant, session_id):
+            return FoldResult("nothing", None, detail="the session backs off after a rejected summary")
         # Shielded: a request that stops waiting (its timeout) leaves the fold to finish for later turns.
         return await asyncio.shield(self._start(key, chat_model, upto, check_threshold=False))
 
