@@ -11,14 +11,18 @@ import asyncio
 import logging
 import re
 import threading
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import pytest
 
 from fake_upstream import FakeUpstream, Received, Reply
 from helpers import until, user
+from memproxy.concurrency import BackgroundTasks
 from memproxy.config import Config, StorageConfig
-from memproxy.typedefs import CONFIG, SUMMARIZER
+from memproxy.memory.summaries import Summarizer
+from memproxy.store import StoredMessage, TurnStore
+from memproxy.typedefs import CONFIG, PROVIDER, STORE, SUMMARIZER
 from summaries import (
     Conversation,
     SUMMARIES,
@@ -231,6 +235,61 @@ async def test_a_fold_of_a_history_edited_meanwhile_is_not_applied(
     assert sent.summary is None and sent.version == 0
     assert facts_in(sent.text()) == [0, 900]  # nothing of the superseded branch
     await chat.idle()
+
+
+class _EditedOnRead:
+    """A session's store whose first read of a range of messages waits for `edit` first: another
+    process's edit landing between a fold's lease and its read."""
+
+    def __init__(self, store: TurnStore, edit: Callable[[], Awaitable[None]]) -> None:
+        self._store = store
+        self._edit: Callable[[], Awaitable[None]] | None = edit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def active_range(self, *args: Any) -> list[StoredMessage]:
+        if self._edit is not None:
+            edit, self._edit = self._edit, None
+            await edit()
+        return await self._store.active_range(*args)
+
+
+async def test_a_fold_that_reads_after_an_edit_before_the_summarys_end_is_stale(
+    start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+) -> None:
+    """The messages after the summary in use, read once an edit before its end has landed, follow
+    another history than the one it stands for: a summary of them on top of it would stand for
+    the edited question without having read it."""
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
+    config = proxy.app[CONFIG]
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream, style="full")
+    turn = 0
+    while not summary_rows(config):
+        await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
+        await chat.idle()
+        turn += 1
+    for extra in range(turn, turn + 3):
+        await chat.say(f"question {extra}: FACT-{extra} {words(20, extra)}")
+    await chat.idle()
+    versions = [s.version for s in summary_rows(config)]
+
+    async def edit() -> None:  # the second question edited, the rest resent as it was
+        chat.history[2] = user("question 1, asked differently: FACT-900")
+        _, headers = await chat.exchange([user("and then?")], Reply(content="edited"))
+        assert headers["x-memproxy-reconcile"] == "edit"
+
+    store = _EditedOnRead(proxy.app[STORE], edit)
+    folding = Summarizer(config, cast(TurnStore, store), proxy.app[PROVIDER], BackgroundTasks())
+    session = await proxy.app[STORE].get_session("a", "s1")
+    assert session is not None
+    result = await folding.fold("a", "s1", config.models[0], upto=session.length - 2)
+    assert store._edit is None  # the edit landed, between the lease and the read
+    assert result.outcome == "stale", result
+    await chat.idle()
+    assert [s.version for s in summary_rows(config)][: len(versions)] == versions
+    assert all("FACT-900" in s.text or s.version in versions for s in summary_rows(config))
 
 
 async def test_a_summary_of_messages_edited_later_is_no_longer_used(

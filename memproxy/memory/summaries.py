@@ -14,7 +14,8 @@ invariants the peers broke, held here:
   not smaller than what it replaces is discarded, and the session backs off (doubling) instead of
   retrying every turn; a failure changes nothing;
 - a result is saved only if no other version was saved meanwhile and the messages it covers are
-  still the active history (an edit or regenerate makes it stale: it is discarded, never applied).
+  still the active history (an edit or regenerate makes it stale: it is discarded, never applied),
+  and the messages a fold reads must follow the summary it builds on.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Literal
 from ..concurrency import BackgroundTasks
 from ..config import Config, ModelConfig
 from ..errors import ProxyError
-from ..messages import Message, audio_transcript, called
+from ..messages import Message, audio_transcript, called, chain_hash
 from ..metrics import Metrics
 from ..provider import Provider
 from ..redact import session_digest
@@ -332,6 +333,12 @@ class Summarizer:
         chat_window = self._provider.window(chat_model)
         chat_counter = self._provider.counter(chat_model)
         messages = await store.active_range(session, covers, upto)
+        if current is not None and messages \
+                and chain_hash(current.covers_hash, messages[0].body) != messages[0].chain_hash:
+            # An edit before `covers` (another process's) landed since `current` was read: these
+            # messages follow another history than the one it stands for, and a summary of them on
+            # top of it would stand for messages it never read.
+            return FoldResult("stale", current, detail="the history before the summary's end changed")
         version = await store.newest_summary_version(session)  # what `save_summary` expects, in use or not
         cap = self.summary_cap(chat_window, model)
         counter = self._provider.counter(model)
