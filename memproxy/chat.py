@@ -23,6 +23,7 @@ wire differs, the upstream call and what the client sees of it (`Wire`; chat's i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -47,7 +48,7 @@ from .errors import (
 )
 from .jsonbytes import dumps
 from .memory.plan import PreparedTurn, prepare_turn
-from .memory.reconcile import HISTORY_MODES, HistoryMode
+from .memory.reconcile import HISTORY_MODES, HistoryMode, Reconciled
 from .memory.record import turn_record
 from .memory.retention import cap_messages
 from .messages import Message, validate_messages, wire_form
@@ -256,9 +257,12 @@ async def serve_turn(request: web.Request, exchange: Exchange, tenant: str, sess
             if not _refused_for_length(request, exchange, exc):
                 raise
         # The provider counts more than memproxy did: planned again for its count, and sent once more.
+        # The client's request is reported as first read: a history the first plan stored
+        # (`resent_history`) reads as stored to the second.
         exchange.timings.upstream_retried()
+        read_as = exchange.turn.reading if exchange.turn is not None else None
         exchange.messages = sent
-        await _prepare(request, exchange, tenant, session_id, mode)
+        await _prepare(request, exchange, tenant, session_id, mode, read_as)
         return await _forward(request, exchange)
 
 
@@ -314,7 +318,7 @@ def _history_mode(request: web.Request) -> HistoryMode:
 
 
 async def _prepare(request: web.Request, exchange: Exchange, tenant: str, session_id: str,
-                   mode: HistoryMode | None = None) -> None:
+                   mode: HistoryMode | None = None, read_as: Reconciled | None = None) -> None:
     app = request.app
     config, provider = app[CONFIG], app[PROVIDER]
     mode = mode or _history_mode(request)
@@ -325,10 +329,12 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         end_user=end_user(request.headers, exchange.params),
         calibration=provider.calibration.factor(exchange.model.name, (tenant, session_id)), tasks=app[TASKS],
     )
+    if read_as is not None:
+        turn = dataclasses.replace(turn, read_as=read_as)
     exchange.turn = notes(request).turn = turn
     exchange.messages = [wire_form(m) for m in turn.context.messages]
     context, reconciled, budget = turn.context, turn.reading, turn.budget
-    if reconciled.superseded:
+    if reconciled.superseded and read_as is None:  # said once, by the first plan
         # Forgetting must never pass unseen: counts and positions, never content.
         log.info("supersede session=%s kind=%s superseded=%d positions=%d..%d (once the turn is recorded)",
                  session_digest(tenant, session_id), reconciled.kind, reconciled.superseded,

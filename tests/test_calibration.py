@@ -22,7 +22,7 @@ import pytest
 from conftest import PROXY_KEY, Proxy
 from db import rows
 from fake_upstream import FakeUpstream, Reply
-from helpers import complete, stream_chat, user
+from helpers import assistant, complete, stream_chat, user
 from memproxy.calibration import MAX_FACTOR, RELAX, STEP, Calibration, observed_from
 from memproxy.config import Config, MemoryConfig, ModelConfig
 from memproxy.errors import ContextLengthExceeded
@@ -113,6 +113,21 @@ async def test_a_refusal_for_length_is_planned_again_for_the_providers_count(
     assert len(shown["messages"]) == 2 * 30 + 2  # the turn, once
     registry = proxy.app[METRICS].registry
     assert registry.get_sample_value("memproxy_refused_for_length_total", {"model": "small"}) == 1
+
+
+async def test_a_resent_history_refused_for_length_is_reported_as_the_client_sent_it(
+        proxy: Proxy, provider: FakeUpstream) -> None:
+    """A conversation resent to a new session, too long to send whole: its history is stored first
+    and the turn planned as its continuation. Refused by the provider's count and planned again,
+    the answer still says how the client's request was read, not how the stored history reads."""
+    history = [m for i in range(30) for m in (user(sentence(i)), assistant(sentence(100 + i)))]
+    provider.enqueue(Reply(content="first"), Reply(content="answered"))
+    raw = await proxy.client(session="resent-refused").chat.completions.with_raw_response.create(
+        model="small", messages=[*history, user("and the tides?")])
+    refused, accepted = provider.chat_requests()
+    assert provider_tokens(refused.body) + 256 > WINDOW >= provider_tokens(accepted.body) + 256
+    assert raw.parse().choices[0].message.content == "answered"
+    assert (raw.headers["X-Memproxy-Reconcile"], raw.headers["X-Memproxy-Superseded"]) == ("new", "0")
 
 
 async def test_a_responses_turn_refused_for_length_is_planned_again(proxy: Proxy, provider: FakeUpstream) -> None:
