@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import pytest
 
+from conftest import Proxy
 from fake_upstream import FakeUpstream, Received, Reply
 from helpers import until, user
 from memproxy.concurrency import BackgroundTasks
@@ -237,6 +238,21 @@ async def test_a_fold_of_a_history_edited_meanwhile_is_not_applied(
     await chat.idle()
 
 
+async def summarised(start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
+                     ) -> tuple[Proxy, Conversation, int]:
+    """A full-history conversation told until its first summary is saved; the turns it took."""
+    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
+    config = proxy.app[CONFIG]
+    upstream.summarizer = fact_summariser
+    chat = Conversation(proxy, upstream, style="full")
+    turn = 0
+    while not summary_rows(config):
+        await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
+        await chat.idle()
+        turn += 1
+    return proxy, chat, turn
+
+
 class _EditedOnRead:
     """A session's store whose first read of a range of messages waits for `edit` first: another
     process's edit landing between a fold's lease and its read."""
@@ -261,15 +277,8 @@ async def test_a_fold_that_reads_after_an_edit_before_the_summarys_end_is_stale(
     """The messages after the summary in use, read once an edit before its end has landed, follow
     another history than the one it stands for: a summary of them on top of it would stand for
     the edited question without having read it."""
-    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
+    proxy, chat, turn = await summarised(start_proxy, storage, upstream)
     config = proxy.app[CONFIG]
-    upstream.summarizer = fact_summariser
-    chat = Conversation(proxy, upstream, style="full")
-    turn = 0
-    while not summary_rows(config):
-        await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
-        await chat.idle()
-        turn += 1
     for extra in range(turn, turn + 3):
         await chat.say(f"question {extra}: FACT-{extra} {words(20, extra)}")
     await chat.idle()
@@ -295,15 +304,8 @@ async def test_a_fold_that_reads_after_an_edit_before_the_summarys_end_is_stale(
 async def test_a_summary_of_messages_edited_later_is_no_longer_used(
     start_proxy: StartProxy, storage: StorageConfig, upstream: FakeUpstream
 ) -> None:
-    proxy = await start(start_proxy, storage, upstream, **SUMMARIES)
+    proxy, chat, _ = await summarised(start_proxy, storage, upstream)
     config = proxy.app[CONFIG]
-    upstream.summarizer = fact_summariser
-    chat = Conversation(proxy, upstream, style="full")
-    turn = 0
-    while not summary_rows(config):
-        await chat.say(f"question {turn}: FACT-{turn} {words(90, turn)}")
-        await chat.idle()
-        turn += 1
     sent = await chat.say("still there?")
     assert sent.version == 1 and facts_in(sent.summary or "") != []
     chat.history = chat.history[:2]  # an edit of the second question
