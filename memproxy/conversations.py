@@ -244,8 +244,12 @@ async def _check_answered(store: Store, session: SessionState | None, messages: 
     sent with every later turn, and providers refuse them all."""
     if not any(m.get("role") == "tool" for m in messages):
         return
-    stored = await store.active_range(session, max(session.length - _TAIL, 0), session.length) if session else []
-    index = unanswered_result([m.body for m in stored], messages)
+    tail: list[Message] = []
+    start = session.length if session else 0
+    while session and start > 0 and all(m.get("role") == "tool" for m in tail):  # back to the call they answer
+        start = max(start - _TAIL, 0)
+        tail = [m.body for m in await store.active_range(session, start, session.length)]
+    index = unanswered_result(tail, messages)
     if index is not None:
         raise BadRequest(
             f"A function_call_output answers call '{messages[index].get('tool_call_id')}', but it does not follow "
