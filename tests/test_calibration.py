@@ -255,6 +255,31 @@ async def test_a_session_moved_to_a_model_counted_another_way_never_overflows(
     assert [r[0] for r in rows(config, "SELECT tokenizer FROM sessions")] == [MIXED_COUNTS]
 
 
+async def test_a_moved_session_whose_whole_history_fit_the_old_count_never_overflows(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    """A short session told on a cl100k model, continued on an o200k one: its whole history fits
+    the budget by its stored counts, but o200k counts it four times as high, past the window. Each
+    plan again was for a factor raised by how far the whole request was over the budget, not by
+    how far the count it was planned with was off: five plans sent the whole history each time,
+    and then the request went upstream over the window."""
+    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
+                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
+                         tokenizer="cl100k_base")
+    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    client = proxy.client(session="moved-short", **{"X-Memproxy-History": "new"})
+    for i in range(5):
+        upstream.enqueue(Reply(content=f"noted {i}"))
+        _, headers = await complete(client, [user(f"{i} " + "¯" * 400)], model="small-cl100k")
+    assert int(headers["X-Memproxy-Context-Tokens"]) < (WINDOW - 256 - 20) / 2  # far from the window there
+    upstream.tokens, upstream.window = (  # the provider of "small" counts as o200k does
+        lambda body: request_tokens(COUNTING, body.get("messages") or [], body.get("tools") or []), WINDOW)
+    upstream.enqueue(Reply(content="fine"))
+    _, headers = await complete(client, [user("and now?")])  # raises on any error
+    sent = upstream.last()
+    assert int(headers["X-Memproxy-Context-Tokens"]) == upstream.tokens(sent.body) <= WINDOW - 256 - 20
+    assert sent.messages[-1] == user("and now?") and "¯" * 400 in str(sent.messages)  # what fits is sent
+
+
 async def test_a_resent_edit_on_a_model_counted_another_way_is_read_and_sent_as_that_edit(
         start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
     """A full-history client edits a message of a session told on a cl100k model and resends it to

@@ -147,7 +147,9 @@ async def prepare_turn(
         exact = request_tokens(counter, turn.context.messages, prompt_schemas(params))
         if exact <= turn.budget.input_tokens or plans == _PLANS:  # over still: the provider has the last word
             return dataclasses.replace(turn, context=dataclasses.replace(turn.context, tokens=exact))
-        calibration *= exact / turn.budget.input_tokens * _REPLAN_STEP
+        # By how far the count planned with was off, not only how far the request is over: a history
+        # that fit the budget whole by its stored counts would be planned whole again, and again.
+        calibration *= max(exact / turn.budget.input_tokens, exact / max(turn.context.tokens, 1)) * _REPLAN_STEP
         # A history the first plan stored (`resent_history`) is read as stored by the next: the
         # client's reading stays the first one's.
         replanned = await _prepare(*args, calibration, tasks)
