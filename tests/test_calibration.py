@@ -280,6 +280,33 @@ async def test_a_moved_session_whose_whole_history_fit_the_old_count_never_overf
     assert sent.messages[-1] == user("and now?") and "¯" * 400 in str(sent.messages)  # what fits is sent
 
 
+async def test_a_regenerated_answer_on_a_model_counted_another_way_is_not_refused(
+        start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
+    """A question told on an o200k model of a large window, its answer regenerated on a cl100k
+    model of a small one: the question, which must be sent, is stored at o200k's count, four
+    times cl100k's, and was refused as too long by it (a 400 naming 2,407 tokens) though it fits
+    as the new model counts it. What must be sent is counted again by the model's own counter."""
+    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
+                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
+                         tokenizer="cl100k_base")
+    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    client = proxy.client(session="regenerated")  # sends its whole history
+    question = user("¯" * 2400)
+    cl100k_counting = TiktokenCounter("cl100k_base")
+    assert COUNTING.message(question) > WINDOW > 2 * cl100k_counting.message(question)
+    upstream.enqueue(Reply(content="hi"), Reply(content="first answer"))
+    await complete(client, [user("hello")], model="big")
+    await complete(client, [user("hello"), assistant("hi"), question], model="big")
+    upstream.tokens, upstream.window = (  # the provider of "small-cl100k" counts as cl100k does
+        lambda body: request_tokens(cl100k_counting, body.get("messages") or [], body.get("tools") or []), WINDOW)
+    upstream.enqueue(Reply(content="second answer"))
+    _, headers = await complete(client, [user("hello"), assistant("hi"), question], model="small-cl100k")
+    assert headers["X-Memproxy-Reconcile"] == "regenerate"
+    sent = upstream.last()
+    assert int(headers["X-Memproxy-Context-Tokens"]) == upstream.tokens(sent.body) <= WINDOW - 256 - 20
+    assert sent.messages[-1] == question
+
+
 async def test_a_resent_edit_on_a_model_counted_another_way_is_read_and_sent_as_that_edit(
         start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
     """A full-history client edits a message of a session told on a cl100k model and resends it to

@@ -26,6 +26,7 @@ re-tokenized to build a request.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,6 +153,27 @@ def room_beside(context: Context, budget: Budget, most: int, floor: int) -> int 
     of); else None: older kept turns must give way (`fit`'s `reserve`)."""
     spare = max(0, min(budget.input_tokens, budget.planned_tokens) - context.tokens)
     return min(most, spare) if spare >= floor else None
+
+
+def with_last_unit_counted(snapshot: Snapshot, counter: TokenCounter) -> Snapshot:
+    """`snapshot` with what must be sent (the last unit, from `must_start` on) counted again by
+    `counter`, for a session whose stored counts another counter made (a session moved to another
+    model): the pre-flight check refuses a request by that count, and a unit another tokenizer
+    counted at four times as much (a run of rare characters) would be refused though it fits.
+    The older history's counts stay as stored: the plan counts what it sends again."""
+    if snapshot.must_start >= snapshot.base:
+        return snapshot
+    before = _known(snapshot, snapshot.must_start)
+    full, compact = before.full, before.compact
+    at = snapshot.index(snapshot.must_start)
+    messages = snapshot.messages[:at]
+    for m in snapshot.messages[at:]:
+        tokens = counter.message(m.body)
+        compact_tokens = tokens if m.compact_body is None else counter.message(m.compact_body)
+        messages.append(dataclasses.replace(m, tokens=tokens, cum_before=full, compact_tokens=compact_tokens,
+                                            compact_cum_before=compact))
+        full, compact = full + tokens, compact + compact_tokens
+    return dataclasses.replace(snapshot, base_totals=Totals(full, compact), messages=messages)
 
 
 def fit(

@@ -29,7 +29,8 @@ from ..store.errors import StoreConflict
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter, request_tokens
 from . import recall
-from .fit import Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history
+from .fit import (Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history,
+                  with_last_unit_counted)
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired, keep_alive
 from .shrink import new_message, title_of
@@ -231,6 +232,8 @@ async def _prepare(
                     snapshot = loaded.snapshot(reconciled.base, whole_last_unit, room)
                 if snapshot is None:
                     snapshot = await store.snapshot(session, reconciled.base, whole_last_unit, room)
+                if session.tokenizer not in (None, counter.name):  # counted by another model's counter
+                    snapshot = with_last_unit_counted(snapshot, counter)
                 memo[:] = [(session, snapshot)]
         head: list[StoredMessage] = []
         if session is not None and snapshot is not None and memory.head_turns \
