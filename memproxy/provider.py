@@ -1071,8 +1071,10 @@ def _files_kept(messages: list[Message], items: str | list[dict[str, Any]]) -> l
 
 
 def _dumped(value: Any) -> dict[str, Any]:
-    """A litellm Responses object as a dict. Its models hold some fields as plain dicts where a
-    model is declared (an event's `part`, a response's `usage`), which pydantic warns about on
-    every dump: the values are right, so the warning is not raised."""
-    result: dict[str, Any] = value.model_dump(exclude_none=True, warnings=False)
+    """A litellm Responses object as a dict of JSON values: an event's `type` is an enum in litellm's
+    models, whose text (`ResponsesAPIStreamEvents.OUTPUT_TEXT_DELTA`) would name the event on the
+    wire. Its models hold some fields as plain dicts where a model is declared (an event's `part`,
+    a response's `usage`), which pydantic warns about on every dump: the values are right, so the
+    warning is not raised."""
+    result: dict[str, Any] = value.model_dump(mode="json", exclude_none=True, warnings=False)
     return result

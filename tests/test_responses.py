@@ -408,6 +408,21 @@ async def test_a_stream_is_the_sdks_to_assemble_and_is_kept(proxy: Proxy, wire: 
                                    ("call", 'get_weather {"city":"Oslo"}'), ("tool", "cold")]
 
 
+async def test_each_streamed_event_is_named_by_its_type(proxy: Proxy, wire: Upstream) -> None:
+    """Every event of a stream says its type on its `event:` line too, as OpenAI's do: clients that
+    dispatch on the event's name (an `EventSource` listener, SSE parsers keyed by event) see
+    `response.output_text.delta`. litellm's native events hold their type as an enum, whose text is
+    `ResponsesAPIStreamEvents.OUTPUT_TEXT_DELTA`."""
+    wire.enqueue(Reply(content="Named events."))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url}/responses", json={"model": wire.model, "input": "Go.", "stream": True},
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "named"}) as response:
+            raw = (await response.read()).decode()
+    events = [dict(line.split(": ", 1) for line in block.split("\n")) for block in raw.split("\n\n") if block]
+    assert [e["event"] for e in events] == [json.loads(e["data"])["type"] for e in events]
+    assert events[-1]["event"] == "response.completed"
+
+
 async def test_a_call_without_arguments_gives_an_empty_object(proxy: Proxy, upstream: FakeUpstream) -> None:
     """A chat provider that gives a parameterless call's arguments as "" (llama.cpp, older vLLM
     parsers): the bridge's `function_call` says `{}`, as OpenAI's Responses API always does, plain
