@@ -388,6 +388,7 @@ class ResponsesWire:
         if kind in _TERMINAL:
             self._held = event  # sent once the turn is recorded (`done`)
             return b""
+        self._events.follow(event.get("sequence_number"))
         return sse(event)
 
     def reply(self) -> tuple[Message, dict[str, Any] | None] | None:

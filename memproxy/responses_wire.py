@@ -373,6 +373,12 @@ class ChatEvents:
         self._seq += 1
         return event
 
+    def follow(self, number: Any) -> None:
+        """A provider's own event numbered `number` (a native stream's) went out: an event of
+        memproxy's (the error ending the stream) is numbered after it."""
+        if isinstance(number, int) and not isinstance(number, bool):
+            self._seq = number + 1
+
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self._response),
                 self._event("response.in_progress", response=self._response)]

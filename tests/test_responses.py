@@ -450,6 +450,21 @@ async def test_a_cut_stream_ends_with_an_error_event_and_stores_nothing(proxy: P
     assert status == 404
 
 
+async def test_the_error_ending_a_cut_stream_is_numbered_after_the_events_before_it(
+    proxy: Proxy, wire: Upstream
+) -> None:
+    """Events are numbered one after another (`sequence_number`), the error event that ends a cut
+    stream too: on the native wire the events before it are the provider's, numbered by it."""
+    wire.enqueue(Reply(content="This will be cut off.", cut_stream=True))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url}/responses", json={"model": wire.model, "input": "Go.", "stream": True},
+                             headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "numbered"}) as response:
+            raw = (await response.read()).decode()
+    events = [json.loads(block.split("data: ", 1)[1]) for block in raw.split("\n\n") if block]
+    assert events[-1]["type"] == "error"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
 async def test_a_streamed_response_whose_session_is_deleted_meanwhile_says_it_is_not_kept(
     proxy: Proxy, wire: Upstream
 ) -> None:
