@@ -226,16 +226,22 @@ async def test_a_provider_that_counts_as_memproxy_does_leaves_the_factor_at_one(
     assert proxy.app[PROVIDER].calibration.factor("small") == 1.0
 
 
+async def with_cl100k_model(start_proxy: Any, config: Config, upstream: FakeUpstream) -> Proxy:
+    """A proxy with "small" as it is and "small-cl100k": the same provider's model, counted with cl100k."""
+    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
+                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
+                         tokenizer="cl100k_base")
+    proxy: Proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    return proxy
+
+
 async def test_a_session_moved_to_a_model_counted_another_way_never_overflows(
         start_proxy: Any, config: Config, upstream: FakeUpstream) -> None:
     """A session told on a cl100k model, then continued on an o200k one: its stored counts are
     cl100k's, and a run of "¯" is a quarter of what o200k counts. Planned on them, every turn went
     over the window, the calibration's retry (at most twice the count) too, and the model's factor
     stuck at its highest for every session. What would be sent is counted again instead."""
-    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
-                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
-                         tokenizer="cl100k_base")
-    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    proxy = await with_cl100k_model(start_proxy, config, upstream)
     client = proxy.client(session="moved", **{"X-Memproxy-History": "new"})
     for i in range(6):
         upstream.enqueue(Reply(content=f"noted {i}"))
@@ -262,10 +268,7 @@ async def test_a_moved_session_whose_whole_history_fit_the_old_count_never_overf
     plan again was for a factor raised by how far the whole request was over the budget, not by
     how far the count it was planned with was off: five plans sent the whole history each time,
     and then the request went upstream over the window."""
-    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
-                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
-                         tokenizer="cl100k_base")
-    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    proxy = await with_cl100k_model(start_proxy, config, upstream)
     client = proxy.client(session="moved-short", **{"X-Memproxy-History": "new"})
     for i in range(5):
         upstream.enqueue(Reply(content=f"noted {i}"))
@@ -286,10 +289,7 @@ async def test_a_regenerated_answer_on_a_model_counted_another_way_is_not_refuse
     model of a small one: the question, which must be sent, is stored at o200k's count, four
     times cl100k's, and was refused as too long by it (a 400 naming 2,407 tokens) though it fits
     as the new model counts it. What must be sent is counted again by the model's own counter."""
-    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
-                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
-                         tokenizer="cl100k_base")
-    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    proxy = await with_cl100k_model(start_proxy, config, upstream)
     client = proxy.client(session="regenerated")  # sends its whole history
     question = user("¯" * 2400)
     cl100k_counting = TiktokenCounter("cl100k_base")
@@ -314,10 +314,7 @@ async def test_a_resent_edit_on_a_model_counted_another_way_is_read_and_sent_as_
     the new counter beside older counts of the other, and the turn planned as its continuation. The
     answer still says the request was an edit, what is sent fits as the provider counts it, and the
     session holds the edited branch once."""
-    cl100k = ModelConfig(name="small-cl100k", model="openai/small", api_base=upstream.url, api_key="upstream-secret",
-                         context_window=WINDOW, max_output_tokens=256, transport=config.models[0].transport,
-                         tokenizer="cl100k_base")
-    proxy = await start_proxy(replace(config, models=(*config.models, cl100k)))
+    proxy = await with_cl100k_model(start_proxy, config, upstream)
     client = proxy.client(session="edited")  # sends its whole history
     history: list[dict[str, Any]] = []
     for i in range(8):
