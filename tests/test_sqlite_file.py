@@ -1,10 +1,12 @@
-"""The SQLite file deleted or replaced under a running memproxy: its connections would go on with the
-old file, and every turn written there would be gone at the next start. The store refuses instead,
-reads and writes alike (a 503, `X-Memproxy-Stored: false`, `/readyz` not ready), until restarted."""
+"""The SQLite file: created private, and deleted or replaced under a running memproxy (its connections
+would go on with the old file, and every turn written there would be gone at the next start: the
+store refuses instead, reads and writes alike, a 503, `X-Memproxy-Stored: false`, `/readyz` not ready,
+until restarted)."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,26 @@ async def test_a_database_file_deleted_or_replaced_is_refused_until_restart(tmp_
         assert await again.get_session("t", "s2") is None
     finally:
         await again.close()
+
+
+async def test_a_database_file_memproxy_creates_is_its_users_alone(tmp_path: Path) -> None:
+    """It holds every conversation: readable by the server's user only, its log files too, whatever
+    the umask says. A file that was there keeps the permissions its operator gave it."""
+    old = os.umask(0o022)  # the usual one: files readable by every local user
+    try:
+        path = tmp_path / "new" / "memproxy.db"
+        store = await SQLiteStore.open(f"sqlite:///{path}")
+        try:
+            await store.record_turn(turn(None, [user("one"), assistant("two")], tenant="t", session_id="s"))
+            files = sorted(tmp_path.glob("new/memproxy.db*"))
+            assert [f.name for f in files] == ["memproxy.db", "memproxy.db-shm", "memproxy.db-wal"]
+            assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), [oct(f.stat().st_mode) for f in files]
+        finally:
+            await store.close()
+        shared = tmp_path / "shared.db"
+        shared.touch(0o640)
+        store = await SQLiteStore.open(f"sqlite:///{shared}")
+        await store.close()
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)

@@ -97,6 +97,18 @@ async def checkpoint_log(conn: aiosqlite.Connection) -> tuple[int, int]:
     return int(frames), int(copied)
 
 
+def _create_private(path: str) -> None:
+    """Create the database file, if there is none, readable and writable by its owner alone: it holds
+    every conversation, and SQLite makes its `-wal` and `-shm` files with the file's own permissions
+    (the process umask alone would leave them readable by every local user, as it usually is). An
+    existing file keeps the permissions it has: its operator chose them. An empty file is an empty
+    database to SQLite. Where it cannot be created, SQLite's own opening says why."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:  # there already, or a path SQLite will refuse in its own words
+        pass
+
+
 async def _connect(path: str, busy_timeout_ms: int, *pragmas: str, wal: bool = False) -> aiosqlite.Connection:
     """A connection set up with `pragmas` (and WAL mode), its busy timeout set last. Until then a
     pragma that finds the file locked (another process migrating it, a `BEGIN EXCLUSIVE` elsewhere)
@@ -511,6 +523,7 @@ class SQLiteStore(SQLStore):
             backend = SQLiteBackend(conn, conn)
         else:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
             # The writer opens the file first, in WAL mode; it never checkpoints on commit.
             async with AsyncExitStack() as opening:  # until all three are open, a failure closes the others
                 writer = await _connect(path, busy_timeout_ms, "wal_autocheckpoint = 0", wal=True)
