@@ -323,8 +323,11 @@ def _check_relations(numbered: list[tuple[int, Record]]) -> None:
         raise BadRequest("the active messages of an export must be numbered below its length, once each")
     _check_chain(numbered, active)
     summaries = [r for _, r in numbered if r["type"] == "summary"]
+    # A clear or an edit back to fewer messages keeps the summaries written before it (stale, never
+    # used again): one may cover more than the length, never more than the messages stored reach.
+    reach = max([length] + [r["seq"] + 1 for _, r in numbered if r["type"] == "message"])
     for summary in summaries:
-        if summary["covers"] > length:
+        if summary["covers"] > reach:
             raise BadRequest(f"summary {summary['version']} covers {summary['covers']} messages, more than "
                              f"the session's length {length}")
     if has_gap(active, summaries_in_use(summaries, active, length), length):

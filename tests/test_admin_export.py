@@ -257,3 +257,24 @@ async def test_import_brings_future_times_back_to_now_and_takes_older_exports(
     # Now "delete everything older than now" reaches it.
     assert (await api.call("DELETE", "/sessions?all=true"))["deleted"] == 2
     await proxy.app[SUMMARIZER].wait_idle()
+
+
+async def test_a_cleared_session_with_a_summary_imports_back_exactly(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A clear (or an edit back to fewer messages) keeps the summaries written before it: their
+    `covers` may then exceed the session's length. Such an export is still the store's own records,
+    and imports back (a summary beyond the length is stale: it never stands for anything)."""
+    proxy = await start(start_proxy, make_storage, upstream, summaries=True, overflow="summarize", tail_turns=1)
+    api = api_for(http, proxy)
+    exported = await exported_session(proxy, upstream, api)
+    assert any(json.loads(line)["type"] == "summary" for line in exported.splitlines())
+    await api.post("/sessions/orig/clear")
+    await send_turn(proxy, "orig", [user("afresh")])
+    exported = await api.get("/sessions/orig/export")
+    await api.post("/sessions/import?session_id=copy", data=exported.encode(), status=201)
+    assert await api.get("/sessions/copy/export") == exported.replace('"session_id":"orig"', '"session_id":"copy"', 1)
+    preview = await preview_of(api, "orig", "next")
+    await send_turn(proxy, "copy", [user("next")], **{"X-Memproxy-History": "new"})
+    assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
+    await proxy.app[SUMMARIZER].wait_idle()
