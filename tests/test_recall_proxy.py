@@ -9,17 +9,19 @@ end user's sessions stays within the tenant and the user; superseded messages ar
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import aiohttp
 import pytest
 
 from admin_api import ADMIN_KEY, MakeStorage, StartProxy, age, api_for, assert_error, config_of, part, preview_of, start
-from conftest import OTHER_KEY, Proxy
+from conftest import OTHER_KEY, Proxy, make_config
 from fake_upstream import FakeUpstream, Reply
 from helpers import Conversation, user
 from memproxy.config import RetentionConfig
 from memproxy.memory.recall import RECALL_PREFIX
+from memproxy.tokens import TiktokenCounter, request_tokens
 
 pytestmark = pytest.mark.both_stores
 
@@ -360,3 +362,24 @@ async def test_search_a_session_and_every_session_the_key_may_see(
                  param="limit")
     assert_error(await api.post("/sessions/s1/search", 400, data=b"[1]"), type="invalid_request_error")
     assert (await api.post("/search", json={"query": "the and of"}))["data"] == []  # only function words
+
+
+async def test_another_sessions_lines_counted_by_another_models_counter_are_counted_again(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream,
+) -> None:
+    # Alice's other session talked to a model counted with cl100k_base; this one's counter is
+    # o200k_base. The block's count is the sum of its lines' stored counts: the other session's
+    # were another counter's, and Hindi text counts very differently in the two.
+    config = make_config(make_storage("memproxy"), upstream.url, recall_scope="user", **RECALL)
+    old = dataclasses.replace(config.models[1], name="old", tokenizer="cl100k_base")
+    proxy = await start_proxy(dataclasses.replace(config, models=(*config.models, old)))
+    fact = "The combination of the blue locker is " + " ".join("अनुच्छेद" for _ in range(40))
+    other = Conversation(proxy, upstream, "alice-1", model="old", **{"X-Memproxy-User": "alice"})
+    await other.exchange([user(fact)], Reply("Noted."))
+    talk = await long_conversation(proxy, upstream, "alice-2", turns=30, fact="Let us plan the regatta.",
+                                   **{"X-Memproxy-User": "alice"})
+    received, headers = await talk.exchange([user("What is the combination of the blue locker?")], Reply("?"))
+    [block] = block_of(received.messages)
+    assert "session alice-1 #0" in block["content"]
+    counted = request_tokens(TiktokenCounter("o200k_base"), received.messages, [])
+    assert int(headers["x-memproxy-context-tokens"]) == counted

@@ -397,7 +397,10 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
             # No piece spans a number and the space after it either: a label with its time counts
             # as the label without it and the time apart, so each position's label is counted once
             # whatever runs it starts in.
-            tokens += text(plain) + (text(when) if when else 0) + (line_tokens if line_tokens is not None else text(line))
+            # Another session's stored counts may be another model's counter's (this session's are
+            # this counter's, or the plan counts the request again): its lines are counted here.
+            known = line_tokens is not None and sid == session_id
+            tokens += text(plain) + (text(when) if when else 0) + (line_tokens if known else text(line))
             ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
         r = info.get((sid, seq))
