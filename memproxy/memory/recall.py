@@ -399,8 +399,8 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
             # whatever runs it starts in.
             # Another session's stored counts may be another model's counter's (this session's are
             # this counter's, or the plan counts the request again): its lines are counted here.
-            known = line_tokens is not None and sid == session_id
-            tokens += text(plain) + (text(when) if when else 0) + (line_tokens if known else text(line))
+            own = line_tokens if sid == session_id else None
+            tokens += text(plain) + (text(when) if when else 0) + (own if own is not None else text(line))
             ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
         r = info.get((sid, seq))
