@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Container, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ class ListedItem:
     item: Item
 
 
-def message_items(message: Message, custom_calls: Container[str] = frozenset()) -> list[Item]:
+def message_items(message: Message, custom_calls: Iterable[str] = ()) -> list[Item]:
     """A stored message as conversation items, without ids; `custom_calls`: the ids of the custom
     tools' calls before it, whose results are custom tool call outputs."""
     role = message.get("role")
@@ -56,9 +56,7 @@ def message_items(message: Message, custom_calls: Container[str] = frozenset()) 
         for item in items:
             item.pop("id", None)
         return items
-    [item] = input_items([message])
-    if item.get("type") == "function_call_output" and item.get("call_id") in custom_calls:
-        item = {**item, "type": "custom_tool_call_output"}
+    [item] = input_items([message], custom_calls)
     return [{**listed_item(item), "status": "completed"}]
 
 

@@ -514,14 +514,15 @@ def sse(event: Event) -> bytes:
 # --- chat messages as Responses input, for a provider that speaks the Responses API -----------------
 
 
-def input_items(messages: Iterable[Message]) -> list[Item]:
+def input_items(messages: Iterable[Message], custom_calls: Iterable[str] = ()) -> list[Item]:
     """Chat messages (what memory decided to send) as Responses input items: system and developer
     messages as messages of that role, an assistant's text and tool calls as a message and
     function calls (a custom tool's as a custom tool call), tool results as the outputs of the
-    calls they answer. Reasoning is not sent: without the provider's own item (its id or encrypted
-    content) a provider cannot take it back."""
+    calls they answer (`custom_calls`: custom tools' calls made before `messages`). Reasoning is
+    not sent: without the provider's own item (its id or encrypted content) a provider cannot take
+    it back."""
     items: list[Item] = []
-    custom: set[str] = set()  # the ids of custom tools' calls: their results are custom tool call outputs
+    custom = set(custom_calls)  # the ids of custom tools' calls: their results are custom tool call outputs
     for message in messages:
         role = message.get("role")
         content = message.get("content")
