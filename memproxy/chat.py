@@ -23,6 +23,7 @@ wire differs, the upstream call and what the client sees of it (`Wire`; chat's i
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -420,8 +421,10 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
         "Cache-Control": "no-cache",
     })
     await response.prepare(request)
+    relayed = False
     try:
         upstream_ms = await _relay(chunks, response, exchange.wire, exchange.timings, upstream_started)
+        relayed = True
         reply = exchange.wire.reply()
         if reply is None:
             raise ProxyError("the upstream stream ended before the answer was complete",
@@ -432,8 +435,14 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
             except SessionDeleted:  # paid for, its session gone: the answer ends as any other, not remembered
                 exchange.wire.without_memory()
         await response.write(exchange.wire.done())
-    except ConnectionError:
-        notes(request).status = CLIENT_GONE  # the client went away before the answer was complete
+    except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away (aiohttp cancels its handler)
+        notes(request).status = CLIENT_GONE
+        if not relayed:
+            await _record_finished(request, exchange, upstream_started)
+        else:  # recorded before the client went, or its write still under way (`BackgroundTasks.run`)
+            _after_response(request, exchange)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
         return response
     except Exception as exc:  # anything at all: the headers are out, so it can only end the stream
         await _end_stream(request, response, exc, exchange.wire)
@@ -441,6 +450,27 @@ async def _forward_stream(request: web.Request, exchange: Exchange) -> web.Strea
     await _write_quietly_eof(response)
     _after_response(request, exchange)
     return response
+
+
+async def _record_finished(request: web.Request, exchange: Exchange, upstream_started: float) -> None:
+    """The client went away while its stream was relayed. An answer the provider had finished (its
+    finish reason relayed; the usage chunk and `[DONE]` still to come) is the client's whole answer:
+    a client may read up to the finish reason and hang up, and one that sends only its new messages
+    next would find the answer forgotten. It is recorded, without the usage that never came. An
+    answer cut before its finish reason is not: nobody saw it whole, and a retry asks it again."""
+    reply = exchange.wire.reply() if exchange.turn is not None else None
+    if reply is None:
+        return
+    try:
+        await _record(request, exchange, reply[0], reply[1], (time.perf_counter() - upstream_started) * 1000)
+    except SessionDeleted:
+        return
+    except Exception as exc:  # nobody to tell: logged, as any failed write
+        _log_failure("recording a turn whose client went away", exc)
+        if isinstance(exc, StoreUnavailable):
+            request.app[METRICS].store_error("record")
+        return
+    _after_response(request, exchange)
 
 
 async def _end_stream(request: web.Request, response: web.StreamResponse, exc: Exception, wire: Wire) -> None:

@@ -44,6 +44,7 @@ class Reply:
     gate: threading.Event | None = None  # wait for it before answering
     usage: dict[str, int] | None = None
     gate_after_first_chunk: threading.Event | None = None  # stream: hold the rest until set
+    gate_before_end: threading.Event | None = None  # stream: hold what follows the finish reason (usage, [DONE])
     choices: list[str] | None = None  # n > 1, not streamed: contents of choices 1, 2, ... (else `content`)
     # The content's JSON text, sent exactly so: a string with the escapes a provider may send
     # (`'"a\\ud800"'`, a lone surrogate) or any other JSON value (a malformed answer); overrides
@@ -300,6 +301,9 @@ class FakeUpstream:
             await send({"tool_calls": [{"index": index, kind: {given: args[half:]}}]})
         if not reply.finish_with_text:
             await send({}, finish)
+        if reply.gate_before_end is not None:
+            gate = reply.gate_before_end
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

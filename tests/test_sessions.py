@@ -736,6 +736,46 @@ async def test_turn_is_recorded_when_the_client_disconnects_after_the_answer(
         await proxy.close()
 
 
+@pytest.mark.parametrize("finished", [True, False], ids=["after-finish", "mid-answer"])
+async def test_a_stream_its_client_leaves_is_kept_once_its_answer_was_finished(
+    upstream: FakeUpstream, config: Config, finished: bool
+) -> None:
+    """A client that reads a stream up to its finish reason and hangs up, before the usage chunk and
+    `[DONE]` (a hand-written SSE reader, a UI that stops at the finish), has the whole answer: the
+    turn is kept, and a next request sending only its new message continues it. One that hangs up
+    before the finish reason saw no whole answer: nothing of the turn is kept. The provider holds
+    back what follows the point the client leaves at, so the client surely leaves first."""
+    proxy, handler_tasks = await _observed_proxy(config)
+    held = threading.Event()
+    upstream.enqueue(Reply(content="the whole answer", gate_before_end=held if finished else None,
+                           gate_after_first_chunk=None if finished else held))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url + "/chat/completions",
+                                 json={"model": "small", "messages": [user("q1")], "stream": True},
+                                 headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "s1"}) as response:
+                async for line in response.content:  # leaving unread: the connection is closed
+                    if not line.startswith(b"data: {"):
+                        continue
+                    choices = json.loads(line[len(b"data: "):])["choices"]
+                    if choices and (choices[0]["finish_reason"] if finished else choices[0]["delta"].get("content")):
+                        break
+        [task] = handler_tasks
+        await until(task.done, "the server notices the client left")
+        held.set()
+        _, reply_headers = await chat(proxy.client(), [user("q2")])
+        if finished:
+            assert reply_headers["X-Memproxy-Reconcile"] == "append"
+            assert upstream.last().messages == [user("q1"), assistant("the whole answer"), user("q2")]
+            assert stored(config) == [user("q1"), assistant("the whole answer"), user("q2"), assistant("reply 2")]
+        else:
+            assert upstream.last().messages == [user("q2")]
+            assert stored(config) == [user("q2"), assistant("reply 2")]
+    finally:
+        held.set()
+        await proxy.close()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_a_turn_whose_session_is_deleted_meanwhile_gets_its_answer_not_remembered(
     proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool
