@@ -42,8 +42,10 @@ async def context(
     sent = ctx.messages
     n_system, n_new = len(turn.system), len(turn.reconciled.new)
     n_head, n_extra = ctx.head, int(ctx.summary is not None) + int(ctx.marker)
+    n_question = int(ctx.question >= 0)
     block = [sent[ctx.recall_index]] if ctx.recall_index >= 0 else []
-    kept = [m for m in sent[n_system + n_head + n_extra : len(sent) - n_new] if not (block and m is block[0])]
+    kept = [m for m in sent[n_system + n_head + n_extra + n_question : len(sent) - n_new]
+            if not (block and m is block[0])]
     after_head = n_system + n_head
 
     def tokens(messages: list[Any]) -> int:
@@ -59,6 +61,9 @@ async def context(
                       "tokens": tokens(sent[after_head : after_head + 1])})
     if ctx.marker:
         parts.append({"part": "marker", "tokens": tokens(sent[after_head + n_extra - 1 : after_head + n_extra])})
+    if n_question:  # an agent loop's question, its exchange too long to send whole
+        parts.append({"part": "question", "messages": 1, "position": ctx.question,
+                      "tokens": tokens(sent[after_head + n_extra : after_head + n_extra + 1])})
     parts += [
         {"part": "kept", "messages": len(kept), "from_position": ctx.first_sent, "tokens": tokens(kept),
          "tool_outputs_trimmed": ctx.trimmed, "deduplicated": ctx.deduplicated},
@@ -93,9 +98,15 @@ async def context(
 async def _tokens_before(store: TurnStore, turn: PreparedTurn) -> int:
     """What the stored messages left out of a request hold, as stored (before trimming): the
     tokens the summary, the marker or nothing stand in for; the opening turns kept
-    (`memory.head_turns`) are sent, not left out."""
+    (`memory.head_turns`) and an agent loop's question are sent, not left out."""
     if turn.session is None or not turn.context.omitted:
         return 0
     left = (await store.totals_at(turn.session, turn.context.first_sent)).full
     head = turn.context.head_end
-    return left - (await store.totals_at(turn.session, head)).full if head else left
+    if head:
+        left -= (await store.totals_at(turn.session, head)).full
+    question = turn.context.question  # an agent loop's question, sent ahead of the kept turns
+    if question >= 0:
+        left -= (await store.totals_at(turn.session, question + 1)).full \
+            - (await store.totals_at(turn.session, question)).full
+    return left

@@ -43,6 +43,21 @@ def user(text: str) -> Message:
     return {"role": "user", "content": text}
 
 
+def pinned_question(kept: Sequence[Message], history: Sequence[Message], new: Sequence[Message]) -> int | None:
+    """Where, in `history`, the question of an agent loop sent ahead of the kept turns is (memory's
+    `fit`: the latest stored user message, where the newest exchange did not fit whole), if
+    `kept` (the stored messages a request sent, in order) opens with it; None if it does not."""
+    if not kept or any(m.get("role") == "user" for m in new):
+        return None
+    users = [i for i, m in enumerate(history) if m.get("role") == "user"]
+    if not users or users[-1] >= len(history) - len(kept):  # none, or sent among the newest messages
+        return None
+    question = users[-1]
+    same = {k: v for k, v in kept[0].items() if v is not None} == \
+        {k: v for k, v in history[question].items() if v is not None}
+    return question if same else None
+
+
 def assistant(text: str | None, calls: list[str] | None = None) -> Message:
     """An assistant message; `calls`: the ids of tool calls it makes (function `f`, no arguments)."""
     message: Message = {"role": "assistant", "content": text}

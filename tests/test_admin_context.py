@@ -118,6 +118,43 @@ async def test_context_is_exactly_what_the_next_request_sends(
     await proxy.app[SUMMARIZER].wait_idle()
 
 
+async def test_context_of_an_agent_loop_past_the_window_shows_its_question_sent_first(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """One question, then calls and large results until the exchange alone outgrows the window: the
+    preview (the next tool result as the new message) lists the question as a part of its own,
+    sent verbatim before the kept turns and not recalled again, and upstream gets exactly that."""
+    proxy = await start(start_proxy, make_storage, upstream, overflow="marker", recall_tokens=None)
+    api = api_for(http, proxy)
+    task = user("TASK-7781: find the mildest of the cities, checking each one's weather")
+    upstream.enqueue(Reply(tool_calls=[tool_call("call_0", "weather")]))
+    await send_turn(proxy, "s1", [SYSTEM, task])
+    for k in range(1, 7):
+        upstream.enqueue(Reply(tool_calls=[tool_call(f"call_{k}", "weather")]))
+        await send_turn(proxy, "s1", [{"role": "tool", "tool_call_id": f"call_{k - 1}",
+                                       "content": f"TASK-7781 city {k}: " + words(300, f"c{k}")}])
+    result = {"role": "tool", "tool_call_id": "call_6", "content": "city 7: mild"}
+    preview = await api.post("/sessions/s1/context", json={"model": "small", "messages": [result]})
+    parts = {p["part"]: p for p in preview["parts"]}
+    assert parts["question"] == {"part": "question", "messages": 1, "position": 0,
+                                 "tokens": request_tokens(TiktokenCounter(encoding_name_for("openai/small")),
+                                                          [task], []) - request_tokens(
+                                     TiktokenCounter(encoding_name_for("openai/small")), [], [])}
+    assert preview["messages"][1 + ("marker" in parts)] == task  # after the system prompt and the marker
+    assert preview["messages"].count(task) == 1
+    assert parts["kept"]["from_position"] > 1 and parts["left_out"]["messages"] > 0
+    assert all(e["position"] != 0 for e in parts["recalled"]["excerpts"])
+    assert parts["recalled"]["messages"] > 0  # the question's words are in what was left out
+    assert sum(p.get("tokens", 0) for p in preview["parts"]) == preview["tokens"]
+    stored_tokens = [m["tokens"] for m in (await api.get("/sessions/s1"))["messages"]]
+    assert parts["left_out"]["tokens_stored"] == sum(stored_tokens[1: parts["kept"]["from_position"]])
+
+    upstream.enqueue(Reply(content="Paris is the mildest."))
+    headers = await send_turn(proxy, "s1", [result])
+    assert json.dumps(upstream.last().messages) == json.dumps(preview["messages"])
+    assert int(headers["X-Memproxy-Stored-Included"]) == parts["kept"]["messages"] + 1
+
+
 async def test_context_says_when_the_next_request_will_summarise_first(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:

@@ -300,6 +300,38 @@ async def test_a_tool_loop_past_claudes_window_opens_with_the_user(
     assert all(r.messages[0]["role"] == "user" for r in sent)
 
 
+@pytest.mark.parametrize("overflow", ["drop", "marker", "summarize"])
+async def test_a_tool_loop_longer_than_claudes_window_sends_its_question_first(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic, overflow: str
+) -> None:
+    """One question, then calls and large results until the exchange alone outgrows the window (an
+    agent at work, its client sending only each new result): the kept turns are the newest calls
+    and results, and the question goes before them, verbatim. The agent's task is not left out for
+    its own tool calls (nor only in a summary's words), and what Claude gets opens with the user
+    (the fake, as the Messages API, refuses anything else)."""
+    config = claude_config(storage, anthropic, context_window=2000, overflow=overflow, calibrate_tokens=False,
+                           summaries=overflow == "summarize")
+    anthropic.summarizer = lambda _: Reply(text="The user set a task; the assistant is checking cities.")
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("agent")
+    task = "TASK-7781: find the mildest of the cities I named, checking each one's weather."
+    anthropic.enqueue(Reply(text="Checking.", tool_uses=[ToolUse("weather", {"city": "c0"}, "toolu_0")]))
+    asked = await ask(client, user(task), tools=TOOLS)
+    for k in range(1, 9):
+        [called] = asked.choices[0].message.tool_calls
+        anthropic.enqueue(Reply(text="Checking.", tool_uses=[ToolUse("weather", {"city": f"c{k}"}, f"toolu_{k}")]))
+        asked = await ask(client, {"role": "tool", "tool_call_id": called.id, "content": "mild " * 300},
+                          tools=TOOLS)  # raises on a refusal
+    sent = anthropic.chat_requests()
+    assert len(sent) == 9
+    assert len(sent[-1].messages) < 1 + 2 * 8  # the exchange did not fit whole
+    for request in sent:
+        first = request.messages[0]
+        assert first["role"] == "user"
+        text = first["content"] if isinstance(first["content"], str) else first["content"][0]["text"]
+        assert text == task
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 

@@ -107,6 +107,21 @@ def expected_kept(history: Sequence[Message], fixed: int, budget: int, must: int
     return kept
 
 
+def expected_history(history: Sequence[Message], new: Sequence[Message], fixed: int, budget: int,
+                     must: int = 0) -> list[Message]:
+    """The oracle's stored messages sent: the suffix `expected_kept` finds; where `new` holds no user
+    message (an agent loop) and that suffix leaves out the latest stored one (the loop's question),
+    the question first, if it fits beside what must be sent, then the suffix that fits beside it."""
+    kept = expected_kept(history, fixed, budget, must)
+    users = [i for i, m in enumerate(history) if m["role"] == "user"]
+    if users and users[-1] < len(history) - kept and not any(m["role"] == "user" for m in new):
+        question = COUNTER.message(history[users[-1]])
+        if fixed + question + tokens(history[len(history) - must:]) <= budget:
+            kept = expected_kept(history, fixed + question, budget, must)
+            return [history[users[-1]], *history[len(history) - kept:]]
+    return list(history[len(history) - kept:])
+
+
 def assert_tool_units_whole(conversation: Sequence[Message]) -> None:
     """No orphan tool result, no call without all its results, results right after their call."""
     assert not conversation or conversation[0]["role"] != "tool", "a request starts with a tool result"
@@ -154,13 +169,11 @@ def check_sent(
     assert all(m["role"] not in ("system", "developer") for m in rest)
     assert rest[len(rest) - len(new):] == list(new), "the new messages are not last and verbatim"
     kept = rest[: len(rest) - len(new)]
-    assert [without_none(m) for m in kept] == [
-        without_none(m) for m in history[len(history) - len(kept):]
-    ], "what was sent of the history is not its newest part"
     assert_tool_units_whole(rest)
     fixed = tokens(system) + tokens(new) + COUNTER.tools(tools) + REPLY_PRIMING
     must = mandatory_tail(history, new)
-    assert len(kept) == expected_kept(history, fixed, budget, must), "not the most history that fits"
+    assert [without_none(m) for m in kept] == [without_none(m) for m in expected_history(history, new, fixed, budget, must)], \
+        "what was sent of the history is not the newest part that fits (an agent loop's question ahead of it)"
     assert int(headers["x-memproxy-stored-included"]) == len(kept)
     assert int(headers["x-memproxy-stored-omitted"]) == len(history) - len(kept)
     return len(kept)

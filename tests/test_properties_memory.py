@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from conftest import Proxy, make_config
 from db import table_rows
 from fake_upstream import FakeUpstream, Received, Reply
-from helpers import assistant_from
+from helpers import assistant_from, pinned_question
 from memproxy.config import Config, StorageConfig
 from memproxy.memory.shrink import trimmed_tool_output
 from memproxy.tokens import request_tokens
@@ -294,13 +294,24 @@ class Client:
         assert rest[len(rest) - len(new):] == new, "the new messages are not last and verbatim"
         assert_tool_units_whole(rest)
         sent_history = rest[: len(rest) - len(new)]
-        start = base - len(sent_history)
-        assert start >= covers, "a summarised message was sent again"
-        assert int(headers["x-memproxy-stored-included"]) == len(sent_history)
-        assert int(headers["x-memproxy-stored-omitted"]) == start
-        assert unsummarised == start - covers
+        included = len(sent_history)
         users = [j for j, m in enumerate(self.history) if m["role"] == "user"]
         exchange_start = base if any(m["role"] == "user" for m in new) else (users[-1] if users else 0)
+        # An agent loop whose exchange does not fit whole: its question goes first, verbatim.
+        question = pinned_question(sent_history, self.history, new)
+        if question is not None:
+            sent_history = sent_history[1:]
+            event("an agent loop's question sent ahead of its kept turns")
+        start = base - len(sent_history)
+        assert start >= covers, "a summarised message was sent again"
+        asked = int(question is not None)
+        assert int(headers["x-memproxy-stored-included"]) == included
+        assert int(headers["x-memproxy-stored-omitted"]) == start - asked
+        assert unsummarised == start - covers - int(question is not None and question >= covers)
+        if question is None and users and exchange_start < start:  # the question left out: not even it fits
+            least_marker = COUNTER.message(_marker(base, short=True))
+            assert self.mandatory(new) + summary_tokens + COUNTER.message(self.history[exchange_start]) \
+                + least_marker > budget, "an agent loop's question that fits was left out"
         expected, trimmed, deduplicated, saved = self.expected_history(start, exchange_start)
         assert [without_none(m) for m in sent_history] == [without_none(m) for m in expected]
         assert int(headers["x-memproxy-tool-outputs-trimmed"]) == trimmed

@@ -111,6 +111,9 @@ class Context:
     # many messages, and the position where they end (0: none sent).
     head: int = 0
     head_end: int = 0
+    # The stored user message an agent loop continues, sent verbatim before the kept turns where
+    # the cut fell after it (`fit`'s `question`): its position (-1: none sent so).
+    question: int = -1
 
 
 def summary_message(text: str) -> Message:
@@ -186,6 +189,7 @@ def fit(
     use_marker: bool,
     reserve: int = 0,
     head: Sequence[StoredMessage] = (),
+    question: StoredMessage | None = None,
 ) -> Context:
     """The request to send: `fixed` plus the stored history that fits, from `snapshot` alone (None:
     nothing is stored before the new messages). Pure: it reads nothing but its arguments.
@@ -194,7 +198,11 @@ def fit(
     summary, the marker and the newest exchanges (from the latest stored user message on, verbatim)
     have theirs (`Context.recall_room` says how many were held). `head`: the session's opening turns
     (`memory.head_turns`), sent verbatim after the system prompt whenever older history must be left
-    out, if they fit beside what must be sent."""
+    out, if they fit beside what must be sent. `question`: the stored user message an agent loop
+    continues (`snapshot.last_user`; `wants_question` says when the plan reads it), sent verbatim
+    before the kept turns where the cut falls after it, if it fits beside what must be sent: an
+    agent's task is not left out for its own tool calls, nor its conversation opened with the
+    model (which Gemini's and Anthropic's APIs refuse)."""
     available = room_for_history(fixed, budget)
     empty = Totals(0, 0)
     if snapshot is None or snapshot.base == 0:
@@ -241,19 +249,38 @@ def fit(
             opening, opening_tokens = [], 0
     newest = _newest_exchange(snapshot, fixed.new, floor)
     trim = memory.tool_output_max_tokens > 0
+    if question is not None and (question.seq < len(opening) or any(m.get("role") == "user" for m in fixed.new)):
+        question = None  # sent already among the opening turns, or the client asks anew
+    # this counter's count: the stored one may be another's
+    asked_tokens = counter.message(question.body) if question is not None else 0
     held = 0
     if reserve > 0:
         marker_cost = counter.message(marker_message(base)) if use_marker else 0
         room = available - marker_cost
-        protected = _verbatim_from(snapshot, snapshot.last_user, must_tokens)
+        protected_from = snapshot.last_user
+        protected = _verbatim_from(snapshot, protected_from, must_tokens)
         if protected >= room:  # the exchange before does not fit whole anyway: only the newest is kept
+            protected_from = newest
             protected = _verbatim_from(snapshot, newest, must_tokens)
+        if question is not None and (protected_from is None or protected_from > question.seq
+                                     or snapshot.totals_at(protected_from) is None):
+            protected += asked_tokens  # recall's room is not the agent loop's question's
         held = max(0, min(reserve, room - protected))
         available -= held
     if whole and base_totals.full <= available:  # still, with recall's room held back
         start = 0
     else:
         start = _cut(snapshot, newest, floor, available, trim)
+    asked: list[Message] = []
+    if question is not None and question.seq < start:
+        least_marker = counter.message(marker_message(base, short=True)) if use_marker else 0
+        if must_tokens + asked_tokens + least_marker <= available:
+            available -= asked_tokens
+            asked = [question.body]
+            start = _cut(snapshot, newest, floor, available, trim)
+    if not asked:
+        asked_tokens = 0
+    asked_left_out = int(bool(asked) and question is not None and question.seq >= floor)  # sent, not left out
     marker = False
     if start > floor and use_marker:
         # The sentence, else its short form; kept turns make room for it, never the other way round.
@@ -263,7 +290,8 @@ def fit(
                 available -= marker_tokens
                 start = _cut(snapshot, newest, floor, available, trim)
                 # "not summarised yet" unless a summary covering some of them was left out too
-                extra.append(marker_message(start - floor, summarised=summary is None and covered > 0, short=short))
+                extra.append(marker_message(start - floor - asked_left_out,
+                                            summarised=summary is None and covered > 0, short=short))
                 marker = True
                 break
     if start < snapshot.start:
@@ -272,11 +300,11 @@ def fit(
     history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
     _check_answered(history, fixed.new)
     return Context(
-        messages=fixed.system + opening + extra + history + fixed.new,
-        tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent + opening_tokens,
-        included=len(opening) + len(history),
-        omitted=base - len(opening) - len(history),
-        unsummarised_omitted=start - floor,
+        messages=fixed.system + opening + extra + asked + history + fixed.new,
+        tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent + opening_tokens + asked_tokens,
+        included=len(opening) + len(asked) + len(history),
+        omitted=base - len(opening) - len(asked) - len(history),
+        unsummarised_omitted=start - floor - asked_left_out,
         first_sent=start,
         mandatory_start=must_start,
         base_totals=base_totals,
@@ -288,7 +316,21 @@ def fit(
         recall_room=held,
         head=len(opening),
         head_end=len(head) if opening else 0,
+        question=question.seq if asked and question is not None else -1,
     )
+
+
+def wants_question(snapshot: Snapshot | None, new: Sequence[Message], context: Context) -> int | None:
+    """Where the stored user message an agent loop continues is, if the plan `context` left it
+    out (`fit`'s `question`: the plan reads it and fits again); None where there is none to send
+    so: the client sent a user message, the question is sent already, or it opens the session's
+    opening turns (`memory.head_turns`), which go whole or not at all."""
+    if snapshot is None or snapshot.last_user is None or context.question >= 0:
+        return None
+    at = snapshot.last_user
+    if at >= context.first_sent or at < context.head_end or any(m.get("role") == "user" for m in new):
+        return None
+    return at
 
 
 def _unit_start_from(snapshot: Snapshot, seq: int) -> int:

@@ -29,7 +29,7 @@ from ..store.errors import StoreConflict
 from ..timing import lap
 from ..tokens import REPLY_PRIMING, TokenCounter, request_tokens
 from . import recall
-from .fit import (Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history,
+from .fit import (Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history, wants_question,
                   with_last_unit_counted)
 from .reconcile import Reconciled, reconcile
 from .retention import expired_before, has_expired, keep_alive
@@ -217,6 +217,7 @@ async def _prepare(
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
     heads: list[list[StoredMessage]] = []  # the opening turns (`memory.head_turns`), once read
+    questions: dict[int, StoredMessage | None] = {}  # an agent loop's question, by position, once read
 
     async def build(session: SessionState | None, reserve: int = 0) -> Context:
         # The snapshot read with the session, or one store call where that read cannot tell (a
@@ -241,8 +242,23 @@ async def _prepare(
             if not heads:
                 heads.append(await opening_turns(store, session, reconciled.base, memory.head_turns))
             head = heads[0]
-        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker=memory.overflow != "drop",
-                   reserve=reserve, head=head)
+        use_marker = memory.overflow != "drop"
+        context = fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head)
+        at = wants_question(snapshot, fixed.new, context)
+        if session is None or snapshot is None or at is None:
+            return context
+        # An agent loop whose newest exchange does not fit whole: its question, read where the
+        # snapshot does not hold it (rare: the exchange outgrew the window), goes in verbatim.
+        if at not in questions:
+            i = snapshot.index(at)
+            found = snapshot.messages[i:i + 1] if at >= snapshot.start else []
+            if not found or found[0].seq != at:
+                found = await store.active_range(session, at, at + 1)
+            questions[at] = found[0] if found and found[0].body.get("role") == "user" else None
+        question = questions[at]
+        if question is None:
+            return context
+        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head, question)
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:
@@ -333,6 +349,8 @@ async def _recall(
     limit = recall.shortlist(held.recall_room, session.head_compact_cum / max(session.length, 1))
     ranked = recall.rank(postings, around, session.session_id, limit, start=held.head_end,
                          weights=query.weights)
+    if held.question >= 0:  # sent already, before the kept turns: never twice
+        ranked = [r for r in ranked if r.seq != held.question or r.session_id != session.session_id]
     messages = await store.recall_messages(session, recall.spans(ranked), held.first_sent, end_user, postings)
     block = recall.choose(ranked, messages, words, held.recall_room, session.session_id, counter)
     if block is None:
