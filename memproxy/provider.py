@@ -708,7 +708,12 @@ def chat_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
     except Exception:  # a provider litellm has no list for: OpenAI's parameters
         supported = []
     translated = [*litellm.OPENAI_CHAT_COMPLETION_PARAMS, *supported, *_provider_parameters(litellm, model)]
-    return request_parameters(litellm, litellm.completion, translated)
+    # `completion` reads a parameter it names in its signature, and passes on to the provider one it
+    # does not count as OpenAI's; one it counts as OpenAI's without naming it is read by nothing and
+    # dropped without a word (litellm 1.100: `prompt_cache_retention`, the Vercel AI SDK's
+    # `promptCacheRetention`). Such a name goes in `extra_body`, as the client sent it.
+    unread = set(litellm.OPENAI_CHAT_COMPLETION_PARAMS) - set(inspect.signature(litellm.completion).parameters)
+    return request_parameters(litellm, litellm.completion, [name for name in translated if name not in unread])
 
 
 def _provider_parameters(litellm: Any, model: ModelConfig) -> list[str]:

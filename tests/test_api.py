@@ -104,6 +104,7 @@ PASS_THROUGH: dict[str, Any] = {
     "store": False,
     "service_tier": "auto",
     "prompt_cache_key": "cache-1",
+    "prompt_cache_retention": "24h",
     "safety_identifier": "hashed-user",
     "verbosity": "low",
     "modalities": ["text"],
