@@ -1022,7 +1022,7 @@ def _finished_by_provider(raw: Any, chunk: dict[str, Any], stream: Any, noted_be
 
 # Responses parameters that chat completions take under the same name, which litellm's bridge
 # (1.100) does not carry over.
-_CHAT_TOO = ("service_tier", "prompt_cache_key", "safety_identifier", "top_logprobs")
+_CHAT_TOO = ("service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "top_logprobs")
 
 
 def _custom_calls_kept(message: Message, custom: dict[Any, dict[str, Any]]) -> Message:

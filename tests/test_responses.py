@@ -164,10 +164,11 @@ async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy:
     client = proxy.client("resp-params")
     await client.responses.create(
         model="small", input="hi", top_logprobs=2, include=["message.output_text.logprobs"], service_tier="flex",
-        prompt_cache_key="k1", safety_identifier="u-9", text={"verbosity": "low"})
+        prompt_cache_key="k1", prompt_cache_retention="24h", safety_identifier="u-9", text={"verbosity": "low"})
     sent = upstream.last().body
     assert (sent["top_logprobs"], sent["logprobs"], sent["service_tier"]) == (2, True, "flex")
     assert (sent["prompt_cache_key"], sent["safety_identifier"], sent["verbosity"]) == ("k1", "u-9", "low")
+    assert sent["prompt_cache_retention"] == "24h"
 
 
 @pytest.mark.both_transports
