@@ -401,7 +401,9 @@ class Provider:
         if self._native[model.name]:
             return await self._openai.stream(model, messages, params)
         kwargs = self._kwargs(model, messages, {**params, "stream": True})
-        return await self._first_chunk(self._acompletion(model, kwargs), _dumped_chunk)
+        refusals = _Refusals()
+        return refusals.restored(await self._first_chunk(refusals.tapped(self._acompletion(model, kwargs)),
+                                                         _dumped_chunk))
 
     async def _first_chunk(self, call: Awaitable[Any], dump: Callable[[Any], dict[str, Any]]
                            ) -> AsyncGenerator[dict[str, Any], None]:
@@ -977,6 +979,71 @@ def _dumped_chunk(chunk: Any) -> dict[str, Any]:
             else:
                 _with_null_logprobs(choice)
     return result
+
+
+class _Refusals:
+    """A stream's refusal deltas, which litellm's stream wrapper drops. OpenAI streams a refusal
+    (structured outputs, a model declining) in chunks whose delta holds `refusal` and no content,
+    and the wrapper (1.100) passes a chunk on only if it holds content, calls, reasoning or the
+    like: the client was sent an empty answer, and that was stored. So the provider's chunks are
+    read as they reach the wrapper (`tapped`), each refusal noted with the chunk it came in, and
+    put back in the stream before the chunk the wrapper passes on next, unless that chunk is the
+    one that carried it (`restored`)."""
+
+    def __init__(self) -> None:
+        self._noted: list[dict[str, Any]] = []
+        self._raw: Any = None  # the provider's stream, as litellm made it
+        self._iterator: AsyncIterator[Any] | None = None
+
+    async def tapped(self, call: Awaitable[Any]) -> Any:
+        """litellm's stream, reading the provider's chunks through this first."""
+        response = await call
+        if getattr(response, "completion_stream", None) is not None:
+            self._raw = response.completion_stream
+            response.completion_stream = self
+        return response
+
+    def __aiter__(self) -> _Refusals:
+        # The wrapper starts an `async for` over the provider's stream for each chunk it returns, as
+        # the provider's stream allows (its `__aiter__` sets it up, each time).
+        assert self._raw is not None
+        self._iterator = self._raw.__aiter__()
+        return self
+
+    def __getattr__(self, name: str) -> Any:  # the wrapper closes the provider's stream (`aclose`) through this
+        if name.startswith("__") or self.__dict__.get("_raw") is None:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_raw"], name)
+
+    async def __anext__(self) -> Any:
+        assert self._iterator is not None
+        chunk = await self._iterator.__anext__()
+        for choice in getattr(chunk, "choices", None) or ():
+            refusal = getattr(getattr(choice, "delta", None), "refusal", None)
+            if isinstance(refusal, str) and refusal:
+                self._noted.append({
+                    **{k: getattr(chunk, k) for k in ("id", "object", "created", "model")
+                       if getattr(chunk, k, None) is not None},
+                    "choices": [{"index": getattr(choice, "index", 0), "delta": {"refusal": refusal},
+                                 "finish_reason": None, "logprobs": None}]})
+        return chunk
+
+    async def restored(self, chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[dict[str, Any], None]:
+        try:
+            async for chunk in chunks:
+                carried = {(c.get("index"), (c.get("delta") or {}).get("refusal"))
+                           for c in chunk.get("choices") or () if isinstance(c, dict)}
+                for noted in self._noted:
+                    choice = noted["choices"][0]
+                    if (choice["index"], choice["delta"]["refusal"]) not in carried:
+                        yield noted
+                self._noted.clear()
+                yield chunk
+            for noted in self._noted:
+                yield noted
+            self._noted.clear()
+        finally:
+            await chunks.aclose()  # a client gone: the provider's stream is closed now, not when collected
 
 
 async def _chunks(

@@ -170,6 +170,24 @@ async def test_a_refusal_reaches_the_client_and_is_resent_as_a_valid_message(
     assert upstream.last().messages[:2] == [question, {"role": "assistant", "content": "", "refusal": no}]
 
 
+async def test_a_streamed_refusal_reaches_the_client_and_the_store(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A refusal streamed as OpenAI streams it (a delta holding `refusal` alone) reaches a chat
+    stream as that delta and a Responses stream as a `refusal` part, and is stored: on the litellm
+    transport its wrapper used to drop the chunk, an empty answer sent and stored."""
+    no = "I can't help with that."
+    upstream.enqueue(Reply(content=None, refusal=no), Reply(content="Fine."), Reply(content=None, refusal=no))
+    client = proxy.client(session="refused-streamed")
+    question = {"role": "user", "content": "something forbidden"}
+    stream = await client.chat.completions.create(model="small", messages=[question], stream=True)
+    deltas = [choice.delta async for chunk in stream for choice in chunk.choices]
+    assert "".join(d.refusal or "" for d in deltas) == no and not "".join(d.content or "" for d in deltas)
+    await complete(client, [{"role": "user", "content": "then something else"}])
+    assert upstream.last().messages[1] == {"role": "assistant", "content": "", "refusal": no}
+    events = [e async for e in await client.responses.create(model="small", input="again", stream=True)]
+    [done] = [e for e in events if e.type == "response.output_item.done"]
+    assert [part.model_dump() for part in done.item.content] == [{"type": "refusal", "refusal": no}]
+
+
 async def test_answers_and_chunks_carry_the_null_fields_openai_sends(
         proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
     """A client may test `content === null` beside tool calls, or `finish_reason !== null` to find
