@@ -13,8 +13,9 @@ text-only content given as a list of parts), so the same message always hashes t
 (stored hashes must stay valid): tool-call arguments that parse as JSON compare by their value, since
 some clients (LangChain) re-serialise them with other spacing; an image compares by the object its
 URL names, without the signature a client that signs its media URLs makes anew for each request,
-and whatever `detail` it asks for; a refusal compares the same as a part or as the field; text
-compares in Unicode's composed form (NFC) and with LF line ends, whichever a client resends.
+and whatever `detail` it asks for; a refusal compares the same as a part, as the field or as the
+answer's text (the Vercel AI SDK resends it so); text compares in Unicode's composed form (NFC) and
+with LF line ends, whichever a client resends.
 """
 
 from __future__ import annotations
@@ -266,7 +267,11 @@ def _content_key(message: Message) -> Any:
     elif isinstance(content, list):
         content = [_loose_part(part) for part in content]
     if content in (None, "", []) and isinstance(message.get("refusal"), str) and message["refusal"]:
-        return [{"type": "refusal", "refusal": message["refusal"]}]  # as the SDKs echo it as a part
+        content = [{"type": "refusal", "refusal": message["refusal"]}]  # as the openai SDKs echo it
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "refusal" and isinstance(p.get("refusal"), str) for p in content):
+        # As its text: the Vercel AI SDK makes a refusal the answer's text, and resends it so.
+        return _normal_text("".join(p["refusal"] for p in content).strip())
     return None if content in (None, "") else content
 
 

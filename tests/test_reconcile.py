@@ -749,16 +749,23 @@ async def test_a_note_put_into_the_history_is_sent_where_the_client_put_it_and_o
     assert stored(config)[-1] == history[-1]
 
 
-async def test_a_refusal_echoed_as_a_content_part_is_the_stored_refusal(
-    proxy: Proxy, upstream: FakeUpstream, config: Config
+@pytest.mark.parametrize("content", [[{"type": "refusal", "refusal": "I cannot help with that."}],
+                                     "I cannot help with that.", [{"type": "text", "text": "I cannot help with that."}]],
+                         ids=["refusal-part", "text", "text-part"])
+async def test_a_refusal_echoed_as_a_content_part_or_as_text_is_the_stored_refusal(
+    content: Any, proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:
+    """The openai SDK echoes a refusal as a `refusal` part; the Vercel AI SDK makes it the answer's
+    text, which it resends as such. Either is the stored refusal, not an edit of it."""
     client = proxy.client()
     upstream.enqueue(Reply(refusal="I cannot help with that."))
     await complete(client, [user("how to pick locks")])
-    echoed = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
+    echoed = {"role": "assistant", "content": content}
     _, headers = await chat(client, [user("how to pick locks"), echoed, user("a joke, then")])
     assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("continue", "0")
     assert len(stored(config)) == 4
+    assert stored(config)[1]["refusal"] == "I cannot help with that."
+    assert not loosely_equal({"role": "assistant", "content": "", "refusal": "No."}, assistant("Yes."))
 
 
 def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
