@@ -1,11 +1,12 @@
 """Real client libraries holding real conversations through memproxy.
 
-Each test lets one client library people use (openai-python sync and async, openai-node, LangChain's
-`ChatOpenAI`, simonw's `llm` CLI, the OpenAI Agents SDK) hold a multi-turn conversation through a real
-proxy against the fake provider, with at least one tool loop (the model asks for `get_weather`, the
-client runs it and sends the result, the model answers) and one streamed turn, in the way that client
-sends its history: resending everything, sending only what is new, echoing the assistant's tool-call
-message before its results, or, for `llm`, mixing `-c` continuations with fresh prompts.
+Each test lets one client library people use (openai-python sync and async, openai-node, the Vercel AI
+SDK, LangChain's `ChatOpenAI`, simonw's `llm` CLI, the OpenAI Agents SDK) hold a multi-turn
+conversation through a real proxy against the fake provider, with at least one tool loop (the model
+asks for `get_weather`, the client runs it and sends the result, the model answers) and one streamed
+turn, in the way that client sends its history: resending everything, sending only what is new,
+echoing the assistant's tool-call message before its results, or, for `llm`, mixing `-c`
+continuations with fresh prompts.
 
 What is checked is what matters to a person: every request the provider received carried the whole
 conversation so far, nothing twice, the newest user message last and verbatim; and the store holds the
@@ -15,11 +16,12 @@ memproxy's canonical form (null fields and SDK echo artefacts ignored, text part
 
 The CLIs run as subprocesses against the in-process proxy on a real 127.0.0.1 port, with
 `asyncio.create_subprocess_exec` and a timeout (the proxy runs on the test's event loop); synchronous
-clients run on a worker thread for the same reason. The `openai` npm package is installed by the
-tests themselves into a cache outside the repo (`MEMPROXY_TEST_NODE_DIR`, default
-~/.cache/memproxy-tests/node); where node or npm is missing the node tests skip with the reason,
-except under CI=true, where they fail. The Python client libraries are in the `test` extra; one that
-cannot be imported fails under CI and skips elsewhere (the shared development venv may lack them).
+clients run on a worker thread for the same reason. The npm packages (`openai`; the AI SDK's `ai`,
+`@ai-sdk/openai` and zod) are installed by the tests themselves into a cache outside the repo
+(`MEMPROXY_TEST_NODE_DIR`, default ~/.cache/memproxy-tests/node, a prefix per pinned set); where node
+or npm is missing the node tests skip with the reason, except under CI=true, where they fail. The
+Python client libraries are in the `test` extra; one that cannot be imported fails under CI and skips
+elsewhere (the shared development venv may lack them).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -91,6 +94,7 @@ class Turn:
     text: str
     stream: bool = False
     tool_city: str | None = None  # the model first asks for the weather there
+    refused: bool = False  # the model refuses (`refusal`, no content)
 
 
 @dataclass
@@ -102,9 +106,9 @@ class Script:
     replies: list[Reply] = field(default_factory=list)
     streamed: list[bool] = field(default_factory=list)  # whether the request of each reply streams
 
-    def turn(self, text: str, tool_city: str | None = None, stream: bool = False) -> str:
-        """The user says `text`; the model answers (after a tool loop if `tool_city`); its answer.
-        The client asks for a stream (`stream`) on each request of the turn."""
+    def turn(self, text: str, tool_city: str | None = None, stream: bool = False, refused: bool = False) -> str:
+        """The user says `text`; the model answers (after a tool loop if `tool_city`), or refuses
+        (`refused`); its answer. The client asks for a stream (`stream`) on each request of the turn."""
         n = len(self.replies)
         self.conversation.append({"role": "user", "content": text})
         if tool_city is not None:
@@ -114,14 +118,19 @@ class Script:
             self.streamed.append(stream)
             self.conversation += [{"role": "assistant", "content": None, "tool_calls": [call]},
                                   {"role": "tool", "tool_call_id": call["id"], "content": get_weather(tool_city)}]
-        answer = f"Answer {len(self.replies)} to: {text}"
-        self.replies.append(Reply(content=answer))
+        if refused:
+            answer = f"Refusal {len(self.replies)}: I can't help with that."
+            self.replies.append(Reply(content=None, refusal=answer))
+            self.conversation.append({"role": "assistant", "content": None, "refusal": answer})
+        else:
+            answer = f"Answer {len(self.replies)} to: {text}"
+            self.replies.append(Reply(content=answer))
+            self.conversation.append({"role": "assistant", "content": answer})
         self.streamed.append(stream)
-        self.conversation.append({"role": "assistant", "content": answer})
         return answer
 
     def play(self, turns: list[Turn]) -> list[str]:
-        return [self.turn(t.text, t.tool_city, t.stream) for t in turns]
+        return [self.turn(t.text, t.tool_city, t.stream, t.refused) for t in turns]
 
     def expected_requests(self) -> list[list[Message]]:
         """What request k must carry: everything before the model's k-th reply (system prompt first)."""
@@ -133,9 +142,11 @@ def canon(messages: list[Message]) -> list[Message]:
     return [canonical(m) for m in messages]
 
 
-def check_conversation(upstream: FakeUpstream, config: Config, session: str, script: Script) -> None:
+def check_conversation(upstream: FakeUpstream, config: Config, session: str, script: Script,
+                       verbatim: bool = True) -> None:
     """The provider got the whole conversation on every request, nothing twice, the newest user message
-    last and verbatim; the store holds the conversation once and has superseded nothing."""
+    last and verbatim (`verbatim`: chat clients; a Responses client's `input_text` parts become chat
+    text parts on the way); the store holds the conversation once and has superseded nothing."""
     requests = upstream.chat_requests()
     expected = script.expected_requests()
     assert len(requests) == len(expected), f"{len(requests)} requests reached the provider, not {len(expected)}"
@@ -144,7 +155,7 @@ def check_conversation(upstream: FakeUpstream, config: Config, session: str, scr
         sent = received.messages
         assert canon(sent) == canon(wanted), f"request {k + 1} of {len(expected)} did not carry the conversation"
         assert len({canonical_json(m) for m in sent}) == len(sent), f"request {k + 1} sent a message twice"
-        if wanted[-1]["role"] == "user":
+        if verbatim and wanted[-1]["role"] == "user":
             assert sent[-1] == wanted[-1], f"request {k + 1}: the newest user message is not last and verbatim"
     assert canon(stored(config, session)) == canon(script.conversation)
     assert stored(config, session, active=0) == []
@@ -279,30 +290,37 @@ async def test_openai_python_async(history_kind: str, proxy: Proxy, upstream: Fa
 NODE_SCRIPT = Path(__file__).parent / "clients" / "node_chat.mjs"
 
 
-@pytest.fixture(scope="session")
-def node_sdk() -> Path:
-    """The npm prefix holding the `openai` package, installed on first use and reused after."""
+def npm_prefix(name: str, packages: list[str]) -> Path:
+    """An npm prefix holding `packages`, installed on first use and reused after (`name` says which
+    versions: a new pin gets a new prefix)."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        reason = f"the openai-node tests need node and npm on PATH (node: {node}, npm: {npm})"
+        reason = f"the node client tests need node and npm on PATH (node: {node}, npm: {npm})"
         if IN_CI:
             pytest.fail(reason)
         pytest.skip(reason)
     prefix = Path(os.environ.get("MEMPROXY_TEST_NODE_DIR", Path.home() / ".cache" / "memproxy-tests" / "node"))
-    prefix = prefix / f"openai-{NODE_SDK_MAJOR}"
-    if not (prefix / "node_modules" / "openai" / "package.json").exists():
+    prefix = prefix / name
+    names = [package.rpartition("@")[0] for package in packages]  # "@ai-sdk/openai@3": "@ai-sdk/openai"
+    if not all((prefix / "node_modules" / name / "package.json").exists() for name in names):
         # Installed beside, then renamed into place: a run cut short or a concurrent run leaves no half
         # install where the next run would take it for a whole one.
         prefix.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{prefix.name}.", dir=prefix.parent))
-        result = subprocess.run([npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
-                                 f"openai@{NODE_SDK_MAJOR}"], capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"npm install openai@{NODE_SDK_MAJOR} failed: {result.stderr[-2000:]}"
+        result = subprocess.run([npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund", *packages],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"npm install {' '.join(packages)} failed: {result.stderr[-2000:]}"
         try:
             partial.rename(prefix)
         except OSError:  # another run got there first
             shutil.rmtree(partial)
     return prefix
+
+
+@pytest.fixture(scope="session")
+def node_sdk() -> Path:
+    """The npm prefix holding the `openai` package."""
+    return npm_prefix(f"openai-{NODE_SDK_MAJOR}", [f"openai@{NODE_SDK_MAJOR}"])
 
 
 @pytest.mark.parametrize("history_kind", ["full", "new"])
@@ -320,6 +338,81 @@ async def test_openai_node(
     out = await run_command([shutil.which("node") or "node", str(NODE_SCRIPT), json.dumps(plan)], env)
     assert json.loads(out) == answers
     check_conversation(upstream, config, session, script)
+
+
+# --- the Vercel AI SDK -----------------------------------------------------------------------------
+
+AI_SDK_SCRIPT = Path(__file__).parent / "clients" / "ai_sdk_chat.mjs"
+# `ai` 6 goes with `@ai-sdk/openai` 3 (7 needs node 22); zod is their peer dependency, for the tool's schema.
+AI_SDK_PACKAGES = ["ai@6", "@ai-sdk/openai@3", "zod@4"]
+# The conversation, with a refusal before the last question: the SDK shows it as the answer's text and
+# resends it so (`response.messages`, `useChat`'s UI messages); streamed, litellm's wrapper dropped it.
+AI_SDK_TURN_LIST = [*TURNS[:-1], Turn("How do I pick a lock?", stream=True, refused=True), TURNS[-1]]
+AI_SDK_TURNS = {  # useChat streams every turn
+    "ui": [replace(t, stream=True) for t in AI_SDK_TURN_LIST],
+    "full": AI_SDK_TURN_LIST,
+    "new": AI_SDK_TURN_LIST,
+}
+
+
+@pytest.fixture(scope="session")
+def ai_sdk() -> Path:
+    """The npm prefix holding `ai`, `@ai-sdk/openai` and zod."""
+    return npm_prefix("ai-sdk-6", AI_SDK_PACKAGES)
+
+
+@pytest.mark.parametrize("history_kind", ["ui", "full", "new"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_vercel_ai_sdk(
+    api: str, history_kind: str, ai_sdk: Path, proxy: Proxy, upstream: FakeUpstream, config: Config,
+    http: aiohttp.ClientSession,
+) -> None:
+    """`generateText` and `streamText` on `openai.chat(model)` and on the default `openai(model)` (the
+    Responses API), with a tool the SDK runs itself over two steps (`stopWhen: stepCountIs(5)`), the
+    history kept as `useChat` keeps it (UI messages, all resent), as model messages resent whole, or
+    not kept (the new message alone), and 24-hour prompt caching asked for (`promptCacheRetention`).
+    The provider sees the conversation once, and the caching asked for; the app gets the text (a
+    refusal's too), the tool results and the usage of every step, with no error or warning; the
+    session holds the conversation once, the refusal as one."""
+    turns = AI_SDK_TURNS[history_kind]
+    script = Script()
+    answers = script.play(turns)
+    upstream.enqueue(*script.replies)
+    session = f"ai-sdk-{api}-{history_kind}"
+    plan = {"api": api, "history": history_kind, "system": SYSTEM, "model": MODEL,
+            "turns": [{"text": t.text, "stream": t.stream} for t in turns]}
+    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
+           "AI_SDK_PREFIX": str(ai_sdk)}
+    got = json.loads(await run_command([shutil.which("node") or "node", str(AI_SDK_SCRIPT), json.dumps(plan)], env))
+    check_conversation(upstream, config, session, script, verbatim=api == "chat")
+    assert [r.body.get("prompt_cache_retention") for r in upstream.chat_requests()] == ["24h"] * len(script.replies)
+    # What the app got: each turn's answer, its tool's result, and the usage the provider reported for
+    # each of the turn's requests (the fake's request k: 10 k prompt tokens, 5 completion tokens) added up.
+    request = 0
+    for turn, answer, result in zip(turns, answers, got, strict=True):
+        numbers = [request + 1, request + 2] if turn.tool_city else [request + 1]
+        request = numbers[-1]
+        results = [] if turn.tool_city is None else [
+            {"toolName": "get_weather", "input": {"city": turn.tool_city}, "output": get_weather(turn.tool_city)}]
+        finishes = ["content-filter"] if turn.refused else ["tool-calls", "stop"] if turn.tool_city else ["stop"]
+        prompt = sum(10 * n for n in numbers)
+        assert result.pop("responseId").startswith("resp_" if api == "responses" else "chatcmpl-")
+        assert result == {"text": answer, "finishReasons": finishes, "warnings": [], "errors": [],
+                          "toolResults": results,
+                          "usage": {"inputTokens": prompt, "outputTokens": 5 * len(numbers),
+                                    "totalTokens": prompt + 5 * len(numbers)}}
+    # What the session API shows: the conversation once, nothing superseded, a turn per request with
+    # the provider's usage.
+    async with http.get(f"{proxy.url}/sessions/{session}",
+                        headers={"Authorization": f"Bearer {PROXY_KEY}"}) as response:
+        assert response.status == 200
+        shown = await response.json()
+    assert canon([m["message"] for m in shown["messages"]]) == canon(script.conversation)
+    assert [m["message"].get("refusal") for m in shown["messages"] if m["message"].get("refusal")] == [
+        m["refusal"] for m in script.conversation if m.get("refusal")]
+    assert shown["superseded"] == []
+    assert [(t["prompt_tokens"], t["completion_tokens"]) for t in shown["turns"]] == [
+        (10 * n, 5) for n in range(1, len(script.replies) + 1)]
 
 
 # --- LangChain ChatOpenAI --------------------------------------------------------------------------
