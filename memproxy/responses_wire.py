@@ -22,6 +22,7 @@ by its response's.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 import time
@@ -404,7 +405,8 @@ class ChatEvents:
     def _open(self, item: Item) -> tuple[int, Event]:
         self.items.append(item)
         index = len(self.items) - 1
-        return index, self._event("response.output_item.added", output_index=index, item=dict(item))
+        # A copy as it stands: the item grows with the deltas that follow, before this event is sent.
+        return index, self._event("response.output_item.added", output_index=index, item=copy.deepcopy(item))
 
     def _reasoning_delta(self, text: str) -> list[Event]:
         events = []

@@ -409,6 +409,23 @@ async def test_a_stream_is_the_sdks_to_assemble_and_is_kept(proxy: Proxy, wire: 
                                    ("call", 'get_weather {"city":"Oslo"}'), ("tool", "cold")]
 
 
+async def test_a_streamed_item_is_added_empty_and_grows_by_its_deltas(proxy: Proxy, wire: Upstream) -> None:
+    """`response.output_item.added` shows the item as it was opened (a message with no content
+    yet), as OpenAI's does: the SDK's stream helper appends each `content_part.added` to it and
+    each delta to that part, and gives the text so far as each delta's `snapshot`."""
+    wire.enqueue(Reply(content="Hi there, Ada."))
+    added, snapshots = [], []
+    async with proxy.client("snapshots").responses.stream(model=wire.model, input="Go.") as stream:
+        async for event in stream:
+            if event.type == "response.output_item.added":
+                added.append(event.item)
+            elif event.type == "response.output_text.delta":
+                snapshots.append(event.snapshot)
+        final = await stream.get_final_response()
+    assert [(item.type, item.content) for item in added] == [("message", [])]  # type: ignore[union-attr]
+    assert len(snapshots) > 1 and snapshots[-1] == final.output_text == "Hi there, Ada."
+
+
 async def test_each_streamed_event_is_named_by_its_type(proxy: Proxy, wire: Upstream) -> None:
     """Every event of a stream says its type on its `event:` line too, as OpenAI's do: clients that
     dispatch on the event's name (an `EventSource` listener, SSE parsers keyed by event) see
