@@ -227,9 +227,11 @@ async def _session(request: web.Request, store: TurnStore, tenant: str, parsed: 
     return named or header
 
 
-def _no_previous(response_id: str) -> NotFound:
-    return NotFound(f"Previous response with id '{response_id}' not found.", code="previous_response_not_found",
-                    param="previous_response_id")
+def _no_previous(response_id: str) -> BadRequest:
+    # A 400, as OpenAI answers it (not a 404): clients that recover from a lost chain (resend the
+    # whole history without the id) look for this status and code.
+    return BadRequest(f"Previous response with id '{response_id}' not found.", code="previous_response_not_found",
+                      param="previous_response_id")
 
 
 async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages: list[Message],
@@ -408,7 +410,7 @@ class ResponsesWire:
 
     def unkept(self, body: dict[str, Any]) -> dict[str, Any]:
         """Not recorded, the response is not kept either: `store: false` says it cannot be retrieved
-        or continued from (`previous_response_id` would be a 404)."""
+        or continued from (`previous_response_id` would be a 400 `previous_response_not_found`)."""
         return {**body, "store": False}
 
     def attach(self, record: TurnRecord) -> TurnRecord:

@@ -430,7 +430,7 @@ REPRODUCTIONS: list[tuple[str, str, str, tuple[tuple[str, str], ...], bytes, int
      _json({"model": "small", "input": [{"type": "function_call_output", "call_id": "c", "output": {}}]}),
      400, "input[0].output"),
     ("a previous response of nobody", "POST", "/v1/responses", (),
-     _json({"model": "small", "input": "x", "previous_response_id": "resp_nobody"}), 404, "previous_response_id"),
+     _json({"model": "small", "input": "x", "previous_response_id": "resp_nobody"}), 400, "previous_response_id"),
     ("surrogate pair is fine", "POST", "/v1/chat/completions", (("X-Session-Id", SEED),),
      _chat_with(messages=[{"role": "user", "content": "\U0001f600"}]), 200, None),
     ("escaped backslash before u is fine", "POST", "/v1/chat/completions", (),

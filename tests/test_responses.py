@@ -533,8 +533,9 @@ async def test_get_delete_and_input_items(proxy: Proxy, wire: Upstream) -> None:
     other = proxy.client(session=None, key=OTHER_KEY)
     with pytest.raises(openai.NotFoundError):
         await other.responses.retrieve(created.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:
         await other.responses.create(model=wire.model, input="x", previous_response_id=created.id)
+    assert refused.value.code == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         await other.responses.delete(created.id)
 
@@ -557,7 +558,7 @@ async def test_an_id_no_store_holds_is_not_found(proxy: Proxy, upstream: FakeUps
             assert_error(body, type="invalid_request_error", code="not_found", param="response_id")
     status, body = await call(proxy, "POST", "/responses",
                               json={"model": "small", "input": "x", "previous_response_id": "resp_\x00x"})
-    assert status == 404
+    assert status == 400
     assert_error(body, type="invalid_request_error", code="previous_response_not_found",
                  param="previous_response_id")
     assert upstream.chat_requests() == []
@@ -572,7 +573,7 @@ async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
         await client.responses.retrieve(unkept.id)
     status, body = await call(proxy, "POST", "/responses",
                               json={"model": wire.model, "input": "x", "previous_response_id": unkept.id})
-    assert status == 404
+    assert status == 400
     assert_error(body, type="invalid_request_error", code="previous_response_not_found",
                  param="previous_response_id")
     status, listed = await call(proxy, "GET", "/sessions")

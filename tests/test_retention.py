@@ -121,8 +121,8 @@ async def test_a_long_conversation_resent_to_its_expired_session_is_answered(
 async def test_a_response_of_an_expired_session_is_not_found(
     start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
 ) -> None:
-    """`previous_response_id` naming a response of an expired session is a 404, as an expired
-    response is at OpenAI: continuing the session's newest answer would go on with no memory of it,
+    """`previous_response_id` naming a response of an expired session is a 400
+    `previous_response_not_found`, as an expired response is at OpenAI: continuing the session's newest answer would go on with no memory of it,
     and an older one would resend its expired history as the new session's."""
     proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(idle_ttl_seconds=60))
     config, client = config_of(proxy), proxy.client(session=None)
@@ -131,7 +131,7 @@ async def test_a_response_of_an_expired_session_is_not_found(
     await age(config, first.id, 61)
     stored, sent = stored_bodies(config, first.id), len(upstream.chat_requests())
     for previous in (second.id, first.id):  # the session's newest answer, and one before it
-        with pytest.raises(openai.NotFoundError) as refused:
+        with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(model="small", input="who am I?", previous_response_id=previous)
         assert refused.value.code == "previous_response_not_found"
     assert stored_bodies(config, first.id) == stored and len(upstream.chat_requests()) == sent

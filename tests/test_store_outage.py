@@ -179,7 +179,7 @@ async def test_a_response_forwarded_without_memory_says_it_is_not_kept(
 ) -> None:
     """With `on_failure: passthrough`, a Response answered while the store is cut is kept nowhere:
     plain or streamed, it says `store: false` (as one whose recording failed does), so that no
-    client goes on from it by `previous_response_id` into a 404 once the store is back."""
+    client goes on from it by `previous_response_id` into a 400 once the store is back."""
     proxy = await start(start_proxy, storage, relay, upstream, on_failure="passthrough")
     client = proxy.client(session=None)
     await relay.cut()
