@@ -309,7 +309,9 @@ class ResponsesWire:
 
     def _upstream_params(self, exchange: Exchange) -> dict[str, Any]:
         # The provider keeps nothing: memproxy is the store, and sends the whole context each time.
-        return {**self._request.params, "store": False}
+        # Nor works in the background: memproxy answers in the foreground (it has no queue), and a
+        # provider's `queued` Response, empty, would be recorded and kept as the answer for good.
+        return {**{k: v for k, v in self._request.params.items() if k != "background"}, "store": False}
 
     async def answer(self, provider: Provider, exchange: Exchange) -> Answer:
         if self._native:

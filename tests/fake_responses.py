@@ -51,6 +51,11 @@ class FakeResponsesUpstream(FakeUpstream):
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools") or [],
                     "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
                     "temperature": 1.0, "top_p": 1.0}
+        if body.get("background") and not body.get("stream"):
+            # As OpenAI answers a background request: at once, queued, nothing said yet (the answer
+            # would come to a later `GET /v1/responses/{id}`, which this fake does not serve).
+            return web.json_response({**response, "status": "queued", "output": [], "usage": None,
+                                      "background": True})
         if not body.get("stream"):
             return web.json_response(response)
         return await self._stream(request, response, reply)

@@ -564,6 +564,18 @@ async def test_an_id_no_store_holds_is_not_found(proxy: Proxy, upstream: FakeUps
     assert upstream.chat_requests() == []
 
 
+async def test_a_background_request_is_answered_in_the_foreground(proxy: Proxy, wire: Upstream) -> None:
+    """`background: true` is taken and answered at once, on either wire: a native provider is not
+    asked to queue it, whose empty `queued` Response memproxy would keep as the answer for good
+    (a client polling `GET` until the status leaves `queued` would never see one)."""
+    wire.enqueue(Reply(content="Done at once."))
+    client = proxy.client("background")
+    answered = await client.responses.create(model=wire.model, input="Take your time.", background=True)
+    assert (answered.status, answered.output_text) == ("completed", "Done at once.")
+    assert (await client.responses.retrieve(answered.id)).status == "completed"
+    assert "background" not in wire.requests()[-1]
+
+
 async def test_store_false_keeps_nothing(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     raw = await client.responses.with_raw_response.create(model=wire.model, input="Private.", store=False)
