@@ -576,19 +576,32 @@ def _input_content(content: Any) -> Any:
     return parts
 
 
+# The tools litellm's bridge gives a chat completion: functions (a namespace's too), and web search
+# as chat's `web_search_options`.
+_BRIDGED_TOOLS = frozenset({"function", "namespace", "web_search", "web_search_preview"})
+
+
 def check_bridge_input(request: ResponsesRequest) -> None:
     """A request for a model reached as chat completions (`responses_api: bridge`): parts the
     bridge would empty or drop are refused, never sent changed and stored so: an image by file id
     (a chat provider takes images by URL; litellm's bridge sends an empty one), audio (dropped) and
     a file by URL (chat completions take a file's data or id only; the bridge sends the URL as an
     id). Custom tools (GPT-5's free-form tools) too: litellm's bridge makes each a function taking
-    `{"content": ...}`, which the client's next turn would not send back as it came."""
+    `{"content": ...}`, which the client's next turn would not send back as it came. And the
+    built-in tools chat completions have no form for (`file_search`, `image_generation`, `mcp`, ...):
+    litellm's bridge drops some without a word and sends the others to a provider that has no such
+    tool; `web_search` goes, as chat's `web_search_options`."""
     tools = request.params.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else ()):
-        if isinstance(tool, dict) and tool.get("type") == "custom":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "custom":
             raise BadRequest(f"tools[{i}]: a custom tool cannot reach this model, which takes the Responses API "
                              "as chat completions (responses_api: bridge); use a function tool, or a model with "
                              "responses_api: native", param=f"tools[{i}]")
+        if isinstance(kind, str) and kind not in _BRIDGED_TOOLS:
+            raise BadRequest(f"tools[{i}]: the built-in tool {kind!r} cannot reach this model, which takes the "
+                             "Responses API as chat completions (responses_api: bridge); use a function tool, or "
+                             "a model with responses_api: native", param=f"tools[{i}]")
     check_bridge_items(request.input if isinstance(request.input, list) else [])
 
 

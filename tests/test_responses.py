@@ -373,6 +373,26 @@ async def test_a_custom_tools_call_goes_back_to_a_native_provider_as_it_came(
     assert refused.value.body["param"] == "tools[0]"  # type: ignore[index]
 
 
+@pytest.mark.parametrize("tool", [{"type": "image_generation"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
+                                  {"type": "code_interpreter", "container": {"type": "auto"}},
+                                  {"type": "mcp", "server_label": "docs", "server_url": "https://mcp.example"}])
+async def test_a_built_in_tool_is_refused_on_the_bridge_and_web_search_goes(
+        proxy: Proxy, upstream: FakeUpstream, tool: dict[str, Any]) -> None:
+    """OpenAI's built-in tools run in its Responses API only. Through the bridge, litellm dropped
+    some without a word (the model answered as if it had no image tool) and sent the others to a
+    chat provider that has no such tool: each is a 400 naming it, before anything is sent or
+    stored. Web search goes, as chat completions' `web_search_options`."""
+    client = proxy.client("built-in")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model="small", input="Go.", tools=[WEATHER_TOOL, tool])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "tools[1]"  # type: ignore[index]
+    assert upstream.received == []
+    status, _ = await call(proxy, "GET", "/sessions/built-in")
+    assert status == 404
+    await client.responses.create(model="small", input="Search.", tools=[{"type": "web_search"}])
+    assert "web_search_options" in upstream.last().body
+
+
 # --- streams ----------------------------------------------------------------------------------------
 
 
