@@ -496,6 +496,12 @@ async def _kept(request: web.Request) -> tuple[str, Any]:
 
 async def retrieve(request: web.Request) -> web.StreamResponse:
     _, stored = await _kept(request)
+    if request.query.get("stream", "false").lower() not in ("false", "0", ""):
+        # OpenAI streams a background response's events again here; memproxy answers every response
+        # in the foreground and keeps none of its events. Answered with the object, the SDK would
+        # read a stream with no events in it, and say nothing.
+        raise BadRequest("a kept response's events cannot be streamed again (memproxy answers every response "
+                         "in the foreground and keeps no events); retrieve it without 'stream'", param="stream")
     return web.Response(body=dumps(stored.body), content_type="application/json", charset="utf-8")
 
 

@@ -534,6 +534,22 @@ async def test_a_streamed_response_whose_session_is_deleted_meanwhile_says_it_is
 # --- kept responses ---------------------------------------------------------------------------------
 
 
+async def test_a_kept_response_is_not_streamed_again(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """`GET /v1/responses/{id}?stream=true` (the SDK's `retrieve(id, stream=True)` and
+    `responses.stream(response_id=...)`, which resume a background response's events) is a 400
+    naming `stream`: memproxy keeps no events. Answered with the object, the SDK read an empty
+    stream and said nothing (`get_final_response` found no `response.completed`)."""
+    client = proxy.client("not-again")
+    kept = await client.responses.create(model="small", input="hi")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.retrieve(kept.id, stream=True)
+    assert refused.value.body["param"] == "stream"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        async with client.responses.stream(response_id=kept.id) as stream:
+            await stream.get_final_response()
+    assert (await client.responses.retrieve(kept.id, stream=False)).output_text == kept.output_text
+
+
 async def test_get_delete_and_input_items(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     created = await client.responses.create(model=wire.model, input=[
