@@ -44,9 +44,11 @@ REQUEST_KEYS = frozenset({"model", "input", "instructions", "stream", "store", "
                           "conversation"})
 # Parameters a Response object echoes back, as sent (None where the request set none).
 _ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "reasoning", "temperature",
-           "text", "tool_choice", "tools", "top_p", "truncation", "user", "previous_response_id")
+           "text", "tool_choice", "tools", "top_p", "truncation", "user", "previous_response_id", "top_logprobs",
+           "max_tool_calls", "prompt_cache_key", "safety_identifier", "service_tier")
 _DEFAULTS: dict[str, Any] = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "temperature": 1.0,
-                             "top_p": 1.0, "truncation": "disabled", "text": {"format": {"type": "text"}}}
+                             "top_p": 1.0, "truncation": "disabled", "text": {"format": {"type": "text"}},
+                             "metadata": {}, "service_tier": "default"}
 
 
 def new_id(prefix: str) -> str:
@@ -310,6 +312,8 @@ def response_object(response_id: str, request: ResponsesRequest, model: str, out
     echoed = {key: body[key] if body.get(key) is not None else _DEFAULTS.get(key) for key in _ECHOED}
     result: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "background": False,  # answered in the foreground, whatever the request asked
         "error": None,
         "incomplete_details": {"reason": _INCOMPLETE.get(finish_reason, "max_output_tokens")}
         if status == "incomplete" else None,

@@ -171,6 +171,27 @@ async def test_parameters_chat_completions_take_too_reach_a_chat_provider(proxy:
     assert sent["prompt_cache_retention"] == "24h"
 
 
+async def test_a_bridged_response_echoes_what_openais_does(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """The Response echoes the request's parameters as OpenAI's does (those it was given, their
+    defaults where it was not), streamed or not: among them `top_logprobs`, `max_tool_calls`,
+    `prompt_cache_key`, `safety_identifier` and `service_tier`, `metadata` as `{}` when none was
+    given, `background: false` (memproxy answers in the foreground) and when it completed."""
+    client = proxy.client("echoes")
+    asked = await client.responses.create(model="small", input="hi", top_logprobs=2, max_tool_calls=3,
+                                          prompt_cache_key="k1", safety_identifier="u-9", service_tier="flex",
+                                          background=True)
+    assert (asked.top_logprobs, asked.max_tool_calls, asked.prompt_cache_key, asked.safety_identifier,
+            asked.service_tier, asked.background) == (2, 3, "k1", "u-9", "flex", False)
+    assert asked.completed_at is not None and asked.completed_at >= asked.created_at
+    async with client.responses.stream(model="small", input="again") as stream:
+        created = [event.response async for event in stream if event.type == "response.created"]
+        final = await stream.get_final_response()
+    for response in (*created, final):
+        assert (response.metadata, response.service_tier, response.background, response.top_logprobs) == (
+            {}, "default", False, None)
+    assert created[0].completed_at is None and final.completed_at is not None
+
+
 @pytest.mark.both_transports
 async def test_a_reasoning_models_parameters_reach_it_in_the_chat_form_it_takes(
     start_proxy: Any, config: Config, upstream: FakeUpstream, transport: str
