@@ -535,7 +535,7 @@ def input_items(messages: Iterable[Message], custom_calls: Iterable[str] = ()) -
         if role == "tool":
             call_id = str(message.get("tool_call_id") or "")
             items.append({"type": "custom_tool_call_output" if call_id in custom else "function_call_output",
-                          "call_id": call_id, "output": _text(content) if not isinstance(content, str) else content})
+                          "call_id": call_id, "output": _tool_output(content)})
         elif role == "assistant":
             refusal = message.get("refusal")
             # An answer spoken or refused holds no text: what it said goes back as text.
@@ -556,6 +556,14 @@ def input_items(messages: Iterable[Message], custom_calls: Iterable[str] = ()) -
             items.append({"type": "message", "role": role if role in SYSTEM_ROLES or role == "user" else "user",
                           "content": _input_content(content)})
     return items
+
+
+def _tool_output(content: Any) -> Any:
+    """A tool result's content as a call output's `output`: its text, or, where it holds an image or
+    a file (a `function_call_output` may), its parts as Responses input parts, none of them lost."""
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+        return _input_content(content)
+    return content if isinstance(content, str) else _text(content)
 
 
 def _input_content(content: Any) -> Any:

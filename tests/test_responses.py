@@ -283,6 +283,24 @@ async def test_a_tool_round_trip_through_previous_response_id(proxy: Proxy, wire
         assert body["tools"][0]["name"] == "get_weather" and body["store"] is False
 
 
+async def test_an_image_a_tool_returned_reaches_a_responses_provider_every_turn(
+        proxy: Proxy, native_upstream: FakeResponsesUpstream) -> None:
+    """A `function_call_output` may hold parts (text, images, files), not only text. Stored as the
+    tool result's content parts, they go back to a native provider as the output's parts, on the
+    turn that brings them and every turn after: only its text went, the image was lost."""
+    client = proxy.client("tool-image")
+    native_upstream.enqueue(Reply(tool_calls=[{"id": "call_m", "type": "function",
+                                               "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]))
+    await client.responses.create(model="native", input="Weather map?", tools=[WEATHER_TOOL])
+    parts = [{"type": "input_text", "text": "the map"}, {"type": "input_image", "image_url": "https://maps.example/o.png"}]
+    await client.responses.create(model="native", tools=[WEATHER_TOOL], input=[
+        {"type": "function_call_output", "call_id": "call_m", "output": parts}])
+    await client.responses.create(model="native", input="And tomorrow?")
+    for received in native_upstream.responses_requests()[1:]:
+        [output] = [item for item in received.body["input"] if item["type"] == "function_call_output"]
+        assert [{k: part[k] for k in ("type", "text", "image_url") if k in part} for part in output["output"]] == parts
+
+
 async def test_a_conversation_step_that_resends_its_input_before_the_tool_result(proxy: Proxy, wire: Upstream) -> None:
     """The Vercel AI SDK with `conversation` set: the second step of its tool loop sends the step's
     user message again and then the function's output, not the call (the conversation holds it)."""
