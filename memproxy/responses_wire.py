@@ -310,6 +310,8 @@ def response_object(response_id: str, request: ResponsesRequest, model: str, out
     `model` is the model the client named; the request's parameters are echoed as OpenAI does."""
     body = request.body
     echoed = {key: body[key] if body.get(key) is not None else _DEFAULTS.get(key) for key in _ECHOED}
+    if status == "incomplete" and output and "status" in output[-1]:
+        output = [*output[:-1], {**output[-1], "status": "incomplete"}]  # the item the answer was cut in
     result: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
         "completed_at": int(time.time()) if status == "completed" else None,
@@ -473,9 +475,12 @@ class ChatEvents:
         return events
 
     def finish(self) -> list[Event]:
-        """Every open item done, in output order."""
+        """Every open item done, in output order; the last one incomplete where the answer was cut
+        short (its length, a content filter), as OpenAI's is."""
         events: list[Event] = []
+        cut = status_of(self.finish_reason) == "incomplete"
         for index, item in enumerate(self.items):
+            done = "incomplete" if cut and index == len(self.items) - 1 else "completed"
             if item["type"] == "reasoning":
                 part = item["summary"][0]
                 events += [self._event("response.reasoning_summary_text.done", item_id=item["id"],
@@ -483,7 +488,7 @@ class ChatEvents:
                            self._event("response.reasoning_summary_part.done", item_id=item["id"],
                                        output_index=index, summary_index=0, part=dict(part))]
             elif item["type"] == "message":
-                item["status"] = "completed"
+                item["status"] = done
                 for at, part in enumerate(item["content"]):
                     if part["type"] == "refusal":
                         events.append(self._event("response.refusal.done", item_id=item["id"], output_index=index,
@@ -495,7 +500,7 @@ class ChatEvents:
                     events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                               content_index=at, part=dict(part)))
             else:
-                item["status"] = "completed"
+                item["status"] = done
                 item["arguments"] = item["arguments"] or "{}"  # a call without parameters: see `_arguments`
                 events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                           output_index=index, name=item["name"], arguments=item["arguments"]))

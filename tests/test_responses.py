@@ -895,7 +895,8 @@ async def test_a_lone_surrogate_in_a_streamed_answer_is_sent_as_its_escape(proxy
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_answer_cut_short_says_why(proxy: Proxy, upstream: FakeUpstream, stream: bool) -> None:
     """A chat answer that ended at its length or at the provider's content filter is an incomplete
-    Response, with OpenAI's reason for each (before, a filtered answer read as completed)."""
+    Response, with OpenAI's reason for each (before, a filtered answer read as completed), and the
+    message it was cut in says it is incomplete too, as OpenAI's does (it said completed)."""
     for finish, reason in (("length", "max_output_tokens"), ("content_filter", "content_filter")):
         upstream.enqueue(Reply(content="It was a dark", finish_reason=finish))
         client = proxy.client(f"cut-{finish}")
@@ -904,9 +905,13 @@ async def test_an_answer_cut_short_says_why(proxy: Proxy, upstream: FakeUpstream
                                                                               stream=True)]
             assert events[-1].type == "response.incomplete"
             response = events[-1].response  # type: ignore[union-attr]
+            [done] = [event.item for event in events if event.type == "response.output_item.done"]
+            assert done.status == "incomplete"  # type: ignore[union-attr]
         else:
             response = await client.responses.create(model="small", input="A story?")
         assert (response.status, response.incomplete_details.reason) == ("incomplete", reason)  # type: ignore[union-attr]
+        assert [item.status for item in response.output] == ["incomplete"]  # type: ignore[union-attr]
+        assert (await client.responses.retrieve(response.id)).output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("stream", [False, True])
