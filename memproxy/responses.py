@@ -42,9 +42,9 @@ from .messages import Message, split_system, validate_messages
 from .observe import notes
 from .params import check_params
 from .provider import Provider
-from .responses_wire import (ITEM_PREFIXES, ChatEvents, Item, ResponsesRequest, chat_usage, check_bridge_input,
-                             check_item, input_items, item_ids, item_page, new_id, output_items, parse_request,
-                             response_object, response_of_item, responses_usage, sse, status_of)
+from .responses_wire import (ITEM_PREFIXES, ChatEvents, Item, ResponsesRequest, as_opened, chat_usage,
+                             check_bridge_input, check_item, input_items, item_ids, item_page, new_id, output_items,
+                             parse_request, response_object, response_of_item, responses_usage, sse, status_of)
 from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
@@ -389,10 +389,10 @@ class ResponsesWire:
             event = {**event, "item": self._item(event["item"])}
         if isinstance(event.get("item_id"), str) and event["item_id"]:
             event = {**event, "item_id": self._item_id(event["item_id"])}
+        event = self._events.numbered(as_opened(event))
         if kind in _TERMINAL:
             self._held = event  # sent once the turn is recorded (`done`)
             return b""
-        self._events.follow(event.get("sequence_number"))
         return sse(event)
 
     def reply(self) -> tuple[Message, dict[str, Any] | None] | None:

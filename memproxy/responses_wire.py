@@ -380,11 +380,14 @@ class ChatEvents:
         self._seq += 1
         return event
 
-    def follow(self, number: Any) -> None:
-        """A provider's own event numbered `number` (a native stream's) went out: an event of
-        memproxy's (the error ending the stream) is numbered after it."""
-        if isinstance(number, int) and not isinstance(number, bool):
-            self._seq = number + 1
+    def numbered(self, event: Event) -> Event:
+        """A provider's own event (a native stream's), numbered in this stream: as the provider
+        numbered it where it numbered every event from 0 (OpenAI does), and where it did not
+        (litellm, faking a stream for a model that has none, numbers few), numbered all the same.
+        An event of memproxy's (the error ending the stream) is numbered after it."""
+        event = {**event, "sequence_number": self._seq}
+        self._seq += 1
+        return event
 
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self._response),
@@ -514,6 +517,28 @@ class ChatEvents:
     def error(self, error: dict[str, Any]) -> Event:
         return self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
                            error=error)
+
+
+def as_opened(event: Event) -> Event:
+    """A native stream's event with the item or part it adds as OpenAI's stream adds them, empty:
+    a message without content, a function call without arguments, a text or refusal part without
+    text, the text's events with their `logprobs`. litellm, faking a stream for a model that has
+    none (o1-pro), adds them whole and then sends their text as deltas too, which the SDK's stream
+    helper appends to them: every delta's `snapshot` read the answer twice over."""
+    kind, item, part = event.get("type"), event.get("item"), event.get("part")
+    if kind == "response.output_item.added" and isinstance(item, dict):
+        if item.get("type") == "message":
+            return {**event, "item": {**item, "status": "in_progress", "content": []}}
+        if item.get("type") == "function_call":
+            return {**event, "item": {**item, "status": "in_progress", "arguments": ""}}
+    if kind == "response.content_part.added" and isinstance(part, dict) and part.get("type") in _PART_TEXT:
+        return {**event, "part": {**part, _PART_TEXT[part["type"]]: ""}}
+    if kind in ("response.output_text.delta", "response.output_text.done") and event.get("logprobs") is None:
+        return {**event, "logprobs": []}
+    return event
+
+
+_PART_TEXT = {"output_text": "text", "refusal": "refusal"}  # a message part's kind -> the field holding its text
 
 
 def sse(event: Event) -> bytes:

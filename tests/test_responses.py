@@ -527,6 +527,33 @@ async def test_a_cut_stream_ends_with_an_error_event_and_stores_nothing(proxy: P
     assert status == 404
 
 
+async def test_a_stream_litellm_fakes_for_a_native_model_is_openais_stream(
+        start_proxy: Any, config: Config, native_upstream: FakeResponsesUpstream) -> None:
+    """A model litellm does not know to stream (o1-pro) is streamed by litellm from a plain call,
+    with events unlike OpenAI's: unnumbered, and each item and part added whole before its text
+    comes again as deltas, which the SDK's stream helper appended to it (every delta's `snapshot`
+    read the answer twice over). Relayed, they are numbered from 0 and add what they open empty."""
+    pro = ModelConfig(name="pro", model="openai/o1-pro", api_base=native_upstream.url, api_key="upstream-secret",
+                      context_window=8000, max_output_tokens=256, responses_api="native")
+    proxy: Proxy = await start_proxy(replace(config, models=(*config.models, pro)))
+    native_upstream.enqueue(Reply(content="Hello there, Ada.", tool_calls=[
+        {"id": "call_o", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]))
+    events, texts, arguments = [], [], []
+    async with proxy.client("faked").responses.stream(model="pro", input="Go.", tools=[WEATHER_TOOL]) as stream:
+        async for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta":
+                texts.append(event.snapshot)
+            elif event.type == "response.function_call_arguments.delta":
+                arguments.append(event.snapshot)
+        final = await stream.get_final_response()
+    assert native_upstream.responses_requests()[-1].body.get("stream") is not True  # litellm faked the stream
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert texts[-1] == final.output_text == "Hello there, Ada." and arguments[-1] == '{"city":"Oslo"}'
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert [(item.type, item.status) for item in added] == [("message", "in_progress"), ("function_call", "in_progress")]
+
+
 async def test_the_error_ending_a_cut_stream_is_numbered_after_the_events_before_it(
     proxy: Proxy, wire: Upstream
 ) -> None:
