@@ -259,12 +259,31 @@ async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages:
         raise Conflict(f"the history before response '{previous_id}' is no longer stored whole "
                        "(retention.max_messages_per_session); continue from the newest response")
     system, new = split_system(messages)
-    instructions = previous.body.get("instructions")
-    if not system and isinstance(instructions, str) and instructions:
+    instructions = None if system else await _instructions_of(store, tenant, previous)
+    if instructions is not None:
         # The branch goes on under the instructions of the response it continues, not those a later
         # turn it supersedes left to the session (as litellm's bridge makes them: a system message).
         system = [{"role": "system", "content": instructions}]
     return [*system, *(m.body for m in stored), *new], "full"
+
+
+_CHAIN_LOOKUPS = 16  # kept responses looked back through at most, for `_instructions_of`
+
+
+async def _instructions_of(store: TurnStore, tenant: str, response: StoredResponse) -> str | None:
+    """The instructions a kept response went on under: its request's, or, where it gave none (it
+    went on under the session's, which the turn before it had set), those the response it
+    continued went on under, and so back along its chain. None where the chain gives none."""
+    for _ in range(_CHAIN_LOOKUPS):
+        instructions = response.body.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            return instructions
+        before = response.body.get("previous_response_id")
+        found = await _stored(store, tenant, before, with_input=False) if isinstance(before, str) else None
+        if found is None or found.session_id != response.session_id:
+            return None
+        response = found
+    return None
 
 
 class ResponsesWire:

@@ -243,6 +243,21 @@ async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wi
         await client.responses.create(model=wire.model, input="x", previous_response_id=second.id)
 
 
+async def test_a_fork_goes_on_under_the_instructions_its_chain_had(proxy: Proxy, wire: Upstream) -> None:
+    """A fork from a response whose request gave no instructions (it went on under the session's,
+    its chain's) goes on under those, not under the instructions a later turn of the branch it
+    supersedes set: the provider saw that branch's "Be a pirate." on a fork made before it."""
+    client = proxy.client(session=None)
+    first = await client.responses.create(model=wire.model, input="I am Ada.", instructions="Be brief.")
+    second = await client.responses.create(model=wire.model, input="Hello.", previous_response_id=first.id)
+    await client.responses.create(model=wire.model, input="Arr?", previous_response_id=second.id,
+                                  instructions="Be a pirate.")
+    assert wire.conversation()[0] == ("system", "Be a pirate.")
+    await client.responses.create(model=wire.model, input="Who am I?", previous_response_id=second.id)
+    assert wire.conversation() == [("system", "Be brief."), ("user", "I am Ada."), ("assistant", "reply 1"),
+                                   ("user", "Hello."), ("assistant", "reply 2"), ("user", "Who am I?")]
+
+
 async def test_conversation_names_the_session(proxy: Proxy, wire: Upstream) -> None:
     client = proxy.client(session=None)
     await client.responses.create(model=wire.model, input="Remember 42.", conversation="conv_7")
