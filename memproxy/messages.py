@@ -62,7 +62,9 @@ def validate_message(message: Any, where: str, user_parts: frozenset[str] | None
         )
     content = message.get("content")
     if content is None:
-        if role != "assistant":
+        # An assistant's may be left out beside its calls; a legacy function result's is required
+        # but may be null (a function that returned nothing), as OpenAI takes it.
+        if role != "assistant" and not (role == "function" and "content" in message):
             raise BadRequest(f"{where}.content is required", param=f"{where}.content")
     elif isinstance(content, list):
         for j, part in enumerate(content):
@@ -119,7 +121,8 @@ def wire_form(message: Message) -> Message:
     fields (an assistant's `content: null` beside its tool calls), so memproxy drops them itself and
     the admin context preview shows the very bytes sent. An assistant message with neither text nor
     a call (a refusal, an empty answer) gets empty text: OpenAI requires `content` unless the
-    message calls a tool; an answer's audio goes by its id alone, until the provider forgets it
+    message calls a tool; a legacy function result of `content: null` gets empty text too (OpenAI
+    takes the null, litellm leaves the key out, and OpenAI requires it); an answer's audio goes by its id alone, until the provider forgets it
     (its `expires_at`, less `AUDIO_EXPIRY_MARGIN`), and then as its transcript: OpenAI refuses an
     audio id past it. A message with none of these is itself, not a copy: messages are never
     changed once built (stored ones are shared with the store's history cache)."""
@@ -135,6 +138,8 @@ def wire_form(message: Message) -> Message:
             return {**{k: v for k, v in message.items() if v is not None}, "content": ""}
     if None not in message.values():
         return message
+    if message.get("role") == "function" and message.get("content") is None:
+        return {**{k: v for k, v in message.items() if v is not None}, "content": ""}
     return {k: v for k, v in message.items() if v is not None}
 
 

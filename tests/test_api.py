@@ -298,6 +298,32 @@ async def test_a_custom_tools_call_is_taken_and_sent_back_as_it_came(
     assert upstream.last().messages[1]["tool_calls"] == [call]
 
 
+FUNCTIONS: Any = [{"name": "get_weather", "parameters": {"type": "object", "properties": {}}}]
+
+
+async def test_a_legacy_function_result_of_null_content_is_taken_and_sent_back_as_text(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    """A legacy function result's `content` is required but nullable (a function that returned
+    nothing): OpenAI takes `null`, so memproxy does, and sends it as empty text, now and on every
+    later turn (litellm leaves a null out, and OpenAI requires the key). Left out, it is a 400."""
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}}]
+    sent_as = {"role": "function", "name": "get_weather", "content": ""}
+    client = proxy.client(session="legacy")
+    upstream.enqueue(Reply(content="No weather today."), Reply(content="You are welcome."))
+    await complete(client, [*history, {"role": "function", "name": "get_weather", "content": None}],
+                   functions=FUNCTIONS)
+    assert upstream.last().messages[2] == sent_as
+    _, headers = await complete(client, [{"role": "user", "content": "thanks"}], functions=FUNCTIONS)
+    assert upstream.last().messages[2] == sent_as and len(upstream.last().messages) == 5
+    async with http.post(f"{proxy.url}/chat/completions", json={
+            "model": "small", "messages": [{"role": "function", "name": "get_weather"}]},
+            headers={"Authorization": f"Bearer {PROXY_KEY}", "X-Session-Id": "legacy"}) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == "messages[0].content"
+    assert len(upstream.chat_requests()) == 2
+
+
 # --- auth --------------------------------------------------------------------------------------------
 
 
