@@ -287,12 +287,27 @@ def hoisted_image_words(message: Message) -> list[str] | None:
 def answer_audio_tokens(message: Message) -> int | None:
     """What an assistant's spoken answer costs when the conversation goes on: only its id is sent
     back (`messages.wire_form`), but the model hears the clip again, so it counts as an
-    `input_audio` of its data does, by its duration (its id is text, for the counter to add); None
-    for a message with no audio data (an `audio` of an id alone counts as its JSON)."""
+    `input_audio` of its data does, by its duration (its id is text, for the counter to add), a
+    clip in no container as OpenAI's `pcm16`; None for a message with no audio data (an `audio` of
+    an id alone counts as its JSON)."""
     audio = message.get("audio")
     if message.get("role") != "assistant" or not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
         return None
+    encoded = _base64(audio["data"])
+    header = _decoded(encoded[:64]) if encoded is not None else None
+    if encoded is not None and header is not None and not header.startswith(_CONTAINERS) \
+            and not (len(header) > 1 and header[0] == 0xFF and header[1] & 0xE0 == 0xE0):
+        # No container: OpenAI's `pcm16` (the only format it streams a spoken answer in), raw
+        # 16-bit samples at 24 kHz. At a compressed clip's low bit rate it read twelve times as long.
+        size = len(encoded.rstrip("=")) * 3 // 4
+        return math.ceil(size / _PCM16_BYTES_PER_SECOND * TOKENS_PER_AUDIO_SECOND)
     return attachment_tokens({"type": "input_audio", "input_audio": {"data": audio["data"]}})
+
+
+# How an answer's audio in a container begins (`answer_audio_tokens`): WAV, MP3 with its ID3 tag,
+# FLAC, Ogg (OpenAI's opus); MP3 and AAC frames without a tag begin with an 11-bit frame sync.
+_CONTAINERS = (b"RIFF", b"ID3", b"fLaC", b"OggS")
+_PCM16_BYTES_PER_SECOND = 48_000  # OpenAI's `pcm16`: 24 kHz, mono, 16-bit
 
 
 def image_tokens(url: Any, detail: Any, openai: bool = True) -> int:

@@ -29,8 +29,8 @@ from memproxy.config import Config
 from memproxy.messages import Message
 from memproxy.provider import LitellmCounter, load_litellm
 from memproxy.tokens import (HOISTED_IMAGES_BOUNDARY, HOISTED_IMAGES_PLACEHOLDER, TOKENS_PER_AUDIO_SECOND,
-                             TOKENS_PER_DOCUMENT_PAGE, TOKENS_PER_IMAGE, TiktokenCounter, attachment_tokens,
-                             encoding_name_for, request_tokens)
+                             TOKENS_PER_DOCUMENT_PAGE, TOKENS_PER_IMAGE, TiktokenCounter, answer_audio_tokens,
+                             attachment_tokens, encoding_name_for, request_tokens)
 from memproxy.typedefs import PROVIDER
 from test_budget import TOOLS, db_path, tool_call, words
 
@@ -469,6 +469,15 @@ def test_a_spoken_answer_counts_as_heard_not_as_its_base64() -> None:
     silent: Message = {"role": "assistant", "content": None}
     for counter in (TiktokenCounter("o200k_base"), LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")):
         assert counter.message(spoken) == counter.message(silent) + 10 * TOKENS_PER_AUDIO_SECOND + counter.text("audio_abc")
+    # A streamed answer's clip is OpenAI's `pcm16` (streaming takes no other format): raw samples
+    # at 24 kHz, no header. Counted at a compressed clip's bit rate, ten seconds read as two minutes.
+    pcm16 = base64.b64encode(bytes(2) + os.urandom(10 * 48_000 - 2)).decode()
+    streamed: Message = {**spoken, "audio": {**spoken["audio"], "data": pcm16}}
+    for counter in (TiktokenCounter("o200k_base"), LitellmCounter(load_litellm(), "anthropic/claude-3-5-sonnet-20240620")):
+        assert counter.message(streamed) == counter.message(spoken)
+    # An mp3 answer (its frames' sync, no tag) is still counted at the low bit rate, erring long.
+    mp3 = base64.b64encode(b"\xff\xfb" + os.urandom(39_998)).decode()
+    assert answer_audio_tokens({**spoken, "audio": {"id": "audio_abc", "data": mp3}}) == 10 * TOKENS_PER_AUDIO_SECOND
     # By its id alone (a client resending history): its JSON, as any other field.
     tiktoken_counter = TiktokenCounter("o200k_base")
     by_id: Message = {"role": "assistant", "content": None, "audio": {"id": "audio_abc"}}
