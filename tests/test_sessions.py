@@ -463,6 +463,11 @@ async def test_n_greater_than_one_records_choice_zero(
     await chat(client, [user("go on")])
     assert upstream.last().messages == [user("two please"), assistant("first choice"), user("go on")]
 
+    # A client that goes on with the second choice resends its history with it: an edit there.
+    _, headers = await chat(client, [user("two please"), assistant("second choice"), user("and then?")])
+    assert headers["X-Memproxy-Reconcile"] == "edit"
+    assert upstream.last().messages == [user("two please"), assistant("second choice"), user("and then?")]
+
 
 # --- the system prompt --------------------------------------------------------------------------
 
