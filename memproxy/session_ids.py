@@ -21,12 +21,16 @@ def is_session_id(value: str) -> bool:
 
 
 def end_user(headers: Mapping[str, str], params: Mapping[str, Any]) -> str | None:
-    """Whom a turn is for: the `X-Memproxy-User` header, else the request's `user` field (a string
-    of at most 256 characters; anything else names no one)."""
+    """Whom a turn is for: the `X-Memproxy-User` header, else the request's `user` field, else its
+    `safety_identifier`, which OpenAI has supersede `user` for the same purpose (a string of at most
+    256 characters; anything else names no one)."""
     value = headers.get(USER_HEADER)
     if value is not None:
         if not 0 < len(value) <= 256:
             raise BadRequest(f"{USER_HEADER} must be 1-256 characters", param=USER_HEADER)
         return value
-    user = params.get("user")
-    return user if isinstance(user, str) and 0 < len(user) <= 256 else None
+    for field in ("user", "safety_identifier"):
+        given = params.get(field)
+        if isinstance(given, str) and 0 < len(given) <= 256:
+            return given
+    return None

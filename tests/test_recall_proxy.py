@@ -252,6 +252,12 @@ async def test_recall_across_an_end_users_sessions_stays_with_that_user_and_tena
     await plain.chat.completions.create(model="small", user="alice",
                                         messages=[user("And the combination of the blue locker again?")])
     assert "7281" in str(upstream.chat_requests()[-1].messages)
+    # And so does `safety_identifier`, which OpenAI has supersede `user`.
+    upstream.enqueue(Reply("?"))
+    await plain.chat.completions.create(model="small", safety_identifier="alice",
+                                        messages=[user("Once more, the combination of the blue locker?")])
+    assert "7281" in str(upstream.chat_requests()[-1].messages)
+    assert upstream.chat_requests()[-1].body["safety_identifier"] == "alice"
     # With the default scope, only the session itself is searched.
     scoped = await start(start_proxy, make_storage, upstream, db="scoped", **RECALL)
     await long_conversation(scoped, upstream, "alice-1", turns=2, **{"X-Memproxy-User": "alice"})

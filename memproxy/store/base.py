@@ -356,8 +356,9 @@ class TurnRecord:
     # starts it afresh, unless a write meanwhile (a metadata write, a clear) already did.
     expired_before: float | None = None
     sent: SentContext | None = None
-    # The end user the turn was made for (`X-Memproxy-User`, else the request's `user`): the
-    # session's, for recall across that user's sessions (`memory.recall_scope: user`).
+    # The end user the turn was made for (`session_ids.end_user`: `X-Memproxy-User`, else the request's
+    # `user` or `safety_identifier`): the session's, for recall across that user's sessions
+    # (`memory.recall_scope: user`).
     end_user: str | None = None
     response: NewResponse | None = None  # a Responses API answer, kept with the turn
     tokenizer: str | None = None  # the counter that counted its messages (`TokenCounter.name`)
