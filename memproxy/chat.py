@@ -52,7 +52,7 @@ from .memory.plan import PreparedTurn, prepare_turn
 from .memory.reconcile import HISTORY_MODES, HistoryMode, Reconciled
 from .memory.record import turn_record
 from .memory.retention import cap_messages
-from .messages import Message, validate_messages, wire_form
+from .messages import Message, validate_messages, wire_form, within_cache_breakpoints
 from .observe import CLIENT_GONE, notes
 from .params import check_params
 from .redact import session_digest
@@ -333,7 +333,8 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
     if read_as is not None:
         turn = dataclasses.replace(turn, read_as=read_as)
     exchange.turn = notes(request).turn = turn
-    exchange.messages = [wire_form(m) for m in turn.context.messages]
+    exchange.messages = within_cache_breakpoints([wire_form(m) for m in turn.context.messages],
+                                                 len(turn.reconciled.new), exchange.params.get("tools"))
     context, reconciled, budget = turn.context, turn.reading, turn.budget
     if reconciled.superseded and read_as is None:  # said once, by the first plan
         # Forgetting must never pass unseen: counts and positions, never content.

@@ -143,6 +143,49 @@ def wire_form(message: Message) -> Message:
     return {k: v for k, v in message.items() if v is not None}
 
 
+# The prompt-caching breakpoints (`cache_control`, on a message or a content part) Anthropic takes
+# in one request, tools and system prompt included; OpenRouter and Bedrock pass them on to it.
+CACHE_BREAKPOINTS = 4
+
+
+def within_cache_breakpoints(messages: list[Message], new: int, tools: Any = None) -> list[Message]:
+    """A planned request's messages (`new`: how many at the end are the client's new ones) with no
+    more prompt-caching breakpoints, `tools` included, than `CACHE_BREAKPOINTS`. A client that marks
+    its newest message each turn (Cline, Roo Code and Anthropic's docs mark the last user messages)
+    has every stored message keep the mark it came with, and within a few turns every request of
+    the session was refused. Where there are too many, the oldest stored messages' marks go first
+    (a message's all at once); the system prompt's and the new messages' stay, as the client sent
+    them. `messages` itself where nothing goes, the messages in it never changed."""
+    marked = sum(isinstance(tool, dict) and tool.get("cache_control") is not None
+                 for tool in (tools if isinstance(tools, list) else ()))
+    over = marked + sum(_breakpoints(m) for m in messages) - CACHE_BREAKPOINTS
+    if over <= 0:
+        return messages
+    out = list(messages)
+    for i in range(len(out) - new):
+        marks = _breakpoints(out[i]) if out[i].get("role") not in SYSTEM_ROLES else 0
+        if marks:
+            out[i], over = _unmarked(out[i]), over - marks
+            if over <= 0:
+                break
+    return out
+
+
+def _breakpoints(message: Message) -> int:
+    content = message.get("content")
+    parts = content if isinstance(content, list) else ()
+    return int(message.get("cache_control") is not None) \
+        + sum(isinstance(p, dict) and p.get("cache_control") is not None for p in parts)
+
+
+def _unmarked(message: Message) -> Message:
+    out = {k: v for k, v in message.items() if k != "cache_control"}
+    if isinstance(out.get("content"), list):
+        out["content"] = [{k: v for k, v in p.items() if k != "cache_control"} if isinstance(p, dict) else p
+                          for p in out["content"]]
+    return out
+
+
 AUDIO_EXPIRY_MARGIN = 300.0  # seconds: an answer's audio about to expire is sent as its transcript
 
 

@@ -11,7 +11,7 @@ from .config import Config, ModelConfig
 from .errors import BadRequest
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
 from .memory.summaries import Summarizer
-from .messages import validate_message, wire_form
+from .messages import validate_message, wire_form, within_cache_breakpoints
 from .params import check_params
 from .provider import Provider
 from .store import SessionState, TurnStore
@@ -91,7 +91,7 @@ async def context(
         "would_summarize": bool(turn.unsummarised) and config.memory.overflow == "summarize"
         and summarizer.may_fold(tenant, session.session_id),
         "parts": parts,
-        "messages": [wire_form(m) for m in sent],
+        "messages": within_cache_breakpoints([wire_form(m) for m in sent], n_new, params.get("tools")),
     }
 
 

@@ -324,6 +324,36 @@ async def test_a_legacy_function_result_of_null_content_is_taken_and_sent_back_a
     assert len(upstream.chat_requests()) == 2
 
 
+def breakpoints(messages: list[dict[str, Any]]) -> list[str]:
+    """The texts of the content parts that carry a prompt-caching breakpoint, in order."""
+    return [part["text"] for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if "cache_control" in part]
+
+
+async def test_stored_cache_breakpoints_never_take_a_request_past_four(
+        proxy: Proxy, upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    """Anthropic (and OpenRouter and Bedrock on to it) refuse a request with more than four
+    `cache_control` breakpoints. A client that marks its newest message each turn, as Cline and
+    Anthropic's docs do, had every stored message keep its mark: within a few turns every
+    request of the session was refused. The oldest stored marks go; the system prompt's, the tools'
+    and the new message's stay, and the preview shows the request as sent."""
+    mark = {"type": "ephemeral"}
+    system = {"role": "system", "content": [{"type": "text", "text": "rules", "cache_control": mark}]}
+    tools = [{**TOOLS[0], "cache_control": mark}]
+    client = proxy.client(session="cached")
+    for i in range(5):
+        upstream.enqueue(Reply(content=f"answer {i}"))
+        new = {"role": "user", "content": [{"type": "text", "text": f"question {i}", "cache_control": mark}]}
+        await complete(client, [system, new] if i == 0 else [new], tools=tools)
+    sent = upstream.last().messages
+    assert breakpoints(sent) == ["rules", "question 3", "question 4"]  # and the tool's: four
+    assert [part["text"] for part in sent[1]["content"]] == ["question 0"]  # the stored message, unmarked
+    following = {"role": "user", "content": [{"type": "text", "text": "question 5", "cache_control": mark}]}
+    async with http.post(f"{proxy.url}/sessions/cached/context", headers=auth(), json={
+            "model": "small", "messages": [following], "tools": tools}) as response:
+        assert breakpoints((await response.json())["messages"]) == ["rules", "question 4", "question 5"]
+
+
 # --- auth --------------------------------------------------------------------------------------------
 
 
