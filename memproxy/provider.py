@@ -19,7 +19,8 @@ if it fails, a canned answer, a provider's credentials): a client able to set th
 operator's upstream key to a server of its own. So a parameter is a keyword argument only where
 litellm names it as a request parameter (`request_parameters`: the call's signature and, for chat,
 what litellm translates for the model's provider, `chat_parameters`), and is allowed even where litellm would refuse
-it for an unknown model; every other one travels in `extra_body`, which litellm puts in the
+it for an unknown model (for chat, only there: one litellm translates goes in the provider's form
+alone, `translated_parameters`); every other one travels in `extra_body`, which litellm puts in the
 provider's request as it is and never reads.
 One is added: where the provider's API requires `max_tokens` (Anthropic's) and the client set none,
 litellm would ask for the model's whole output, so memproxy asks for the output its budget reserved.
@@ -267,6 +268,7 @@ class Provider:
         self._sdk_route: dict[str, bool] = {}  # litellm reaches the model through the OpenAI SDK
         self._inline: dict[str, bool] = {}  # litellm sets a call up on the loop (`memproxy.inline_setup`)
         self._chat_parameters: dict[str, frozenset[str]] = {}  # `chat_parameters`
+        self._translated: dict[str, frozenset[str]] = {}  # `translated_parameters`
         # How each model's provider counts what memproxy counts (`memory.calibrate_tokens`).
         self.calibration = Calibration(config.memory.calibrate_tokens)
         # The content part types litellm takes in a user message: its own list, which it checks.
@@ -284,6 +286,7 @@ class Provider:
             self._sdk_route[model.name] = provider in ("openai", "text-completion-openai")
             self._inline[model.name] = provider in _INLINE_SETUP
             self._chat_parameters[model.name] = chat_parameters(self._litellm, model)
+            self._translated[model.name] = translated_parameters(self._litellm, model)
             register_unmapped(self._litellm, model, self._windows[model.name])
         self._endpoint_parameters = {endpoint: request_parameters(self._litellm, getattr(self._litellm, name))
                                      for endpoint, name in _SIGNATURES.items()}
@@ -356,6 +359,15 @@ class Provider:
     def _kwargs(self, model: ModelConfig, messages: list[Message], params: dict[str, Any]) -> dict[str, Any]:
         """A chat call's arguments for litellm (`litellm_kwargs`), its messages included."""
         kwargs = litellm_kwargs(model, params, self._chat_parameters[model.name])
+        # Only what litellm would drop or refuse for the model is forced through
+        # (`allowed_openai_params`): what it translates for the provider, or handles itself
+        # (`stream_options`), forced too, went to the provider as it came beside litellm's
+        # translation, and a provider whose API is not OpenAI's refuses it (Anthropic a `user` or a
+        # `max_completion_tokens` beside the `metadata.user_id` and `max_tokens` litellm makes of
+        # them; Anthropic and Mistral the `stream_options` memproxy asks a recorded stream's usage
+        # by: every such streamed turn was a 400).
+        kwargs["allowed_openai_params"] = [name for name in kwargs["allowed_openai_params"]
+                                           if name not in self._translated[model.name]]
         kwargs["messages"] = [detached(m) for m in messages]  # litellm may rewrite them; they are shared
         if self._fills_max_tokens[model.name] and params.get("max_tokens") is None \
                 and params.get("max_completion_tokens") is None:
@@ -384,7 +396,8 @@ class Provider:
         """A request of memproxy's own (a summary), whatever the model's transport: through litellm,
         which translates its parameters for the model (`max_tokens` becomes `max_completion_tokens`
         for OpenAI's reasoning models) and drops those the model refuses (a `temperature` other
-        than 1 there). A client's request is forwarded as sent; this one is memproxy's to adapt."""
+        than 1 there). A client's keeps those for the provider to judge (`_kwargs`); this one is
+        memproxy's to adapt."""
         kwargs = self._kwargs(model, messages, params)
         del kwargs["allowed_openai_params"]
         try:
@@ -716,6 +729,19 @@ def chat_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
     # `promptCacheRetention`). Such a name goes in `extra_body`, as the client sent it.
     unread = set(litellm.OPENAI_CHAT_COMPLETION_PARAMS) - set(inspect.signature(litellm.completion).parameters)
     return request_parameters(litellm, litellm.completion, [name for name in translated if name not in unread])
+
+
+def translated_parameters(litellm: Any, model: ModelConfig) -> frozenset[str]:
+    """The OpenAI parameters litellm takes for `model` without being told to: those it translates
+    for the model's provider, and `stream_options`, which it handles itself (its stream returns
+    the usage asked for, counted where the provider sends none) and sends on only to a provider
+    that takes it. Any other it drops or refuses unless a call allows it."""
+    try:  # by the name and provider litellm checks a call's parameters by, as `chat_parameters` is not
+        name, provider, _, _ = litellm.get_llm_provider(model.model)
+        supported = litellm.get_supported_openai_params(model=name, custom_llm_provider=provider) or []
+    except Exception:  # a provider litellm has no list for
+        supported = []
+    return frozenset(supported) | {"stream_options"}
 
 
 def _provider_parameters(litellm: Any, model: ModelConfig) -> list[str]:

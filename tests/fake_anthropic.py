@@ -13,9 +13,9 @@ It refuses, with a 400 in Anthropic's error shape, what the API refuses that a p
 messages, a `system` role among the messages, a first message that is not the user's (Bedrock and
 Vertex refuse it; the first-party API did until late 2024), an empty text block, a `tool_use` whose
 `tool_result` is not in the next message, a `tool_result` without its `tool_use` in the message
-before, no `max_tokens`, a `max_tokens` that with the input exceeds the model's window (`window`;
-the input counted low, one token a word, so a refusal is certain); and a request without `x-api-key`
-or `anthropic-version`. The messages quoted are the API's own.
+before, a field it does not know (an OpenAI parameter sent untranslated), no `max_tokens`, a
+`max_tokens` that with the input exceeds the model's window (`window`; the input counted low, one
+token a word, so a refusal is certain); and a request without `x-api-key` or `anthropic-version`. The messages quoted are the API's own.
 
 Like `fake_upstream.FakeUpstream` it runs on 127.0.0.1, port 0, in a thread with its own event loop.
 Replies come from a script (`enqueue`), else `reply N`; the summariser's requests (told apart by
@@ -161,8 +161,17 @@ class FakeAnthropic:
         return web.json_response(message, headers={"request-id": f"req_{number:04d}"})
 
 
+# The Messages API's request fields.
+_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream",
+                     "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier",
+                     "container", "mcp_servers", "context_management"})
+
+
 def refused(body: dict[str, Any], window: int = 200_000) -> str | None:
     """Why the Messages API would answer this body 400, in its words; None if it would not."""
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:  # the API takes no field it does not know
+        return f"{unknown[0]}: Extra inputs are not permitted"
     if not isinstance(body.get("max_tokens"), int):
         return "max_tokens: Field required"
     messages = body.get("messages")

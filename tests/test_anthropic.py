@@ -158,6 +158,29 @@ async def test_without_max_tokens_claude_is_asked_for_the_reserved_output(
     assert [r.body["max_tokens"] for r in anthropic.chat_requests()] == [256, 100, 120]
 
 
+async def test_openai_parameters_reach_claude_translated_and_only_so(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic
+) -> None:
+    """What litellm translates for Claude (or handles itself) goes in Claude's form alone: forced
+    through as well, each went beside it as it came, and Anthropic refuses a field it does not know.
+    So a client's `user`, `max_completion_tokens` or `stop` was a 400, and so was every streamed turn
+    of a session, for the `stream_options` memproxy asks the usage it records by."""
+    config = claude_config(storage, anthropic)
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("s1")
+    await ask(client, user("Hello"), user="u-1", max_completion_tokens=50, parallel_tool_calls=False, tools=TOOLS,
+              stop=["END"])
+    sent = anthropic.chat_requests()[-1].body
+    assert (sent["metadata"], sent["max_tokens"], sent["tool_choice"], sent["stop_sequences"]) == (
+        {"user_id": "u-1"}, 50, {"type": "auto", "disable_parallel_tool_use": True}, ["END"])
+    anthropic.enqueue(Reply(text="Streamed.", input_tokens=40, output_tokens=3))
+    stream = await ask(client, user("Stream it"), stream=True)
+    assert [c.usage for c in [chunk async for chunk in stream] if c.usage is not None] == []  # not asked for
+    assert "stream_options" not in anthropic.chat_requests()[-1].body
+    turns = db.rows(config, "SELECT prompt_tokens, completion_tokens FROM turns ORDER BY id")
+    assert tuple(turns[-1]) == (40, 3)  # yet recorded with its usage
+
+
 # --- tools ---------------------------------------------------------------------------------------
 
 
@@ -446,6 +469,7 @@ async def test_summaries_are_written_by_claude_and_sent_to_claude(
         {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, user("?")]}, "without `tool_result`"),
     ({"messages": [user("Hi"), {"role": "assistant", "content": "ok"}, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]}, "unexpected `tool_use_id`"),
+    ({"messages": [user("Hi")], "stream_options": {"include_usage": True}}, "stream_options: Extra inputs"),
 ])
 def test_the_fake_refuses_what_anthropic_refuses(body: dict[str, Any], why: str) -> None:
     reason = refused({"model": "m", "max_tokens": 10, **body})
