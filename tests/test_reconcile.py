@@ -22,7 +22,7 @@ from conftest import Proxy
 from fake_upstream import FakeUpstream, Reply
 from helpers import assistant, chat, complete, user
 from memproxy.config import Config
-from memproxy.messages import ROOT_HASH, chain_hash, loosely_equal
+from memproxy.messages import ROOT_HASH, chain_hash, loose_json, loosely_equal
 from memproxy.redact import session_digest
 from test_sessions import assert_chain_consistent, stored
 
@@ -666,6 +666,58 @@ async def test_a_dropped_middle_before_tool_results_forgets_nothing(
     reply, headers = await chat(client, [*history[:2], *history[-5:], result("c1", "ok")], tools=TOOLS)
     assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
     assert stored(config) == [*history, result("c1", "ok"), assistant(reply)]
+
+
+async def _tool_turn(client: openai.AsyncOpenAI, upstream: FakeUpstream, resent: list[Message], question: str,
+                     calls: list[dict[str, Any]], text: str | None = None) -> tuple[list[Message], Message]:
+    """One turn of a chat UI that keeps only the text of its turns: it resends `resent` (its texts),
+    then the question, and in the turn's tool loop the calls and results so far, one call a step.
+    The turn as stored, and the answer as the UI keeps it."""
+    turn = [user(question)]
+    for made in calls:
+        upstream.enqueue(Reply(content=text, tool_calls=[made]))
+        await chat(client, [*resent, *turn], tools=TOOLS)
+        turn += [{"role": "assistant", "content": text, "tool_calls": [made]}, result(made["id"], f"r {made['id']}")]
+    reply, headers = await chat(client, [*resent, *turn], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) in (
+        ("new", "0"), ("continue", "0"), ("window", "0")), headers
+    return [*turn, assistant(reply)], assistant(reply)
+
+
+async def test_a_history_resent_without_its_tool_calls_and_results_forgets_none(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A chat UI that resends only the text of earlier turns (their questions and answers), the
+    current turn's calls and results alone: at the third turn's first call the calls it left out
+    were more than `_resent_among` looks back over, and the request read as an edit at the first
+    call, superseding every result since (never sent again)."""
+    client = proxy.client()
+    history: list[Message] = []
+    texts: list[Message] = []
+    for n in range(3):
+        turn, answer = await _tool_turn(client, upstream, texts, f"q{n}",
+                                        [call(f"c{n}{k}", f"city {k}") for k in range(5)])
+        history += turn
+        texts += [turn[0], answer]
+    assert stored(config) == history and stored(config, active=0) == []
+    reply, headers = await chat(client, [*texts, user("q3")], tools=TOOLS)
+    assert [loose_json(m) for m in upstream.last().messages] == [loose_json(m) for m in [*history, user("q3")]]
+    assert stored(config) == [*history, user("q3"), assistant(reply)]
+    assert_chain_consistent(config)
+
+
+async def test_an_answer_resent_without_its_calls_is_the_stored_one(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """An answer that said something and called a tool, resent as its text alone (its call and
+    result left out): read as the client's version of it, an edit, the result went."""
+    client = proxy.client()
+    turn, answer = await _tool_turn(client, upstream, [], "q0", [call("c1", "Oslo")], text="Let me check.")
+    texts = [turn[0], {"role": "assistant", "content": "Let me check."}, answer]
+    reply, headers = await chat(client, [*texts, user("q1")], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert [loose_json(m) for m in upstream.last().messages] == [loose_json(m) for m in [*turn, user("q1")]]
+    assert stored(config) == [*turn, user("q1"), assistant(reply)] and stored(config, active=0) == []
 
 
 async def test_an_answer_edited_with_everything_after_it_resent_is_an_edit(
