@@ -720,6 +720,26 @@ async def test_an_answer_resent_without_its_calls_is_the_stored_one(
     assert stored(config) == [*turn, user("q1"), assistant(reply)] and stored(config, active=0) == []
 
 
+async def test_a_trimmed_history_with_its_own_copy_of_the_last_answer_stores_it_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client that sends its newest four messages and keeps its own copy of each answer (its
+    markdown normalised): its copy of the last answer was stored after the stored one, and both
+    were sent from then on; now it is that answer's edit, as it is for a client resending the whole
+    history."""
+    client = proxy.client()
+    history: list[Message] = []
+    for n in range(4):
+        upstream.enqueue(Reply(content=f"**answer {n}**"))
+        _, headers = await chat(client, [*history[-4:], user(f"q{n}")])
+        history += [user(f"q{n}"), assistant(f"answer {n}")]
+    assert headers["X-Memproxy-Reconcile"] == "edit" and headers["X-Memproxy-Superseded"] == "1"
+    assert upstream.last().messages == [*history[:-1]]
+    assert stored(config) == [*history[:-1], assistant("**answer 3**")]
+    assert stored(config, active=0) == [assistant(f"**answer {n}**") for n in range(3)]
+    assert_chain_consistent(config)
+
+
 async def test_an_answer_edited_with_everything_after_it_resent_is_an_edit(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

@@ -17,11 +17,14 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
   stored, in order, among the newest messages (a chat UI resending its own exchanges on a session
   another client writes to between them; where it edited one of them, what is stored up to there),
   or a stored prefix and, past a gap, the stored tail up to the head (a client that dropped the
-  middle of its history); only what follows is new, after the head.
+  middle of its history), or the stored history less its tool calls and results (a chat UI that
+  keeps only the text of earlier turns); only what follows is new, after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
-  stops short (regenerate). The stored tail after the fork point is superseded when the turn is
+  stops short (regenerate), or repeats the stored messages before the head, an answer, and then
+  has its own version of it (a client trimming its history that reformats answers: an edit of the
+  head). The stored tail after the fork point is superseded when the turn is
   recorded, never before, so a failed upstream call changes nothing.
 
 Forgetting is the worst failure, so superseding needs proof, and where a request reads two ways the
@@ -107,6 +110,9 @@ async def reconcile(
     if matched == 0 and requested != "full":
         if await _edited_where_capped(store, session, conversation, held):
             return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
+        respelt = await _echoed_before_answer(store, session, conversation, held)
+        if respelt:
+            return Reconciled("edit", stored - 1, respelt[1], conversation[respelt[0]:], superseded=1)
         resent = await _resent_among(store, session, conversation, held)
         if resent:
             return Reconciled("window", stored, head, conversation[resent:])
@@ -202,6 +208,32 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
                                  for m, c in zip(tail[len(tail) - 1 - j:], conversation[: j + 1])):
             return j + 1
     return 0
+
+
+async def _echoed_before_answer(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                                held: Sequence[StoredMessage]) -> tuple[int, str] | None:
+    """Where the stored head is an answer (no tool calls): the k >= 1 such that the client's first k
+    messages repeat the k stored ones before the head (loosely) and its next is an answer of its
+    own, without calls, and the chained hash of the stored message before the head; else None. A
+    client that trims its history to its newest messages and keeps its own copy of the last answer
+    (reassembled from the stream, its markdown normalised): its version of the head, as a client
+    resending its whole history has its version of an answer read, an edit of it. Read as the
+    newest messages among the stored ones up to where they differ (`_resent_among`), its copy was
+    stored after the stored answer, and both were sent from then on. One read, as long as the echo."""
+    head = session.head_message
+    if head is None or head.get("role") != "assistant" or head.get("tool_calls"):
+        return None
+    candidates = [j for j in range(min(len(conversation), session.length) - 1, 0, -1)
+                  if conversation[j].get("role") == "assistant" and not conversation[j].get("tool_calls")
+                  and not loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
+    if not candidates:
+        return None
+    before = await _active_range(store, session, held, session.length - 1 - candidates[0], session.length - 1)
+    for j in candidates:  # longest first
+        if j <= len(before) and all(loose_json(m.body) == loose_json(c)
+                                    for m, c in zip(before[len(before) - j:], conversation[:j])):
+            return j, before[-1].chain_hash
+    return None
 
 
 async def _echoed_before_calls(store: TurnStore, session: SessionState, conversation: Sequence[Message],
