@@ -593,6 +593,25 @@ async def test_a_ui_that_adds_context_to_the_newest_question_alone_continues(
     assert_chain_consistent(config)
 
 
+async def test_a_ui_that_adds_context_and_trims_its_history_stores_each_exchange_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The same UI sending only its newest four messages: its plain questions matched no echoed
+    tail, and from the first trimmed turn on each exchange was stored and sent again (the whole
+    window at first, then the last exchange at every turn)."""
+    client = proxy.client()
+    history: list[Message] = []
+    questions = [f"What does page {n} say?" for n in range(5)]
+    for question in questions:
+        reply, headers = await chat(client, [*history[-4:], with_context(question)])
+        history += [user(question), assistant(reply)]
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    kept = [m for q, a in zip(questions, history[1::2]) for m in (with_context(q), a)]
+    assert stored(config) == kept and stored(config, active=0) == []
+    assert [m for m in upstream.last().messages if m["role"] != "system"] == kept[:-1]
+    assert_chain_consistent(config)
+
+
 async def test_a_question_resent_with_something_added_is_not_taken_for_the_stored_one(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

@@ -204,10 +204,26 @@ async def _echoed_tail(store: TurnStore, session: SessionState, conversation: Se
     for j in candidates:  # longest first; a capped session may hold fewer than were asked for
         # Message by message, from the first: a history that differs there (a question the client
         # resends without the context it was sent with) costs one comparison, not the history's.
-        if j < len(tail) and all(loose_json(m.body) == loose_json(c)
-                                 for m, c in zip(tail[len(tail) - 1 - j:], conversation[: j + 1])):
+        if j < len(tail) and _resends(tail[len(tail) - 1 - j:], conversation[: j + 1]):
             return j + 1
     return 0
+
+
+def _resends(stored: Sequence[StoredMessage], sent: Sequence[Message]) -> bool:
+    """Whether the client's messages repeat the stored ones, message by message from the first (a
+    history that differs there costs one comparison): loosely, or a question without the context
+    added to it when it was new (`said_within`), where the stored answer right after it follows
+    unchanged, as `_loose_fork` reads a whole history. A RAG UI that also trims its history to its
+    newest messages resends them so: read as new, each exchange was stored and sent twice."""
+    respelt = False  # a question spelt differently, until the unchanged answer after it vouches for it
+    for message, said in zip(stored, sent):
+        same = loose_json(message.body) == loose_json(said)
+        if respelt and not (same and message.body.get("role") == "assistant"):
+            return False
+        respelt = not same
+        if respelt and not (message.body.get("role") == "user" and said_within(said, message.body)):
+            return False
+    return not respelt
 
 
 async def _echoed_before_answer(store: TurnStore, session: SessionState, conversation: Sequence[Message],
@@ -230,8 +246,7 @@ async def _echoed_before_answer(store: TurnStore, session: SessionState, convers
         return None
     before = await _active_range(store, session, held, session.length - 1 - candidates[0], session.length - 1)
     for j in candidates:  # longest first
-        if j <= len(before) and all(loose_json(m.body) == loose_json(c)
-                                    for m, c in zip(before[len(before) - j:], conversation[:j])):
+        if j <= len(before) and _resends(before[len(before) - j:], conversation[:j]):
             return j, before[-1].chain_hash
     return None
 
