@@ -15,7 +15,8 @@ some clients (LangChain) re-serialise them with other spacing; an image compares
 URL names, without the signature a client that signs its media URLs makes anew for each request,
 and whatever `detail` it asks for; a refusal compares the same as a part, as the field or as the
 answer's text (the Vercel AI SDK resends it so); text compares in Unicode's composed form (NFC) and
-with LF line ends, whichever a client resends.
+with LF line ends, whichever a client resends; and a message compares without its `name`, which
+some clients send with the newest message alone.
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ def loose_json(message: Message) -> str:
     arguments are spelt, or in the blank lines around their text (chat UIs trim an answer's final
     newline before they resend it), have the same loose form."""
     form = canonical(message)
+    form.pop("name", None)  # a client may send it with the newest message and resend it without
     content = _content_key(message)
     if content is None:
         form.pop("content", None)
@@ -284,7 +286,8 @@ def said_within(inner: Message, outer: Message) -> bool:
     of a question it sent with retrieved context or a file's text added on lines of their own (Open
     WebUI adds them to the newest user message alone, after a newline). A question shortened within
     its lines (a secret cut out of it) is not the stored one: the client edited it."""
-    if {k: v for k, v in inner.items() if k != "content"} != {k: v for k, v in outer.items() if k != "content"}:
+    if {k: v for k, v in inner.items() if k not in ("content", "name")} \
+            != {k: v for k, v in outer.items() if k not in ("content", "name")}:
         return False
     texts, parts = _said(inner.get("content"))
     outer_texts, outer_parts = _said(outer.get("content"))

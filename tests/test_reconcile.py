@@ -567,6 +567,28 @@ def with_context(question: str, source: str = "file text") -> Message:
     return user(f"### Context:\n<source id=\"1\">{source}</source>\n\n### Query:\n{question}")
 
 
+@pytest.mark.parametrize("newest", [None, 4])
+async def test_a_client_naming_the_newest_message_alone_stores_each_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, newest: int | None
+) -> None:
+    """A client that sends the speaker's `name` with the newest message and resends its history
+    without it (whole, or its newest four messages): the history matched nothing stored, and was
+    appended again, every exchange stored and sent twice. The stored forms, named, stay."""
+    client = proxy.client()
+    history: list[Message] = []
+    named: list[Message] = []
+    for n in range(4):
+        question = user(f"q{n}")
+        reply, headers = await chat(client, [*(history[-newest:] if newest else history), {**question, "name": "ada"}])
+        history += [question, assistant(reply)]
+        named += [{**question, "name": "ada"}, assistant(reply)]
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == (
+        ("window" if newest else "continue"), "0")
+    assert stored(config) == named and stored(config, active=0) == []
+    assert upstream.last().messages == named[:-1]
+    assert_chain_consistent(config)
+
+
 @pytest.mark.parametrize("every_turn", [True, False])
 async def test_a_ui_that_adds_context_to_the_newest_question_alone_continues(
     proxy: Proxy, upstream: FakeUpstream, config: Config, every_turn: bool
