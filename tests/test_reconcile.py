@@ -747,6 +747,26 @@ async def test_a_history_resent_without_its_tool_calls_and_results_forgets_none(
     assert_chain_consistent(config)
 
 
+async def test_a_history_resent_without_its_tool_calls_regenerates_the_last_answer_alone(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """The same UI regenerating its last answer: its texts up to the last question. Read as an edit
+    at the first call, every result was superseded; it regenerates the last turn, its calls too."""
+    client = proxy.client()
+    history: list[Message] = []
+    texts: list[Message] = []
+    for n in range(2):
+        turn, answer = await _tool_turn(client, upstream, texts, f"q{n}", [call(f"c{n}", f"city {n}")])
+        history += turn
+        texts += [turn[0], answer]
+    reply, headers = await chat(client, texts[:-1], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("regenerate", "3")
+    kept = history[:-3]  # the last turn's call, its result and its answer superseded
+    assert [loose_json(m) for m in upstream.last().messages] == [loose_json(m) for m in kept]
+    assert stored(config) == [*kept, assistant(reply)] and stored(config, active=0) == history[-3:]
+    assert_chain_consistent(config)
+
+
 async def test_an_answer_resent_without_its_calls_is_the_stored_one(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

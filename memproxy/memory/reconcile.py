@@ -131,9 +131,9 @@ async def reconcile(
             return Reconciled("append", stored, head, conversation)
         # Or one that leaves tool calls and their results out of what it resends (a chat UI that
         # keeps only the text of each turn): read as an edit at the first call, they would go.
-        resent = await _resent_without_tools(store, session, conversation, held, fork)
-        if resent:
-            return Reconciled("window", stored, head, conversation[resent:])
+        without_tools = await _resent_without_tools(store, session, conversation, held, fork)
+        if without_tools is not None:
+            return without_tools
         # Or one that leaves the stored prefix before its latest question, yet lies whole among the
         # newest messages: a chat UI's own exchanges between another client's, whose first message
         # happened to equal the session's ("ok"). Read as an edit, the other client's would go.
@@ -367,39 +367,47 @@ async def _resent_tail(store: TurnStore, session: SessionState, conversation: Se
 
 
 async def _resent_without_tools(store: TurnStore, session: SessionState, conversation: Sequence[Message],
-                                held: Sequence[StoredMessage], fork: int) -> int:
+                                held: Sequence[StoredMessage], fork: int) -> Reconciled | None:
     """Where the client's history is the whole stored one from `fork` (where it left it, at a tool
-    call) to the head, less tool calls and their results: each stored message resent (loosely, or
-    a question without the context added to it, `said_within`), or left out if it is a result or an
-    assistant message that only calls tools, or resent without its calls (its text kept). A chat
-    UI that keeps only the text of each turn, and in a tool loop the current turn's calls and
-    results. The position after the head's counterpart (what follows is new: a question, results,
-    never an answer), or 0. Read as an edit at the first call, every result since would be
-    superseded, never sent again; and `_resent_among` looks only among the newest messages, too
-    few where a turn made many calls. One read of the first stored message the client left, and
-    where it is a call or result, one of the rest."""
+    call), less tool calls and their results: each stored message resent (loosely, or a question
+    without the context added to it, `said_within`), or left out if it is a result or an assistant
+    message that only calls tools, or resent without its calls (its text kept). A chat UI that
+    keeps only the text of each turn, and in a tool loop the current turn's calls and results.
+    Up to the head, what follows is new (a question, results, never an answer): a `window`. Ending
+    at a question before the head, a `regenerate` of what followed it, as a whole history would
+    be. Read as an edit at the first call, every result since would be superseded, never sent
+    again; and `_resent_among` looks only among the newest messages, too few where a turn made
+    many calls. None for any other history. One read of the first stored message the client
+    left, and where it is a call or result, one of the rest."""
     first = await _active_range(store, session, held, fork, fork + 1)
     if not first or not (first[0].body.get("role") == "tool" or first[0].body.get("tool_calls")):
-        return 0
-    position, left_out = fork, False
-    for message in await _active_range(store, session, held, fork, session.length):
-        body = message.body
-        sent = conversation[position] if position < len(conversation) else None
-        if sent is not None and (loosely_equal(body, sent)
-                                 or body.get("role") == "user" and said_within(sent, body)):
-            position += 1
-        elif sent is not None and body.get("tool_calls") and not sent.get("tool_calls") \
+        return None
+    position, left_out, last = fork, False, None
+    rest = await _active_range(store, session, held, fork, session.length)
+    for message in rest:
+        if position == len(conversation):
+            break
+        body, sent = message.body, conversation[position]
+        if loosely_equal(body, sent) or body.get("role") == "user" and said_within(sent, body):
+            position, last = position + 1, message
+        elif body.get("tool_calls") and not sent.get("tool_calls") \
                 and loosely_equal({k: v for k, v in body.items() if k != "tool_calls"}, sent):
-            position, left_out = position + 1, True
+            position, last, left_out = position + 1, message, True
         elif body.get("role") == "tool" or _only_calls(body):
             left_out = True
         else:
-            return 0
-    if not left_out or position >= len(conversation) \
-            or not any(m.get("role") == "assistant" for m in conversation[:position]) \
-            or any(m.get("role") == "assistant" for m in conversation[position:]):
-        return 0
-    return position
+            return None
+    if not left_out or last is None or not any(m.get("role") == "assistant" for m in conversation[:position]):
+        return None
+    if last.seq == session.length - 1:  # the head: what follows is new, never an answer
+        if position == len(conversation) or any(m.get("role") == "assistant" for m in conversation[position:]):
+            return None
+        return Reconciled("window", session.length, session.head_hash, list(conversation[position:]))
+    after = last.seq + 1
+    if position < len(conversation) or conversation[-1].get("role") != "user" \
+            or not any(m.body.get("role") == "assistant" for m in rest[after - fork:]):
+        return None
+    return Reconciled("regenerate", after, last.chain_hash, [], superseded=session.length - after)
 
 
 def _only_calls(message: Message) -> bool:
