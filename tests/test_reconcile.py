@@ -747,6 +747,29 @@ async def test_a_history_resent_without_its_tool_calls_and_results_forgets_none(
     assert_chain_consistent(config)
 
 
+async def test_a_trimmed_history_without_its_tool_calls_is_stored_once(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """That UI resending only its newest four texts, the turns behind them making five calls each:
+    at the fourth turn's first result its window matched no echoed tail (the calls it left out
+    are stored between its messages) and lay further back than `_resent_among` reads, and was
+    appended whole: its questions and answers stored twice, the call stored again before its
+    result."""
+    client = proxy.client()
+    history: list[Message] = []
+    texts: list[Message] = []
+    for n in range(4):
+        turn, answer = await _tool_turn(client, upstream, texts[-4:], f"q{n}",
+                                        [call(f"c{n}{k}", f"city {k}") for k in range(5)])
+        history += turn
+        texts += [turn[0], answer]
+    assert stored(config) == history and stored(config, active=0) == []
+    reply, headers = await chat(client, [*texts[-4:], user("q4")], tools=TOOLS)
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("window", "0")
+    assert stored(config) == [*history, user("q4"), assistant(reply)]
+    assert_chain_consistent(config)
+
+
 async def test_a_history_resent_without_its_tool_calls_regenerates_the_last_answer_alone(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

@@ -18,7 +18,8 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
   another client writes to between them; where it edited one of them, what is stored up to there),
   or a stored prefix and, past a gap, the stored tail up to the head (a client that dropped the
   middle of its history), or the stored history less its tool calls and results (a chat UI that
-  keeps only the text of earlier turns); only what follows is new, after the head.
+  keeps only the text of earlier turns; whole, or its newest messages); only what follows is new,
+  after the head.
 - `append`: the client's messages continue nothing stored, or nothing they show proves otherwise;
   they follow the head.
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
@@ -114,6 +115,10 @@ async def reconcile(
         if respelt:
             return Reconciled("edit", stored - 1, respelt[1], conversation[respelt[0]:], superseded=1)
         resent = await _resent_among(store, session, conversation, held)
+        if resent < history:  # not all found there: perhaps the calls it leaves out are between
+            without_tools = await _echoed_without_tools(store, session, conversation, held)
+            if without_tools is not None:
+                return without_tools
         if resent:
             return Reconciled("window", stored, head, conversation[resent:])
         if not history:  # new messages of the client's own: nothing to match, nothing read
@@ -382,9 +387,48 @@ async def _resent_without_tools(store: TurnStore, session: SessionState, convers
     first = await _active_range(store, session, held, fork, fork + 1)
     if not first or not (first[0].body.get("role") == "tool" or first[0].body.get("tool_calls")):
         return None
-    position, left_out, last = fork, False, None
     rest = await _active_range(store, session, held, fork, session.length)
-    for message in rest:
+    walked = _without_tools(rest, conversation, fork)
+    if walked is None:
+        return None
+    position, last = walked
+    if last.seq == session.length - 1:  # the head: what follows is new, never an answer
+        return _new_after_head(session, conversation, position)
+    after = last.seq + 1
+    if position < len(conversation) or conversation[-1].get("role") != "user" \
+            or not any(m.body.get("role") == "assistant" for m in rest[after - fork:]):
+        return None
+    return Reconciled("regenerate", after, last.chain_hash, [], superseded=session.length - after)
+
+
+async def _echoed_without_tools(store: TurnStore, session: SessionState, conversation: Sequence[Message],
+                                held: Sequence[StoredMessage]) -> Reconciled | None:
+    """`_resent_without_tools` for a client that also trims its history to its newest messages:
+    its first message is a stored one, and from there to the head the stored history is the
+    client's less tool calls and their results; what follows is new (a `window`). Looked for
+    among the newest sixteen times as many stored messages as the client sent, and a few more (a
+    turn that made many calls); a history that matches no echoed tail, as the calls it leaves
+    out are in the stored one, was appended whole, and in a tool loop its call stored again
+    before its results. One read."""
+    read = await _active_range(store, session, held, max(session.length - 16 * len(conversation) - 32, 0),
+                               session.length)
+    if not any(m.body.get("role") == "tool" for m in read):
+        return None
+    starts = [i for i in range(len(read) - 1, -1, -1) if loosely_equal(read[i].body, conversation[0])]
+    for start in starts[:_WINDOW_CANDIDATES]:  # the newest first
+        walked = _without_tools(read[start:], conversation, 0)
+        if walked is not None and walked[1].seq == session.length - 1:
+            return _new_after_head(session, conversation, walked[0])
+    return None
+
+
+def _without_tools(stored: Sequence[StoredMessage], conversation: Sequence[Message],
+                   position: int) -> tuple[int, StoredMessage] | None:
+    """The client's messages from `position` walked along the stored ones, where they are those
+    less tool calls and their results (some left out): how far the client's go, and the last
+    stored message they resend (an answer among them); None where they differ."""
+    left_out, last = False, None
+    for message in stored:
         if position == len(conversation):
             break
         body, sent = message.body, conversation[position]
@@ -399,15 +443,15 @@ async def _resent_without_tools(store: TurnStore, session: SessionState, convers
             return None
     if not left_out or last is None or not any(m.get("role") == "assistant" for m in conversation[:position]):
         return None
-    if last.seq == session.length - 1:  # the head: what follows is new, never an answer
-        if position == len(conversation) or any(m.get("role") == "assistant" for m in conversation[position:]):
-            return None
-        return Reconciled("window", session.length, session.head_hash, list(conversation[position:]))
-    after = last.seq + 1
-    if position < len(conversation) or conversation[-1].get("role") != "user" \
-            or not any(m.body.get("role") == "assistant" for m in rest[after - fork:]):
+    return position, last
+
+
+def _new_after_head(session: SessionState, conversation: Sequence[Message], position: int) -> Reconciled | None:
+    """A `window` whose new messages are the client's from `position`, after the head: some, and
+    never an answer (that would be an earlier copy)."""
+    if position == len(conversation) or any(m.get("role") == "assistant" for m in conversation[position:]):
         return None
-    return Reconciled("regenerate", after, last.chain_hash, [], superseded=session.length - after)
+    return Reconciled("window", session.length, session.head_hash, list(conversation[position:]))
 
 
 def _only_calls(message: Message) -> bool:
