@@ -824,6 +824,27 @@ async def test_a_trimmed_history_with_its_own_copy_of_the_last_answer_stores_it_
     assert_chain_consistent(config)
 
 
+async def test_a_trimmed_history_up_to_the_last_question_regenerates_its_answer(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """A client sending its newest messages asks for the last answer again (regenerate, or a retry
+    of a turn whose answer it never got): it read as a new question after the stale answer, the
+    question stored twice and both sent. A new-messages client repeating its last question
+    ("continue") still appends: it sends no answer."""
+    client = proxy.client()
+    history: list[Message] = []
+    for n in range(4):
+        reply, _ = await chat(client, [*history[-4:], user(f"q{n}")])
+        history += [user(f"q{n}"), assistant(reply)]
+    reply, headers = await chat(client, history[-5:-1])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("regenerate", "1")
+    assert upstream.last().messages == history[:-1]
+    assert stored(config) == [*history[:-1], assistant(reply)] and stored(config, active=0) == history[-1:]
+    _, headers = await chat(client, [user("q3")])
+    assert (headers["X-Memproxy-Reconcile"], headers["X-Memproxy-Superseded"]) == ("append", "0")
+    assert_chain_consistent(config)
+
+
 async def test_an_answer_edited_with_everything_after_it_resent_is_an_edit(
     proxy: Proxy, upstream: FakeUpstream, config: Config
 ) -> None:

@@ -113,7 +113,8 @@ async def reconcile(
             return Reconciled("edit", 0, ROOT_HASH, conversation, superseded=stored)
         respelt = await _echoed_before_answer(store, session, conversation, held)
         if respelt:
-            return Reconciled("edit", stored - 1, respelt[1], conversation[respelt[0]:], superseded=1)
+            return Reconciled("regenerate" if respelt[0] == len(conversation) else "edit", stored - 1, respelt[1],
+                              conversation[respelt[0]:], superseded=1)
         resent = await _resent_among(store, session, conversation, held)
         if resent < history:  # not all found there: perhaps the calls it leaves out are between
             without_tools = await _echoed_without_tools(store, session, conversation, held)
@@ -235,18 +236,24 @@ async def _echoed_before_answer(store: TurnStore, session: SessionState, convers
                                 held: Sequence[StoredMessage]) -> tuple[int, str] | None:
     """Where the stored head is an answer (no tool calls): the k >= 1 such that the client's first k
     messages repeat the k stored ones before the head (loosely) and its next is an answer of its
-    own, without calls, and the chained hash of the stored message before the head; else None. A
-    client that trims its history to its newest messages and keeps its own copy of the last answer
-    (reassembled from the stream, its markdown normalised): its version of the head, as a client
-    resending its whole history has its version of an answer read, an edit of it. Read as the
-    newest messages among the stored ones up to where they differ (`_resent_among`), its copy was
-    stored after the stored answer, and both were sent from then on. One read, as long as the echo."""
+    own, without calls, or that are all its messages, an answer among them and a question last;
+    and the chained hash of the stored message before the head; else None. A client that trims its
+    history to its newest messages and keeps its own copy of the last answer (reassembled from the
+    stream, its markdown normalised): its version of the head, as a client resending its whole
+    history has its version of an answer read, an edit of it. Read as the newest messages among
+    the stored ones up to where they differ (`_resent_among`), its copy was stored after the stored
+    answer, and both were sent from then on. Or the same client asking for the last answer again
+    (regenerate, or a retry of a turn whose answer it never got): read so, the question was stored
+    again after the answer, and both sent. One read, as long as the echo."""
     head = session.head_message
     if head is None or head.get("role") != "assistant" or head.get("tool_calls"):
         return None
     candidates = [j for j in range(min(len(conversation), session.length) - 1, 0, -1)
                   if conversation[j].get("role") == "assistant" and not conversation[j].get("tool_calls")
                   and not loosely_equal(conversation[j], head)][:_WINDOW_CANDIDATES]
+    if 2 <= len(conversation) < session.length and conversation[-1].get("role") == "user" \
+            and any(m.get("role") == "assistant" for m in conversation):
+        candidates.insert(0, len(conversation))
     if not candidates:
         return None
     before = await _active_range(store, session, held, session.length - 1 - candidates[0], session.length - 1)
