@@ -25,8 +25,8 @@ answers, `Loaded.messages`, read nothing: on most turns reconciling reads nothin
 - `edit` / `regenerate`: the client's history matches a stored prefix and then diverges (edit) or
   stops short (regenerate), or repeats the stored messages before the head, an answer, and then
   has its own version of it (a client trimming its history that reformats answers: an edit of the
-  head). The stored tail after the fork point is superseded when the turn is
-  recorded, never before, so a failed upstream call changes nothing.
+  head) or stops there (a regenerate of the head). The stored tail after the fork point is
+  superseded when the turn is recorded, never before, so a failed upstream call changes nothing.
 
 Forgetting is the worst failure, so superseding needs proof, and where a request reads two ways the
 one that forgets nothing wins: an echoed tail is looked for before a prefix that diverges, and a
