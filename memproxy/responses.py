@@ -18,8 +18,9 @@ forwarded without memory. A kept response is written with its turn, in one trans
 `previous_response_id` continues after that response's answer: new items only, appended, when it is
 still the session's newest message; otherwise the stored history up to it followed by the new items,
 read as a full history, so the turn is an edit from there (the later messages are superseded: kept
-and listed, never sent again). A response whose answer was itself superseded, or whose history the
-message cap has cut, cannot be continued (409 `session_conflict`).
+and listed, never sent again). A response whose answer was itself superseded by such an edit goes
+on from its own branch, which becomes the active one again; one whose history the message cap has
+cut cannot be continued (409 `session_conflict`).
 """
 
 from __future__ import annotations
@@ -251,11 +252,12 @@ async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages:
         raise _no_previous(previous_id)
     if previous.head:
         return messages, "new"
-    if not previous.active or session is None:
-        raise Conflict(f"response '{previous_id}' was superseded by an edit of its session; continue from a "
-                       "newer response")
-    stored = await store.active_range(session, 0, previous.seq + 1)
-    if [m.seq for m in stored] != list(range(previous.seq + 1)):
+    if session is None:  # deleted since the response was read
+        raise _no_previous(previous_id)
+    # Its branch: the active history up to it, or, where an edit superseded its answer, the branch
+    # it was on, which this turn makes the active one again (OpenAI continues either).
+    stored = await store.branch(session, previous.seq, previous.chain_hash)
+    if stored is None:
         raise Conflict(f"the history before response '{previous_id}' is no longer stored whole "
                        "(retention.max_messages_per_session); continue from the newest response")
     system, new = split_system(messages)

@@ -235,12 +235,29 @@ async def test_previous_response_id_chains_have_memory_and_fork(proxy: Proxy, wi
     assert raw.headers["X-Memproxy-Reconcile"] == "edit" and raw.headers["X-Memproxy-Superseded"] == "2"
     assert wire.conversation() == [("system", "Be brief."), ("user", "I am Ada."), ("assistant", "Hi Ada."),
                                    ("user", "No, I am Bob.")]
-    # Nothing is forgotten: the superseded branch is kept; continuing from it is refused, not guessed.
+    # Nothing is forgotten: the superseded branch is kept, and continuing from it, as OpenAI allows,
+    # makes it the active one again, under its own instructions; the other branch is kept in turn.
+    bob = raw.parse()
     shown = await session_messages(proxy, first.id)
     assert [m["message"]["content"] for branch in shown["superseded"] for m in branch["messages"]] == [
         "Who am I?", "Ada."]
-    with pytest.raises(openai.ConflictError):
-        await client.responses.create(model=wire.model, input="x", previous_response_id=second.id)
+    wire.enqueue(Reply(content="Still Ada."), Reply(content="Bob again."))
+    raw = await client.responses.with_raw_response.create(model=wire.model, input="Sure?",
+                                                          previous_response_id=second.id)
+    assert raw.parse().output_text == "Still Ada."
+    assert raw.headers["X-Memproxy-Reconcile"] == "edit" and raw.headers["X-Memproxy-Superseded"] == "2"
+    assert wire.conversation() == [("system", "Be a pirate."), ("user", "I am Ada."), ("assistant", "Hi Ada."),
+                                   ("user", "Who am I?"), ("assistant", "Ada."), ("user", "Sure?")]
+    shown = await session_messages(proxy, first.id)
+    assert [m["message"]["content"] for m in shown["messages"]] == [
+        "I am Ada.", "Hi Ada.", "Who am I?", "Ada.", "Sure?", "Still Ada."]
+    assert [m["message"]["content"] for branch in shown["superseded"] for m in branch["messages"]] == [
+        "Who am I?", "Ada.", "No, I am Bob.", "Hi Bob."]
+    assert (await client.responses.retrieve(second.id)).output_text == "Ada."
+    # And back to the other branch.
+    await client.responses.create(model=wire.model, input="Really?", previous_response_id=bob.id)
+    assert wire.conversation() == [("system", "Be brief."), ("user", "I am Ada."), ("assistant", "Hi Ada."),
+                                   ("user", "No, I am Bob."), ("assistant", "Hi Bob."), ("user", "Really?")]
 
 
 async def test_a_fork_goes_on_under_the_instructions_its_chain_had(proxy: Proxy, wire: Upstream) -> None:

@@ -291,6 +291,31 @@ async def test_fork_supersedes_the_tail_and_keeps_it(open_store: Opener, backend
     assert rows == [(0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
 
 
+async def test_a_branch_is_read_back_whole_active_or_superseded(open_store: Opener) -> None:
+    """`branch` walks a chain back from its last message: the superseded branch an edit forked off,
+    as it was (the messages before the fork are the active ones), the active one alike; and None
+    once the cap has deleted part of it."""
+    store = await open_store()
+    first = [user("1"), assistant("a"), user("2"), assistant("b")]
+    await store.record_turn(turn(None, first))
+    session = await store.get_session("t", "s")
+    assert session is not None
+    hashes = chain_hashes(ROOT_HASH, first)
+    await store.record_turn(turn(session, [user("2 edited"), assistant("c"), user("3"), assistant("d")], base=2,
+                                 base_hash=hashes[1]))
+    session = await store.get_session("t", "s")
+    assert session is not None
+    old = await store.branch(session, 3, hashes[3])
+    assert old is not None and [m.body for m in old] == first
+    assert [m.chain_hash for m in old] == hashes and [m.seq for m in old] == [0, 1, 2, 3]
+    active = await store.branch(session, 5, session.head_hash)
+    assert active is not None and [m.body["content"] for m in active] == ["1", "a", "2 edited", "c", "3", "d"]
+    assert await store.branch(session, 3, "no such hash") is None
+    assert await store.cap_messages(session, 6) == 2  # the superseded messages go first
+    assert await store.branch(session, 3, hashes[3]) is None
+    assert await store.branch(session, 5, session.head_hash) == active
+
+
 async def test_a_stale_continuation_goes_after_the_turn_that_beat_it(
     open_store: Opener, backend: StoreUnderTest
 ) -> None:

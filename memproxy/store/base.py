@@ -501,6 +501,12 @@ class TurnStore(Protocol):
 
     async def active_range(self, session: SessionState, start: int, stop: int) -> list[StoredMessage]: ...
 
+    async def branch(self, session: SessionState, seq: int, chain_hash: str) -> list[StoredMessage] | None:
+        """The chain that ends in the message at `seq` whose chained hash is `chain_hash`, active or
+        superseded, from position 0 (where an edit forked it off, the active messages before the
+        fork); None where that message, or one before it, is no longer stored (the message cap)."""
+        ...
+
     async def recall_postings(self, session: SessionState, words: Sequence[str], before: int,
                               end_user: str | None = None, checked: object = None,
                               active_since: float | None = None) -> Postings:

@@ -54,6 +54,17 @@ _SESSION_FIELDS = 14  # the columns of `get_session`, which `_session` reads
 _SUMMARY_FIELDS = 10  # `to_summary`'s columns, then the running totals where the summary ends
 _RECALL_FIELDS = 6  # `load`'s last columns: the recall index's check, what it reads of a message
 
+# A branch, superseded or not, walked back from its last message by each message's parent (the
+# active message before it when it was written). Not a turn's query (not in `QUERIES`): only a
+# Response continuing one whose answer an edit superseded reads it; bounded by the session, then
+# by primary key.
+_BRANCH = ("WITH RECURSIVE chain (id, parent_id) AS (SELECT id, parent_id FROM messages WHERE id ="
+           " (SELECT id FROM messages WHERE session_pk = ? AND seq = ? AND chain_hash = ?"
+           " ORDER BY active DESC, id DESC LIMIT 1)"
+           " UNION ALL SELECT m.id, m.parent_id FROM messages m JOIN chain c ON m.id = c.parent_id)"
+           " SELECT m.seq, m.body, m.tokens, m.cum_before, m.unit_start, m.chain_hash, m.compact_body,"
+           " m.compact_tokens, m.compact_cum_before FROM chain c JOIN messages m ON m.id = c.id ORDER BY m.seq")
+
 # The queries that serve a turn; each is answered from an index (tests/test_store_contract.py checks
 # the SQLite plans, tests/test_postgres.py the PostgreSQL ones), so their cost does not grow with the
 # length of a session's history.
@@ -274,6 +285,14 @@ class SQLTurns(SQLBase):
         if start >= stop:
             return []
         rows = await self._fetch(QUERIES["active_range"], (session.pk, start, stop))
+        return [_stored(r) for r in rows]
+
+    async def branch(self, session: SessionState, seq: int, chain_hash: str) -> list[StoredMessage] | None:
+        rows = await self._fetch(_BRANCH, (session.pk, seq, chain_hash))
+        # A cap deletes superseded messages first and cuts their children's links: a walk that
+        # stops short of position 0, or skips one, found a branch no longer stored whole.
+        if [r[0] for r in rows] != list(range(seq + 1)):
+            return None
         return [_stored(r) for r in rows]
 
     async def current_summary(self, session: SessionState, upto: int) -> Summary | None:
