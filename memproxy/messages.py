@@ -394,10 +394,9 @@ def _loose_arguments(arguments: Any) -> Any:
         # parsers), which clients parse as {} and send back so (LangChain).
         return "{}"
     try:
-        value = json.loads(arguments)
-    except ValueError:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the stack: compared as spelt
         return arguments
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def chain_hash(parent: str, message: Message) -> str:

@@ -15,6 +15,7 @@ import logging
 import unicodedata
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -956,6 +957,27 @@ def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> Non
     assert loosely_equal({"role": "assistant", "content": "", "refusal": None, "annotations": []},
                          {"role": "assistant", "content": None})
     assert not loosely_equal(user("hi"), assistant("hi"))
+
+
+async def test_a_call_resent_with_arguments_nested_past_the_stack_is_compared_as_spelt(
+    proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Arguments are read as JSON to compare a resent call with the stored one; arguments nested
+    deeper than Python's stack made `json.loads` raise RecursionError, answered 500 (a chat and a
+    preview alike). Text too deep to read compares as it is spelt, as text that is not JSON does."""
+    client = proxy.client()
+    upstream.enqueue(Reply(tool_calls=[call("call_1", "Paris")]))
+    await chat(client, [user("weather in Paris?")], tools=TOOLS, model="big")
+    deep = "[" * 5000 + "]" * 5000
+    resent = calls_message({**call("call_1", "Paris"), "function": {"name": "get_weather", "arguments": deep}})
+    history = [user("weather in Paris?"), resent, result("call_1", "18C")]
+    preview = await proxy.client(None).post("/sessions/s1/context", cast_to=httpx.Response,
+                                            body={"model": "big", "messages": history, "tools": TOOLS})
+    assert preview.status_code == 200, preview.text
+    reply, _ = await chat(client, history, tools=TOOLS, model="big")
+    # read as the stored call's result (a call differently spelt is no edit of a result-only resend)
+    assert stored(config) == [user("weather in Paris?"), calls_message(call("call_1", "Paris")),
+                              result("call_1", "18C"), assistant(reply)]
 
 
 # --- what a resent history may and may not be read as ------------------------------------------
