@@ -69,6 +69,7 @@ _CALL_SETTINGS = frozenset({"api_key", "api_base", "api_version", "api_type", "b
                             "shared_session", "model", "args", "kwargs", "aspeech"})
 _LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+: )+\w+Error - ")
 _SDK_ERROR = re.compile(r"^Error code: \d{3} - (\{.*\})$", re.DOTALL)  # an error as the OpenAI SDK words it
+_QUOTED_MESSAGES = "\nReceived Messages="  # where litellm's Anthropic translation quotes a request it refuses
 _MOST_ERROR_TEXT = 65_536  # a longer error text is relayed as it is, not parsed
 _LOGGING_FLUSH_SECONDS = 5.0  # at shutdown, litellm's callbacks finish what they were handed
 _REGISTERED: set[str] = set()  # the models `register_unmapped` added to litellm's map, in this process
@@ -628,6 +629,9 @@ class Provider:
         # An error litellm met in its own code carries the traceback in its text: the server's paths
         # and code are nobody's business but the operator's (who sees them at DEBUG).
         message = message.split("Traceback (most recent call last)", 1)[0].strip() or "upstream call failed"
+        # A request litellm could not translate for Anthropic is refused with every message it was
+        # to send quoted after the reason: the stored history, summary and recalled text among them.
+        message = message.split(_QUOTED_MESSAGES, 1)[0].strip() or "upstream call failed"
         code, param = getattr(exc, "code", None), getattr(exc, "param", None)
         # litellm's own HTTP handler hands on the provider's error body as it came: its message.
         body_message, body_code, body_param = _error_body(message)

@@ -251,6 +251,33 @@ async def test_a_request_anthropic_refuses_is_an_openai_shaped_error(
     assert stored(config) == []
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_a_request_litellm_cannot_translate_is_refused_without_quoting_the_history(
+    start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic, stream: bool
+) -> None:
+    """litellm reads a tool call's arguments as JSON to make Anthropic's `tool_use` block; arguments
+    it cannot read (nested past Python's stack) it refuses with a 400 whose text quoted every
+    message it was to send: the session's stored turns too, answered to the client. The reason
+    stays, the messages do not; nothing is sent or stored."""
+    config = claude_config(storage, anthropic)
+    proxy: Proxy = await start_proxy(config)
+    client = proxy.client("s1")
+    anthropic.enqueue(Reply(text="Noted."))
+    await ask(client, user("My locker code is okapi-4471."))
+    deep: Message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "toolu_01", "type": "function", "function": {"name": "weather", "arguments": "[" * 5000 + "]" * 5000}}]}
+    result: Message = {"role": "tool", "tool_call_id": "toolu_01", "content": "sunny"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        answer = await ask(client, deep, result, tools=TOOLS, stream=stream)
+        async for _ in answer:
+            pass
+    error = caught.value.body
+    assert isinstance(error, dict) and error["message"].startswith("maximum recursion depth exceeded"), error
+    assert "okapi-4471" not in json.dumps(error) and "Received" not in error["message"], error
+    assert len(anthropic.requests()) == 1
+    assert stored(config) == [user("My locker code is okapi-4471."), {"role": "assistant", "content": "Noted."}]
+
+
 async def test_claude_refusing_a_prompt_as_too_long_gets_it_planned_again_for_its_count(
     start_proxy: StartProxy, storage: StorageConfig, anthropic: FakeAnthropic
 ) -> None:
