@@ -30,7 +30,9 @@ def authenticate(auth: AuthConfig, header: str | None) -> Caller:
     scheme, _, token = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <proxy key>'.")
-    given = token.strip().encode()
+    # aiohttp decodes a header's bytes as UTF-8 with surrogateescape: what is not UTF-8 (a byte
+    # of Latin-1) arrives as a lone surrogate, which only this encoding turns back into its bytes.
+    given = token.strip().encode("utf-8", "surrogateescape")
     caller = None
     for key in auth.keys:
         if hmac.compare_digest(given, key.key.encode()):

@@ -381,6 +381,25 @@ async def test_bad_proxy_key_is_401(proxy: Proxy, upstream: FakeUpstream, header
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("key", [PROXY_KEY.encode() + b"\xe9", b"\xff\xfe", "cl\u00e9".encode()],
+                         ids=["latin-1", "not-utf-8", "utf-8"])
+async def test_a_key_of_bytes_no_configured_key_has_is_401(proxy: Proxy, upstream: FakeUpstream, key: bytes) -> None:
+    """A key is compared as the bytes sent. One that is not UTF-8 reached the comparison as text
+    that could not be encoded back: an unhandled error, a 500 for a caller without a key."""
+    body = json.dumps({"model": "small", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    reader, writer = await asyncio.open_connection(proxy.server.host, proxy.server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer " + key + b"\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), answer
+    assert json.loads(error)["error"]["code"] == "invalid_api_key"
+    assert upstream.received == []
+
+
 @pytest.mark.parametrize("header", [f"Bearer {PROXY_KEY}", f"bearer {PROXY_KEY}", f"BEARER  {PROXY_KEY} "])
 async def test_good_proxy_key_is_accepted(proxy: Proxy, upstream: FakeUpstream, header: str) -> None:
     body = {"model": "small", "messages": [{"role": "user", "content": "hi"}]}
