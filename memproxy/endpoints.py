@@ -269,6 +269,7 @@ async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]
         async for part in MultipartReader(request.headers, stream):
             if not isinstance(part, BodyPartReader) or part.name is None:
                 continue  # a nested multipart, or a part without a name: nothing a transcription takes
+            _sendable(part)
             if part.name == "file":
                 content_type = part.headers.get("Content-Type", "application/octet-stream")
                 audio = AudioFile(part.filename or "audio", bytes(await part.read()), content_type)
@@ -280,6 +281,18 @@ async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]
     if audio is None:
         raise BadRequest("'file' is required: the audio to transcribe", param="file")
     return fields, audio
+
+
+def _sendable(part: BodyPartReader) -> None:
+    """A part's name, file name and type, which go on to the provider, as text that can be sent:
+    aiohttp reads header bytes that are not UTF-8 as lone surrogates, which no encoder takes (the
+    call failed as `upstream_unreachable` through litellm, with a 500 through memproxy's client)."""
+    named = (("name", part.name), ("filename", part.filename), ("Content-Type", part.headers.get("Content-Type")))
+    for what, text in named:
+        try:
+            (text or "").encode()
+        except UnicodeEncodeError:
+            raise BadRequest(f"a form part's {what} is not UTF-8") from None
 
 
 async def _account(request: web.Request, tenant: str, endpoint: Endpoint, model: ModelConfig,

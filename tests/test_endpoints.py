@@ -435,6 +435,30 @@ async def test_the_proxy_refuses_streams_it_cannot_relay(proxy: Proxy, upstream:
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("disposition, content_type", [
+    (b'name="file"; filename="clip\xff.wav"', b"audio/wav"),
+    (b'name="file"; filename="clip.wav"', b"audio/\xffwav"),
+    (b'name="x\xff"', b"text/plain"),
+], ids=["file-name", "content-type", "field-name"])
+async def test_a_form_part_named_in_bytes_that_are_not_utf_8_is_a_400(
+    proxy: Proxy, upstream: FakeUpstream, disposition: bytes, content_type: bytes
+) -> None:
+    """What names a part goes on to the provider, and aiohttp reads its bytes that are not UTF-8 as
+    lone surrogates, which nothing can encode: the call failed as `upstream_unreachable` (502)
+    through litellm, with a 500 through memproxy's own client. Nothing is sent."""
+    audio = b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n'
+    form = (b'--zz\r\nContent-Disposition: form-data; name="model"\r\n\r\nsmall\r\n'
+            + (b"" if b'"file"' in disposition else audio)
+            + b"--zz\r\nContent-Disposition: form-data; " + disposition + b"\r\nContent-Type: " + content_type
+            + b"\r\n\r\nRIFF\r\n--zz--\r\n")
+    status, body, _ = await post(proxy, "/v1/audio/transcriptions", data=form,
+                                 headers={"Content-Type": "multipart/form-data; boundary=zz"})
+    assert status == 400, body
+    assert_error(body, type="invalid_request_error", code=None)
+    assert "not UTF-8" in body["error"]["message"]
+    assert upstream.received == []
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"), ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt"), ("/v1/embeddings", {"input": 5}, "input"),
