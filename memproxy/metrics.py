@@ -21,7 +21,8 @@ the scrape's own: the same answer whichever process is asked, and never kept bet
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -159,8 +160,26 @@ class Metrics:
         else:
             scrape.register(self.registry)
         scrape.register(_Scrape(stored))
-        encoder, content_type = choose_encoder(accept or "")
+        encoder, content_type = _encoder(accept or "")
         return encoder(scrape), content_type
+
+
+# The version a scrape's Content-Type names: numbers, as a scraper's `Accept` asks for them.
+_NUMBERED = re.compile(r"; version=[0-9]+(?:\.[0-9]+)*;")
+
+
+def _encoder(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """prometheus-client's encoder and content type for a scraper's `Accept`, or the text format
+    where that asks for a version that is not numbers: the library compares it as numbers and
+    raises (a 500), or, where its first number decides ("2.x"), echoes it into the answer's
+    Content-Type as sent, whatever characters follow."""
+    try:
+        encoder, content_type = choose_encoder(accept)
+    except TypeError:
+        return choose_encoder("")
+    if not (content_type.isascii() and _NUMBERED.search(content_type)):
+        return choose_encoder("")
+    return encoder, content_type
 
 
 class _Scrape:

@@ -6,6 +6,7 @@ Scrapes are parsed with prometheus-client's own parser, so the body is checked a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -170,6 +171,28 @@ async def test_openmetrics_when_the_scraper_asks(start_proxy: StartProxy, config
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             assert (await r.text()).endswith("# EOF\n")
+
+
+@pytest.mark.parametrize("accept", [b"application/openmetrics-text; version=x", b"text/plain; version=1.0.0x",
+                                    b"application/openmetrics-text; version=2.x<b>",
+                                    b"application/openmetrics-text; version=2.\xff"],
+                         ids=["not-numbers", "text-not-numbers", "echoed", "not-utf-8"])
+async def test_an_accept_naming_a_version_that_is_not_numbers_gets_the_text_format(
+    start_proxy: StartProxy, config: Config, accept: bytes
+) -> None:
+    """prometheus-client compares the version a scraper asks for as numbers: one that is not was a
+    500, or, where its first number decided, was echoed as sent into the answer's Content-Type."""
+    proxy = await start_proxy(with_admin(config))
+    reader, writer = await asyncio.open_connection(proxy.server.host, proxy.server.port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nAuthorization: Bearer "
+                 + ADMIN_KEY.encode() + b"\r\nAccept: " + accept + b"\r\n\r\n")
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert b"\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n" in head, head
+    assert b"memproxy_build_info" in body
 
 
 async def test_tenant_label_when_configured(start_proxy: StartProxy, config: Config) -> None:
