@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from aiohttp import http_exceptions, web
+from aiohttp import hdrs, http_exceptions, web
 
 from . import inline_setup
 from .auth import authenticate
@@ -253,7 +253,33 @@ class _Runner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # the same server, building the handler above
+        server.request_handler = _refusing_unknown_expectations(server.request_handler)
         return server
+
+
+def _refusing_unknown_expectations(
+    handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """aiohttp answers an `Expect` other than `100-continue` itself, before the middlewares: a
+    plain-text 417 quoting the header, logged by nobody, or, where the header is not ASCII, a 500
+    as that text fails to encode, for any caller. Such a request gets the 417 in the OpenAI shape
+    here, without the header's text, and its log line."""
+
+    async def handle_request(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect is None or expect.lower() == "100-continue" or request.version < (1, 1):
+            return await handle(request)
+        code = "expectation_failed"
+        request_log.info("request", extra={"method": "-", "route": "-", "status": 417, "error": code})
+        body = error_body("The only expectation this server meets is Expect: 100-continue.", error_type(417), code,
+                          "Expect")
+        # Answered before routing: the app's own headers (`_private`) are not added by the app.
+        response = web.json_response(body, status=417, headers={"Cache-Control": "no-store",
+                                                                "X-Content-Type-Options": "nosniff"})
+        response.force_close()
+        return response
+
+    return handle_request
 
 
 def runner(config: Config, **kwargs: Any) -> web.AppRunner:

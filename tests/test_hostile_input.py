@@ -597,3 +597,27 @@ def test_unparseable_requests_get_the_error_shape(target: Target) -> None:
         assert target.snapshot() == before, name
     # The server still answers after all that.
     assert target.send(Request("GET", "/v1/models", _auth(), None)).status == 200
+
+
+def test_an_expectation_other_than_100_continue_is_a_417_in_the_error_shape(target: Target) -> None:
+    """aiohttp answers an unknown `Expect` before any middleware: a plain-text 417 quoting it, or a
+    500 where it is not ASCII (that text failed to encode), for a caller with a key or without."""
+    for expect in (b"hostile", b"hostile\xff", b"100-continue, hostile"):
+        for key in (PROXY_KEY, "not-a-key"):
+            before = target.snapshot()
+            status, headers, body = raw_exchange(target, POST_HEAD.replace(PROXY_KEY.encode(), key.encode())
+                                                 + b"\r\nExpect: " + expect + b"\r\nContent-Type: application/json"
+                                                 + b"\r\nContent-Length: " + str(len(_json(CHAT))).encode()
+                                                 + b"\r\n\r\n" + _json(CHAT))
+            assert status == 417, (expect, status, body)
+            assert headers["content-type"].startswith("application/json"), headers
+            assert headers["x-content-type-options"] == "nosniff" and headers["cache-control"] == "no-store"
+            error = json.loads(body)
+            assert_error_shape(error)
+            assert (error["error"]["code"], error["error"]["param"]) == ("expectation_failed", "Expect"), error
+            assert b"hostile" not in body
+            assert target.snapshot() == before
+    # The expectation HTTP/1.1 defines is met as before: a 100 Continue, then the answer.
+    status, _, body = raw_exchange(target, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                   + PROXY_KEY.encode() + b"\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
+    assert status == 100 and b'"object": "list"' in body, body
