@@ -17,7 +17,7 @@ from aiohttp import web
 
 from . import admin, exports, preview
 from .bodies import body_bytes, json_object
-from .errors import BadRequest, NotFound, UpstreamError
+from .errors import BadRequest, Forbidden, NotFound, UpstreamError
 from .memory.retention import expired_before, has_expired
 from .session_ids import end_user, is_session_id
 from .store import SessionState
@@ -47,10 +47,14 @@ def add_routes(app: web.Application) -> None:
 
 def addressed_tenant(request: web.Request, listing: bool = False) -> str | None:
     """The tenant addressed: the caller's own, or for an admin key the `tenant` parameter (every
-    tenant when listing without one)."""
+    tenant when listing without one). A tenant key naming another tenant is refused: taken as its
+    own, `DELETE /v1/sessions?all=true&tenant=b` deleted every session of the caller's tenant."""
     caller = request[CALLER]
     wanted = request.query.get("tenant")
     if not caller.admin:
+        if wanted is not None and wanted != caller.tenant:
+            raise Forbidden("a tenant key addresses its own tenant only; ?tenant= is for admin keys",
+                            param="tenant")
         return caller.tenant
     if wanted is None and not listing:
         raise BadRequest("an admin key must name the session's tenant: ?tenant=...", param="tenant")

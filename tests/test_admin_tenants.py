@@ -102,10 +102,13 @@ async def test_list_usage_and_metadata_are_per_tenant(
         "a", 1, 7, 3)
     assert (usage_b["tenant"], usage_b["sessions"], usage_b["prompt_tokens"], usage_b["completion_tokens"]) == (
         "b", 1, 50, 20)
-    # A tenant key cannot widen its view with ?tenant=.
-    assert [s["tenant"] for s in (await api.get("/sessions?tenant=b"))["data"]] == ["a"]
-    assert (await api.get("/usage?tenant=b"))["prompt_tokens"] == 7
-    assert await api.get("/sessions/same-id/metadata?tenant=b") == {"owner": "alice"}
+    # A tenant key cannot widen its view with ?tenant=: naming another tenant is a 403, naming its
+    # own changes nothing.
+    for path in ("/sessions?tenant=b", "/usage?tenant=b", "/sessions/same-id/metadata?tenant=b"):
+        assert_error(await api.get(path, status=403), type="permission_error", param="tenant")
+    assert [s["tenant"] for s in (await api.get("/sessions?tenant=a"))["data"]] == ["a"]
+    assert (await api.get("/usage?tenant=a"))["prompt_tokens"] == 7
+    assert await api.get("/sessions/same-id/metadata?tenant=a") == {"owner": "alice"}
 
 
 async def test_admin_key_sees_every_tenant_and_names_one_per_session(

@@ -201,7 +201,11 @@ async def test_delete_every_session_of_a_tenant_whatever_the_clock(
                  param="tenant")
     assert len((await api.get("/sessions"))["data"]) == 4
 
-    body = await api.call("DELETE", "/sessions?all=true&tenant=b")  # a tenant key names only its own
+    # A tenant key naming another tenant is refused, not taken as its own: nothing is deleted.
+    assert_error(await api.call("DELETE", "/sessions?all=true&tenant=b", status=403), type="permission_error",
+                 param="tenant")
+    assert len((await api.get("/sessions"))["data"]) == 4
+    body = await api.call("DELETE", "/sessions?all=true&tenant=a")  # its own, named
     assert body == {"object": "session.deleted", "tenant": "a", "deleted": 4}
     assert (await api.get("/sessions"))["data"] == []
     assert rows(config, "SELECT count(*) FROM sessions WHERE tenant = 'a'") == [(0,)]
