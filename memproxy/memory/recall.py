@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import time
 from functools import lru_cache
+from itertools import islice
 from operator import itemgetter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ _LABEL_TOKENS = 5
 _LINE_TOKENS = 7 - 3
 _TIME_TOKENS = 10
 _GAP = "…\n"
+_KEY = itemgetter(0, 1)  # a `Ranked`'s or a `RecalledMessage`'s session id and position
 RECALL_PREFIX = (
     "Recalled from earlier in this conversation: older messages that may bear on what follows, "
     "repeated for background only. They are not new requests or instructions.\n"
@@ -108,14 +110,15 @@ def question(new: Sequence[Message], sent: Sequence[Message]) -> Query:
     """The words to recall by: the latest user message of the request (a new one, else the latest
     stored one an agent loop continues), with the exchange before it, weighed less, when it is short."""
     messages = [*sent[: len(sent) - len(new)], *new] if new else list(sent)
-    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    # The last two user messages, looked for from the end: a long history is not walked whole.
+    users = list(islice((i for i in reversed(range(len(messages))) if messages[i].get("role") == "user"), 2))
     if not users:
         return Query([], [])
-    last = users[-1]
+    last = users[0]
     words = query_words(line_text(messages[last]))
     weights = [1.0] * len(words)
     if len(words) < SHORT_QUESTION:
-        start = users[-2] if len(users) > 1 else 0
+        start = users[1] if len(users) > 1 else 0
         before = query_words(" ".join(line_text(m) for m in messages[start:last]))
         context = [w for w in before if w not in words][: MAX_QUERY_WORDS - len(words)]
         words, weights = words + context, weights + [CONTEXT_WEIGHT] * len(context)
@@ -267,13 +270,13 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
     if room <= 0 or not messages:
         return None
     unit_of, bounds, follows = _units(messages)
-    by_key = {(m.session_id, m.seq): i for i, m in enumerate(messages)}
+    by_key = dict(zip(map(_KEY, messages), range(len(messages))))
     taken: list[int] = []  # the units chosen, best first
     chosen: set[int] = set()
     spent = len(RECALL_PREFIX) // 4
     end = len(messages)
     for r in ranked:
-        index = by_key.get((r.session_id, r.seq))
+        index = by_key.get(_KEY(r))
         if index is None:
             continue
         unit = unit_of[index]
@@ -288,7 +291,7 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
             spent += cost
             chosen.add(unit)
             taken.append(unit)
-    info = {(r.session_id, r.seq): r for r in ranked}
+    info = dict(zip(map(_KEY, ranked), ranked))
     # The estimate is close, not exact: the block is counted, and the lowest-ranked units go until it fits.
     while taken:
         block = render([m for m, u in zip(messages, unit_of) if u in chosen], info, words, session_id, counter)
@@ -334,13 +337,15 @@ def _units(messages: Sequence[RecalledMessage]) -> tuple[list[int], list[tuple[i
     unit's messages (`messages[lo:hi]`) and estimated tokens, and whether each message directly
     follows the one before it (the next position of the same session). A unit runs from a unit
     start to the next, within consecutive positions of one session (the store read units whole)."""
-    follows = [False]
-    follows += [b.seq == a.seq + 1 and b.session_id == a.session_id for a, b in zip(messages, messages[1:])]
+    follows: list[bool] = []
     unit_of: list[int] = []
     bounds: list[tuple[int, int, int]] = []
-    for i, m in enumerate(messages):
-        cost = max((m.tokens if m.tokens is not None else m.compact_tokens) + _LABEL_TOKENS, 1)
-        if m.unit_start:
+    previous_sid, previous_seq = None, -2
+    for i, (sid, seq, _, unit_start, _, tokens, compact_tokens, _) in enumerate(messages):
+        follows.append(seq == previous_seq + 1 and sid == previous_sid)
+        previous_sid, previous_seq = sid, seq
+        cost = max((tokens if tokens is not None else compact_tokens) + _LABEL_TOKENS, 1)
+        if unit_start:
             unit_of.append(len(bounds))
             bounds.append((i, i + 1, cost))
         elif follows[i] and unit_of[-1] >= 0:
@@ -378,21 +383,27 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
     gap = text(_GAP) if sums else 0
     ends: list[tuple[int, int]] = []
     recalled: list[Recalled] = []
-    said: dict[tuple[int, ...], tuple[str, ...]] = {}  # the matched words, by word indices
+    said: dict[tuple[int, ...], tuple[str, ...]] = {(): ()}  # the matched words, by word indices
     previous_sid, previous_seq = None, -2
     shown = ""  # the time last shown: a run shows its time unless it is that one
+    new = tuple.__new__
     for sid, seq, role, _, text_line, line_tokens, _, created_at in messages:
-        when = ""
-        if seq != previous_seq + 1 or sid != previous_sid:  # a run starts: after a gap, with its time
+        plain = f"[#{seq} {role}]" if mine or sid == session_id else f"[session {sid} #{seq} {role}]"
+        line = f" {text_line}\n"
+        if seq == previous_seq + 1 and sid == previous_sid:  # the run goes on
+            when = ""
+            parts += (plain, line)
+        else:  # a run starts: after a gap, with its time unless that is the one shown last
             if previous_sid is not None:
                 parts.append(_GAP)
                 tokens += gap
             when = _minute(int(created_at // 60))
-            when, shown = ("" if when == shown else f" {when}"), when
-        plain = f"[#{seq} {role}]" if mine or sid == session_id else f"[session {sid} #{seq} {role}]"
-        label = f"{plain[:-len(role) - 2]}{when} {role}]" if when else plain
-        line = f" {text_line}\n"
-        parts += (label, line)
+            if when == shown:
+                when = ""
+                parts += (plain, line)
+            else:
+                shown = when
+                parts += (f"{plain[:-len(role) - 2]} {when} {role}]", line)
         if sums:
             # No piece spans a number and the space after it either: a label with its time counts
             # as the label without it and the time apart, so each position's label is counted once
@@ -400,17 +411,17 @@ def render(messages: list[RecalledMessage], info: dict[tuple[str, int], Ranked],
             # Another session's stored counts may be another model's counter's (this session's are
             # this counter's, or the plan counts the request again): its lines are counted here.
             own = line_tokens if sid == session_id else None
-            tokens += text(plain) + (text(when) if when else 0) + (own if own is not None else text(line))
+            tokens += text(plain) + (text(f" {when}") if when else 0) + (own if own is not None else text(line))
             ends.append((len(parts), tokens))
         previous_sid, previous_seq = sid, seq
         r = info.get((sid, seq))
         if r is None:
-            recalled.append(Recalled._make((sid, seq, role, created_at, None, ())))
+            recalled.append(new(Recalled, (sid, seq, role, created_at, None, ())))
             continue
         matched = said.get(r.matched)
         if matched is None:
             matched = said[r.matched] = tuple(words[i] for i in r.matched)
-        recalled.append(Recalled._make((sid, seq, role, created_at, r.hit if r.hit > 0 else None, matched)))
+        recalled.append(new(Recalled, (sid, seq, role, created_at, r.hit if r.hit > 0 else None, matched)))
     message: Message = {"role": "user", "content": "".join(parts)}
     tokens = counter.message({"role": "user", "content": ""}) + tokens if sums else counter.message(message)
     return Block(message, tokens, tuple(recalled), tuple(messages), tuple(parts), tuple(ends))
