@@ -58,7 +58,11 @@ async def send_deadline(request: web.Request, response: web.StreamResponse) -> N
     `send_timeout_seconds` (an `on_response_prepare` signal: every response, streamed or not). A
     timer checks the connection a few times a period while the task answering this request runs
     (the one preparing the response: `request.task` is the connection's, which outlives each of
-    its keep-alive requests); nothing is added to each write."""
+    its keep-alive requests); nothing is added to each write.
+
+    The timer is cancelled as that task ends. Left to find the task done at its next check, it kept
+    the finished task alive until then (up to a `step`, 15 s by default), and with it the request,
+    its body and the answer: at 250 requests a second, some 3,700 finished requests at any time."""
     transport, protocol = request.transport, request.protocol
     task = asyncio.current_task()
     if transport is None or task is None:
@@ -67,9 +71,10 @@ async def send_deadline(request: web.Request, response: web.StreamResponse) -> N
     step = limit / _SEND_CHECKS
     loop = asyncio.get_running_loop()
     since: float | None = None
+    timer: asyncio.TimerHandle | None = None
 
     def check() -> None:
-        nonlocal since
+        nonlocal since, timer
         if task.done() or transport.is_closing():
             return
         if not protocol.writing_paused:
@@ -79,9 +84,14 @@ async def send_deadline(request: web.Request, response: web.StreamResponse) -> N
         elif loop.time() - since >= limit - step / 2:
             transport.abort()  # the waiting write raises ConnectionResetError: the client is gone
             return
-        loop.call_later(step, check)
+        timer = loop.call_later(step, check)
 
-    loop.call_later(step, check)
+    def stop(_: asyncio.Task[object]) -> None:
+        if timer is not None:
+            timer.cancel()
+
+    timer = loop.call_later(step, check)
+    task.add_done_callback(stop)
 
 
 def _timeout_body(what: str, limit: float) -> bytes:
