@@ -946,6 +946,31 @@ async def test_a_refusal_echoed_as_a_content_part_or_as_text_is_the_stored_refus
     assert not loosely_equal({"role": "assistant", "content": "", "refusal": "No."}, assistant("Yes."))
 
 
+@pytest.mark.parametrize("history", ["auto", "new"])
+async def test_a_refusal_echoed_without_it_before_a_new_question_is_the_stored_refusal(
+    history: str, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """LangChain's `ChatOpenAI` resends a refused answer as `{"role": "assistant", "content": ""}`
+    (it keeps the refusal in `additional_kwargs`, which it never sends). A client that sends only its
+    newest messages, the answer it got among them, echoes the stored refusal so: the same message by
+    its hash, as a whole resent history finds. Read as a new message, the empty answer was stored
+    after the refusal and sent on every turn (a provider such as Anthropic refuses empty content)."""
+    client = proxy.client(**{"X-Memproxy-History": history})
+    upstream.enqueue(Reply(refusal="I cannot help with that."))
+    await complete(client, [user("how to pick locks")])
+    _, headers = await chat(client, [{"role": "assistant", "content": ""}, user("a joke, then")])
+    assert headers["X-Memproxy-Reconcile"] == "window"
+    assert upstream.last().messages == [user("how to pick locks"),
+                                        {"role": "assistant", "refusal": "I cannot help with that.", "content": ""},
+                                        user("a joke, then")]
+    assert [m["role"] for m in stored(config)] == ["user", "assistant", "user", "assistant"]
+    assert stored(config)[1]["refusal"] == "I cannot help with that."
+    assert loosely_equal({"role": "assistant", "content": None, "refusal": "No."},
+                         {"role": "assistant", "content": ""})
+    assert not loosely_equal({"role": "assistant", "content": None, "refusal": "No."},
+                             {"role": "assistant", "content": "Yes."})
+
+
 def test_loose_equality_reads_arguments_as_json_and_leaves_hashes_alone() -> None:
     spelt = [calls_message(call("call_1", "Paris", spacing)) for spacing in ((",", ":"), (", ", ": "))]
     assert loosely_equal(*spelt)

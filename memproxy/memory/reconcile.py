@@ -223,7 +223,7 @@ def _resends(stored: Sequence[StoredMessage], sent: Sequence[Message]) -> bool:
     newest messages resends them so: read as new, each exchange was stored and sent twice."""
     respelt = False  # a question spelt differently, until the unchanged answer after it vouches for it
     for message, said in zip(stored, sent):
-        same = loose_json(message.body) == loose_json(said)
+        same = loosely_equal(message.body, said)
         if respelt and not (same and message.body.get("role") == "assistant"):
             return False
         respelt = not same
@@ -362,7 +362,7 @@ async def _resent_tail(store: TurnStore, session: SessionState, conversation: Se
     for j in candidates:  # latest first
         end = j + 1
         n = 0
-        while n < min(len(tail), end - fork) and loose_json(tail[-1 - n].body) == loose_json(conversation[end - 1 - n]):
+        while n < min(len(tail), end - fork) and loosely_equal(tail[-1 - n].body, conversation[end - 1 - n]):
             n += 1
         start = end - n  # where the tail starts among the client's messages
         if n < 2 or session.length <= end or not any(m.get("role") == "assistant" for m in conversation[start:end]):
@@ -476,7 +476,7 @@ async def _inserted_at(store: TurnStore, session: SessionState, conversation: Se
     if k < 1 or not any(m.get("role") == "assistant" for m in conversation[fork + 1:fork + 1 + k]):
         return False
     stored = await _active_range(store, session, held, fork, fork + k)
-    return len(stored) == k and all(loose_json(m.body) == loose_json(c)
+    return len(stored) == k and all(loosely_equal(m.body, c)
                                     for m, c in zip(stored, conversation[fork + 1:fork + 1 + k]))
 
 
