@@ -6,7 +6,9 @@ conversation through a real proxy against the fake provider, with at least one t
 asks for `get_weather`, the client runs it and sends the result, the model answers) and one streamed
 turn, in the way that client sends its history: resending everything, sending only what is new,
 echoing the assistant's tool-call message before its results, or, for `llm`, mixing `-c`
-continuations with fresh prompts.
+continuations with fresh prompts. The SDKs' higher-level helpers are held to the same: openai-python's
+`parse` and `.stream()` with structured outputs and pydantic tools (both transports), LangChain's
+`with_structured_output` beside streamed `bind_tools`, each echoing back what its helper returns.
 
 What is checked is what matters to a person: every request the provider received carried the whole
 conversation so far, nothing twice, the newest user message last and verbatim; and the store holds the
@@ -41,6 +43,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pydantic
 import pytest
 
 from conftest import PROXY_KEY, Proxy
@@ -95,6 +98,7 @@ class Turn:
     stream: bool = False
     tool_city: str | None = None  # the model first asks for the weather there
     refused: bool = False  # the model refuses (`refusal`, no content)
+    answer: str | None = None  # the model's answer (else "Answer N to: ...")
 
 
 @dataclass
@@ -106,9 +110,11 @@ class Script:
     replies: list[Reply] = field(default_factory=list)
     streamed: list[bool] = field(default_factory=list)  # whether the request of each reply streams
 
-    def turn(self, text: str, tool_city: str | None = None, stream: bool = False, refused: bool = False) -> str:
-        """The user says `text`; the model answers (after a tool loop if `tool_city`), or refuses
-        (`refused`); its answer. The client asks for a stream (`stream`) on each request of the turn."""
+    def turn(self, text: str, tool_city: str | None = None, stream: bool = False, refused: bool = False,
+             answer: str | None = None) -> str:
+        """The user says `text`; the model answers (after a tool loop if `tool_city`), `answer` if
+        given, or refuses (`refused`); its answer. The client asks for a stream (`stream`) on each
+        request of the turn."""
         n = len(self.replies)
         self.conversation.append({"role": "user", "content": text})
         if tool_city is not None:
@@ -123,14 +129,14 @@ class Script:
             self.replies.append(Reply(content=None, refusal=answer))
             self.conversation.append({"role": "assistant", "content": None, "refusal": answer})
         else:
-            answer = f"Answer {len(self.replies)} to: {text}"
+            answer = answer if answer is not None else f"Answer {len(self.replies)} to: {text}"
             self.replies.append(Reply(content=answer))
             self.conversation.append({"role": "assistant", "content": answer})
         self.streamed.append(stream)
         return answer
 
     def play(self, turns: list[Turn]) -> list[str]:
-        return [self.turn(t.text, t.tool_city, t.stream, t.refused) for t in turns]
+        return [self.turn(t.text, t.tool_city, t.stream, t.refused, t.answer) for t in turns]
 
     def expected_requests(self) -> list[list[Message]]:
         """What request k must carry: everything before the model's k-th reply (system prompt first)."""
@@ -282,6 +288,102 @@ async def test_openai_python_async(history_kind: str, proxy: Proxy, upstream: Fa
     upstream.enqueue(*script.replies)
     session = f"py-async-{history_kind}"
     assert await async_conversation(proxy, session, history_kind, TURNS) == answers
+    check_conversation(upstream, config, session, script)
+
+
+# --- openai-python's helpers: parse, the stream helper, pydantic tools -----------------------------
+
+
+class Mood(pydantic.BaseModel):
+    name: str
+    mood: str
+
+
+class City(pydantic.BaseModel):
+    city: str
+
+
+def mood(name: str, feeling: str) -> str:
+    """A structured answer's JSON text, as the model writes it."""
+    return Mood(name=name, mood=feeling).model_dump_json()
+
+
+# Structured answers throughout, a refusal among them, a tool loop streamed and one not.
+STRUCTURED_TURNS = [
+    Turn("My name is Ada.", answer=mood("Ada", "glad")),
+    Turn("What is the weather in Paris?", tool_city="Paris", stream=True, answer=mood("Ada", "sunny")),
+    Turn("How do I pick a lock?", refused=True),
+    Turn("And the weather in Tokyo?", tool_city="Tokyo", answer=mood("Ada", "rainy")),
+    Turn("How am I?", stream=True, answer=mood("Ada", "fine")),
+]
+
+
+async def helpers_conversation(proxy: Proxy, session: str, history_kind: str,
+                               turns: list[Turn]) -> tuple[list[Any], set[str], list[str]]:
+    """An app on `client.chat.completions.parse(response_format=Mood)` and the `.stream()` helper,
+    with a strict tool from `openai.pydantic_function_tool`, that keeps each message it gets as
+    `model_dump()` (with `parsed`, `refusal`, `annotations`, `audio`, `parsed_arguments`). "full"
+    resends its history; "new" says so (`X-Memproxy-History: new`) and sends what it has not sent,
+    the answer it got last first. The parsed answers (a refusal's text), the stream events seen and
+    the reconcile kind of each parsed request."""
+    headers = {"X-Memproxy-History": "new"} if history_kind == "new" else {}
+    client = proxy.client(session, **headers)
+    tools = [openai.pydantic_function_tool(City, name="get_weather")]
+    history: list[Any] = [{"role": "system", "content": SYSTEM}]
+    sent = 0
+    events_seen: set[str] = set()
+    kinds: list[str] = []
+
+    async def ask(stream: bool) -> Any:
+        nonlocal sent
+        messages = history if history_kind == "full" else [history[0], *history[max(sent, 1):]]
+        sent = len(history)
+        if stream:
+            async with client.chat.completions.stream(model=MODEL, messages=messages, tools=tools,
+                                                      response_format=Mood) as events:
+                events_seen.update([event.type async for event in events])
+                return (await events.get_final_completion()).choices[0].message
+        raw = await client.chat.completions.with_raw_response.parse(model=MODEL, messages=messages, tools=tools,
+                                                                    response_format=Mood)
+        kinds.append(raw.headers["X-Memproxy-Reconcile"])
+        return raw.parse().choices[0].message
+
+    got: list[Any] = []
+    for turn in turns:
+        history.append({"role": "user", "content": turn.text})
+        message = await ask(turn.stream)
+        while message.tool_calls:
+            assert [call.function.parsed_arguments for call in message.tool_calls] == [City(city=turn.tool_city)]
+            # warnings=False: pydantic warns that the generic `parsed` field holds a value.
+            history.append(message.model_dump(warnings=False))
+            history += [{"role": "tool", "tool_call_id": call.id, "content": get_weather(turn.tool_city or "")}
+                        for call in message.tool_calls]
+            message = await ask(turn.stream)
+        history.append(message.model_dump(warnings=False))
+        got.append(message.refusal if message.refusal is not None else message.parsed)
+    return got, events_seen, kinds
+
+
+@pytest.mark.both_transports
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_python_parse_and_stream_helpers(
+    history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """Structured outputs over a multi-turn session on both transports: the app gets its parsed
+    objects, parsed tool arguments and the refusal, the stream helper's events and final completion;
+    what it echoes back (`parsed`, `annotations`, `audio: None`...) is read as the stored messages,
+    never an edit, and never reaches the provider."""
+    script = Script()
+    answers = script.play(STRUCTURED_TURNS)
+    upstream.enqueue(*script.replies)
+    session = f"helpers-{history_kind}"
+    got, events, kinds = await helpers_conversation(proxy, session, history_kind, STRUCTURED_TURNS)
+    assert got == [answer if turn.refused else Mood.model_validate_json(answer)
+                   for turn, answer in zip(STRUCTURED_TURNS, answers)]
+    assert {"content.delta", "content.done", "tool_calls.function.arguments.delta",
+            "tool_calls.function.arguments.done"} <= events
+    assert kinds == (["new", "continue", "continue", "continue"] if history_kind == "full"
+                     else ["new", "window", "window", "window"])
     check_conversation(upstream, config, session, script)
 
 
@@ -464,6 +566,89 @@ async def test_langchain_chat_openai(proxy: Proxy, upstream: FakeUpstream, confi
     upstream.enqueue(*script.replies)
     session = "langchain"
     assert await asyncio.to_thread(langchain_conversation, proxy.url, session, TURNS) == answers
+    check_conversation(upstream, config, session, script)
+
+
+async def langchain_structured_conversation(base_url: str, session: str, history_kind: str,
+                                           turns: list[Turn]) -> list[Any]:
+    """A LangChain app on `with_structured_output(Mood, include_raw=True)` (`ainvoke`, or `astream`
+    for streamed turns) and, for the tool turns, `bind_tools(strict=True)` streamed with `astream`,
+    the chunks added up; it keeps the raw `AIMessage`s (LangChain resends a refused one as an empty
+    answer). "full" resends its history; "new" says so and sends what it has not sent, the answer it
+    got last first. The parsed answers, or a refusal's text."""
+    chat_models = need("langchain_openai")
+    messages = need("langchain_core.messages")
+    tools = need("langchain_core.tools")
+
+    @tools.tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return get_weather(city)
+
+    weather.name = "get_weather"
+    headers = {"X-Session-Id": session, **({"X-Memproxy-History": "new"} if history_kind == "new" else {})}
+    model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
+                                   default_headers=headers)
+    structured = model.with_structured_output(Mood, include_raw=True)
+    with_tools = model.bind_tools([weather], strict=True)
+    history: list[Any] = [messages.SystemMessage(SYSTEM)]
+    sent = 0
+
+    def unsent() -> list[Any]:
+        nonlocal sent
+        given = history if history_kind == "full" else [history[0], *history[max(sent, 1):]]
+        sent = len(history)
+        return list(given)
+
+    got: list[Any] = []
+    for turn in turns:
+        history.append(messages.HumanMessage(turn.text))
+        if turn.tool_city is not None:
+            call = None
+            async for chunk in with_tools.astream(unsent()):
+                call = chunk if call is None else call + chunk
+            assert call is not None and [c["args"] for c in call.tool_calls] == [{"city": turn.tool_city}]
+            history += [call, *(messages.ToolMessage(weather.invoke(c["args"]), tool_call_id=c["id"])
+                                for c in call.tool_calls)]
+        if turn.stream:  # parts with a key each: the raw message's chunks, then the parsed answer
+            result: dict[str, Any] = {}
+            async for part in structured.astream(unsent()):
+                for key, value in part.items():
+                    result[key] = value if key not in result or key != "raw" else result[key] + value
+        else:
+            result = await structured.ainvoke(unsent())
+        history.append(result["raw"])
+        got.append(result["raw"].additional_kwargs.get("refusal") or result["parsed"])
+    return got
+
+
+# The tool loops ask with the tools bound, then for the structured answer; the last turn streams.
+LANGCHAIN_STRUCTURED_TURNS = [
+    Turn("My name is Ada.", answer=mood("Ada", "glad")),
+    Turn("What is the weather in Paris?", tool_city="Paris", answer=mood("Ada", "sunny")),
+    Turn("How do I pick a lock?", refused=True),
+    Turn("How am I?", stream=True, answer=mood("Ada", "fine")),
+]
+
+
+# langchain-openai streams a structured answer through the openai SDK's stream helper, whose chunks
+# it dumps: pydantic warns that the generic `parsed` field holds a value (the client's, not ours).
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_langchain_structured_output_and_streamed_tools(
+    history_kind: str, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`with_structured_output` and `bind_tools` streamed, multi-turn: LangChain resends a refused
+    answer as `{"role": "assistant", "content": ""}`; sent with the new question alone, it was
+    appended after the stored refusal, and the empty answer went to the provider on every turn."""
+    script = Script()
+    answers = script.play(LANGCHAIN_STRUCTURED_TURNS)
+    script.streamed[1] = True  # the tool call is asked for with `astream`, the answer after it with `ainvoke`
+    upstream.enqueue(*script.replies)
+    session = f"langchain-structured-{history_kind}"
+    got = await langchain_structured_conversation(proxy.url, session, history_kind, LANGCHAIN_STRUCTURED_TURNS)
+    assert got == [answer if turn.refused else Mood.model_validate_json(answer)
+                   for turn, answer in zip(LANGCHAIN_STRUCTURED_TURNS, answers)]
     check_conversation(upstream, config, session, script)
 
 
