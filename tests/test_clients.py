@@ -442,6 +442,42 @@ async def test_openai_node(
     check_conversation(upstream, config, session, script)
 
 
+RUN_TOOLS_SCRIPT = Path(__file__).parent / "clients" / "node_run_tools.mjs"
+# Structured answers, a refusal, tool loops the runner runs itself, two of them streamed.
+RUN_TOOLS_TURNS = [
+    Turn("My name is Ada.", answer=mood("Ada", "glad")),
+    Turn("What is the weather in Paris?", tool_city="Paris", answer=mood("Ada", "sunny")),
+    Turn("And the weather in Tokyo?", tool_city="Tokyo", stream=True, answer=mood("Ada", "rainy")),
+    Turn("How do I pick a lock?", refused=True),
+    Turn("How am I?", stream=True, answer=mood("Ada", "fine")),
+]
+
+
+@pytest.mark.parametrize("history_kind", ["full", "new"])
+async def test_openai_node_run_tools(
+    history_kind: str, node_sdk: Path, proxy: Proxy, upstream: FakeUpstream, config: Config
+) -> None:
+    """`client.chat.completions.runTools` with a strict tool and a JSON schema, streamed and not: the
+    runner resends its growing message list at each step, and a "full" app the previous runner's
+    messages at the next turn. The provider sees the conversation once; the app gets the parsed
+    answers, the refusal and its tool results."""
+    script = Script()
+    answers = script.play(RUN_TOOLS_TURNS)
+    upstream.enqueue(*script.replies)
+    session = f"node-run-tools-{history_kind}"
+    plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
+            "turns": [{"text": t.text, "stream": t.stream} for t in RUN_TOOLS_TURNS]}
+    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
+           "OPENAI_NODE_PREFIX": str(node_sdk)}
+    out = await run_command([shutil.which("node") or "node", str(RUN_TOOLS_SCRIPT), json.dumps(plan)], env)
+    assert json.loads(out) == [
+        {"content": None, "parsed": None, "refusal": answer, "results": []} if turn.refused else
+        {"content": answer, "parsed": json.loads(answer), "refusal": None,
+         "results": [get_weather(turn.tool_city)] if turn.tool_city else []}
+        for turn, answer in zip(RUN_TOOLS_TURNS, answers)]
+    check_conversation(upstream, config, session, script)
+
+
 # --- the Vercel AI SDK -----------------------------------------------------------------------------
 
 AI_SDK_SCRIPT = Path(__file__).parent / "clients" / "ai_sdk_chat.mjs"
