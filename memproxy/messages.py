@@ -125,9 +125,17 @@ def wire_form(message: Message) -> Message:
     message calls a tool; a legacy function result of `content: null` gets empty text too (OpenAI
     takes the null, litellm leaves the key out, and OpenAI requires it); an answer's audio goes by its id alone, until the provider forgets it
     (its `expires_at`, less `AUDIO_EXPIRY_MARGIN`), and then as its transcript: OpenAI refuses an
-    audio id past it. A message with none of these is itself, not a copy: messages are never
-    changed once built (stored ones are shared with the store's history cache)."""
+    audio id past it. What the openai SDKs' parse helpers add to an answer an app keeps and
+    sends back (`parsed`, a tool call's `parsed_arguments`: the SDK's reading of the content and
+    arguments, which no chat API defines) is left out: a provider that checks its input strictly
+    may refuse a field it does not know, and a session stores it where the client's own messages
+    are stored (its first turn, an edit). A message with none of these is itself, not a
+    copy: messages are never changed once built (stored ones are shared with the store's history
+    cache)."""
     if message.get("role") == "assistant":
+        if "parsed" in message or any(isinstance(call, dict) and "parsed_arguments" in (call.get("function") or ())
+                                      for call in message.get("tool_calls") or ()):
+            message = _unparsed(message)
         audio = message.get("audio")
         if isinstance(audio, dict) and _expired(audio):
             message = {**{k: v for k, v in message.items() if k != "audio"},
@@ -142,6 +150,18 @@ def wire_form(message: Message) -> Message:
     if message.get("role") == "function" and message.get("content") is None:
         return {**{k: v for k, v in message.items() if v is not None}, "content": ""}
     return {k: v for k, v in message.items() if v is not None}
+
+
+def _unparsed(message: Message) -> Message:
+    """An assistant message without the openai SDKs' parse results (`wire_form`)."""
+    out = {k: v for k, v in message.items() if k != "parsed"}
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [
+            {**call, "function": {k: v for k, v in call["function"].items() if k != "parsed_arguments"}}
+            if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+            for call in calls]
+    return out
 
 
 # The prompt-caching breakpoints (`cache_control`, on a message or a content part) Anthropic takes

@@ -324,6 +324,34 @@ async def test_a_legacy_function_result_of_null_content_is_taken_and_sent_back_a
     assert len(upstream.chat_requests()) == 2
 
 
+async def test_the_openai_sdks_parse_results_are_not_sent_upstream(
+        proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    """An app on `client.chat.completions.parse` keeps each answer as `model_dump()`, with the SDK's
+    `parsed` and each tool call's `parsed_arguments`. Pointed at memproxy with that history (a new
+    session stores the client's messages as sent), they went to the provider on this turn and every
+    later one: fields no chat API defines, which a provider that checks its input refuses."""
+    answer = {"role": "assistant", "content": '{"text":"Hi Ada."}', "refusal": None, "annotations": None,
+              "audio": None, "function_call": None, "tool_calls": None, "parsed": {"text": "Hi Ada."}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}', "parsed_arguments": {"city": "Paris"}}}
+    calls = {"role": "assistant", "content": None, "refusal": None, "parsed": None, "tool_calls": [call]}
+    history = [{"role": "user", "content": "I am Ada."}, answer, {"role": "user", "content": "Weather?"}, calls,
+               {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    client = proxy.client(session="parsed")
+    upstream.enqueue(Reply(content='{"text":"It is 18C."}'), Reply(content='{"text":"Bye."}'))
+    await complete(client, history, tools=TOOLS, response_format=RESPONSE_FORMAT)
+    await complete(client, [{"role": "user", "content": "Bye."}], tools=TOOLS, response_format=RESPONSE_FORMAT)
+    wanted = [{"role": "user", "content": "I am Ada."}, {"role": "assistant", "content": '{"text":"Hi Ada."}'},
+              {"role": "user", "content": "Weather?"},
+              {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    first, second = upstream.chat_requests()
+    assert first.messages == wanted
+    assert second.messages == [*wanted, {"role": "assistant", "content": '{"text":"It is 18C."}'},
+                               {"role": "user", "content": "Bye."}]
+
+
 def breakpoints(messages: list[dict[str, Any]]) -> list[str]:
     """The texts of the content parts that carry a prompt-caching breakpoint, in order."""
     return [part["text"] for m in messages if isinstance(m["content"], list)
