@@ -42,6 +42,7 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
+import httpx
 import openai
 import pydantic
 import pytest
@@ -623,8 +624,9 @@ async def langchain_structured_conversation(base_url: str, session: str, history
 
     weather.name = "get_weather"
     headers = {"X-Session-Id": session, **({"X-Memproxy-History": "new"} if history_kind == "new" else {})}
+    http_client = httpx.AsyncClient(timeout=30)  # closed at the end, not left open in LangChain's shared one
     model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
-                                   default_headers=headers)
+                                   default_headers=headers, http_async_client=http_client)
     structured = model.with_structured_output(Mood, include_raw=True)
     with_tools = model.bind_tools([weather], strict=True)
     history: list[Any] = [messages.SystemMessage(SYSTEM)]
@@ -655,6 +657,7 @@ async def langchain_structured_conversation(base_url: str, session: str, history
             result = await structured.ainvoke(unsent())
         history.append(result["raw"])
         got.append(result["raw"].additional_kwargs.get("refusal") or result["parsed"])
+    await http_client.aclose()
     return got
 
 
