@@ -14,9 +14,9 @@ text-only content given as a list of parts), so the same message always hashes t
 some clients (LangChain) re-serialise them with other spacing; an image compares by the object its
 URL names, without the signature a client that signs its media URLs makes anew for each request,
 and whatever `detail` it asks for; a refusal compares the same as a part, as the field or as the
-answer's text (the Vercel AI SDK resends it so), or left out (LangChain resends an empty answer); text compares in Unicode's composed form (NFC) and
-with LF line ends, whichever a client resends; and a message compares without its `name`, which
-some clients send with the newest message alone.
+answer's text (the Vercel AI SDK resends it so), or left out (LangChain resends an empty answer);
+text compares in Unicode's composed form (NFC) and with LF line ends, whichever a client resends;
+and a message compares without its `name`, which some clients send with the newest message alone.
 """
 
 from __future__ import annotations
