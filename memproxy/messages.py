@@ -133,8 +133,9 @@ def wire_form(message: Message) -> Message:
     copy: messages are never changed once built (stored ones are shared with the store's history
     cache)."""
     if message.get("role") == "assistant":
-        if "parsed" in message or any(isinstance(call, dict) and "parsed_arguments" in (call.get("function") or ())
-                                      for call in message.get("tool_calls") or ()):
+        calls = message.get("tool_calls")  # most answers have none: no generator made for them
+        if "parsed" in message or (calls and any(
+                isinstance(call, dict) and "parsed_arguments" in (call.get("function") or ()) for call in calls)):
             message = _unparsed(message)
         audio = message.get("audio")
         if isinstance(audio, dict) and _expired(audio):
