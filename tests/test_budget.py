@@ -15,16 +15,17 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import openai
 import pytest
 
-from conftest import Proxy
+from conftest import Proxy, make_config
 from db import rows, table_rows
 from fake_upstream import FakeUpstream, Received, Reply
 from helpers import Conversation
+from memproxy.config import Config, StorageConfig
 from memproxy.logs import fields
 from memproxy.memory.fit import settle_unanswered_calls
 from memproxy.store.sqlite import sqlite_path
@@ -689,3 +690,28 @@ async def test_a_resent_history_whose_newest_message_cannot_fit_is_refused_and_n
     assert_context_length_exceeded(caught.value, "messages")
     assert upstream.chat_requests() == []
     assert db_state(proxy) == state
+
+
+@pytest.mark.parametrize("memory", [{"head_turns": 1, "tool_output_max_tokens": 1000}, {"tool_output_max_tokens": 0}],
+                         ids=["opening-turns", "trimming-off"])
+async def test_an_older_answers_reasoning_is_not_counted_once_it_is_left_out(
+    start_proxy: Callable[[Config], Awaitable[Proxy]], storage: StorageConfig, upstream: FakeUpstream,
+    memory: dict[str, Any],
+) -> None:
+    """A reasoning model's answers are stored with their reasoning, which goes no more once their
+    exchange is over: the opening turns (`memory.head_turns`) and, with trimming off, the older
+    kept turns are sent without it, and counted so. Counted with it, a long reasoning took the room
+    of turns that fit (and `X-Memproxy-Context-Tokens` said more than was sent)."""
+    proxy = await start_proxy(make_config(storage, upstream.url, **memory))
+    upstream.tokens, upstream.window = (lambda body: request_tokens(COUNTER, body["messages"], [])), WINDOW
+    client = proxy.client(session="thinking", **{"X-Memproxy-History": "new"})
+    left_out = False
+    for i in range(8):
+        upstream.enqueue(Reply(content=f"answer {i}", reasoning_content=words(300, salt=i)))
+        raw = await client.chat.completions.with_raw_response.create(
+            model="small", messages=[{"role": "user", "content": words(150, salt=i)}])
+        sent = upstream.last().messages
+        assert not any("reasoning_content" in m for m in sent)
+        assert int(raw.headers["X-Memproxy-Context-Tokens"]) == request_tokens(COUNTER, sent, [])
+        left_out = left_out or int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
+    assert left_out

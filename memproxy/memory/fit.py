@@ -236,9 +236,9 @@ def fit(
     opening: list[Message] = []
     opening_tokens = 0
     if head and not whole and len(head) <= must_start:
-        opening, saved = settle_unanswered_calls([m.settled for m in head], [m.tokens for m in head],
+        opening, saved = settle_unanswered_calls([m.settled for m in head], [m.settled_tokens for m in head],
                                               [], counter)
-        opening_tokens = sum(m.tokens for m in head) - saved
+        opening_tokens = sum(m.settled_tokens for m in head) - saved
         # Where history is left out, what is sent must say so: the opening turns never take the
         # room of the shortest marker.
         least_marker = counter.message(marker_message(base, short=True)) if use_marker else 0
@@ -434,11 +434,12 @@ def _history(
     split = bisect.bisect_left(stored, newest, key=lambda m: m.seq)
     old, recent = stored[:split], stored[split:]
     # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too;
-    # reasoning never does (`without_reasoning`): where the form still holds it (trimming off, a
-    # message stored before reasoning was left out), it goes now, still counted: never under.
+    # reasoning never does (`without_reasoning`), nor is it counted where the answer's form
+    # without it was counted when stored (`settled_tokens`); where it still holds it (a message
+    # stored before reasoning was left out), it goes now, still counted: never under.
     trim = memory.tool_output_max_tokens > 0
     forms = [m.settled_compact for m in old] if trim else [m.settled for m in old]
-    tokens = [m.compact_tokens if trim else m.tokens for m in old] + [m.tokens for m in recent]
+    tokens = [m.compact_tokens if trim else m.settled_tokens for m in old] + [m.tokens for m in recent]
     old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
     deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)
     bodies = old_bodies + [m.body for m in recent]

@@ -89,6 +89,15 @@ class StoredMessage:
     def settled_compact(self) -> Message:
         return without_reasoning(self.compact)
 
+    @property
+    def settled_tokens(self) -> int:
+        """The tokens of `settled`. An answer's compact form is the answer without its reasoning
+        (`memproxy.memory.shrink.new_message`: only a tool result's is trimmed), counted when it
+        was stored; an answer stored with no compact form counts whole, never under."""
+        if self.compact_body is not None and self.body.get("role") == "assistant":
+            return self.compact_tokens
+        return self.tokens
+
 
 @dataclass(frozen=True)
 class NewMessage:
