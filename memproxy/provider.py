@@ -200,10 +200,15 @@ class LitellmCounter:
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
 
     def tools(self, tools: Sequence[Any]) -> int:
+        """litellm's count of the schemas as OpenAI renders functions, at least their compact JSON
+        (as `TiktokenCounter.tools` counts them): litellm renders a function's name, description and
+        parameters alone, and passes over the rest, a JSON schema the answer must follow
+        (`memory.plan.prompt_schemas`) or a custom tool's grammar, which a provider still reads."""
         if not tools:
             return 0
         with_tools = self._litellm.token_counter(model=self._model, messages=[], tools=list(tools))
-        return int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
+        rendered = int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
+        return max(rendered, self.text(json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False)))
 
     def load(self) -> None:
         """Count once, so that litellm picks its tokenizer now. For some model names (Llama 2 and

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import replace
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from fake_upstream import FakeUpstream, Received, Reply
 from helpers import Conversation
 from memproxy.config import Config, StorageConfig
 from memproxy.logs import fields
+from memproxy.provider import LitellmCounter, load_litellm
 from memproxy.memory.fit import settle_unanswered_calls
 from memproxy.store.sqlite import sqlite_path
 from memproxy.timing import PARTS
@@ -715,3 +717,31 @@ async def test_an_older_answers_reasoning_is_not_counted_once_it_is_left_out(
         assert int(raw.headers["X-Memproxy-Context-Tokens"]) == request_tokens(COUNTER, sent, [])
         left_out = left_out or int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
     assert left_out
+
+
+async def test_an_output_schema_counts_whole_with_litellms_counter(
+    start_proxy: Callable[[Config], Awaitable[Proxy]], storage: StorageConfig, upstream: FakeUpstream,
+) -> None:
+    """A model whose tokenizer tiktoken does not know is counted by litellm's counter, which renders
+    a function's name, description and parameters alone: a JSON schema the answer must follow was
+    some 20 tokens whatever its size, and a long one overflowed the window with history it did not
+    leave room for. It counts as its compact JSON, as tiktoken's counter counts it."""
+    config = make_config(storage, upstream.url)
+    proxy = await start_proxy(replace(config, models=tuple(
+        replace(m, tokenizer="litellm") if m.name == "small" else m for m in config.models)))
+    counter = LitellmCounter(load_litellm(), "openai/small")
+    schema: dict[str, Any] = {"name": "answer", "schema": {"type": "object", "description": words(400),
+                                                           "properties": {"text": {"type": "string"}}}}
+
+    def provider_tokens(body: dict[str, Any]) -> int:
+        schemas = json.dumps([body["response_format"]["json_schema"]], separators=(",", ":"), ensure_ascii=False)
+        return sum(counter.message(m) for m in body["messages"]) + counter.text(schemas) + REPLY_PRIMING
+
+    upstream.tokens, upstream.window = provider_tokens, WINDOW
+    client = proxy.client(session="schema", **{"X-Memproxy-History": "new"})
+    for i in range(6):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="small", messages=[{"role": "user", "content": words(150, salt=i)}],
+            extra_body={"response_format": {"type": "json_schema", "json_schema": schema}})
+        assert int(raw.headers["X-Memproxy-Context-Tokens"]) >= provider_tokens(upstream.last().body)
+    assert int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
