@@ -745,3 +745,31 @@ async def test_an_output_schema_counts_whole_with_litellms_counter(
             extra_body={"response_format": {"type": "json_schema", "json_schema": schema}})
         assert int(raw.headers["X-Memproxy-Context-Tokens"]) >= provider_tokens(upstream.last().body)
     assert int(raw.headers["X-Memproxy-Stored-Omitted"]) > 0
+
+
+async def test_tool_calls_count_whole_with_litellms_counter(
+    start_proxy: Callable[[Config], Awaitable[Proxy]], storage: StorageConfig, upstream: FakeUpstream,
+) -> None:
+    """litellm's counter reads a function call's arguments alone, and refuses a custom tool's call
+    (a 500 for a conversation that held one): calls count their id, name and arguments or input,
+    as tiktoken's counter counts them."""
+    config = make_config(storage, upstream.url)
+    proxy = await start_proxy(replace(config, models=tuple(
+        replace(m, tokenizer="litellm") if m.name == "small" else m for m in config.models)))
+    custom: Message = {"id": "call_Zr8xKp2Qw9LmN4vB7yT1sD6f", "type": "custom", "custom": {"name": "patch", "input": "*** a"}}
+    messages: list[Message] = [
+        {"role": "user", "content": "patch it"}, {"role": "assistant", "content": None, "tool_calls": [custom]},
+        {"role": "tool", "tool_call_id": custom["id"], "content": "patched"}, {"role": "user", "content": "thanks"}]
+    raw = await proxy.client(session="custom").chat.completions.with_raw_response.create(
+        model="small", messages=messages)  # type: ignore[arg-type]
+    assert upstream.last().messages[1]["tool_calls"] == [custom]
+
+    counter = LitellmCounter(load_litellm(), "openai/small")
+    sent = sum(counter.message(m) for m in upstream.last().messages) + REPLY_PRIMING
+    assert int(raw.headers["X-Memproxy-Context-Tokens"]) == sent
+    function: Message = {"id": "call_Qm3vB8nL1xT5rK9wZ2pY7cA4", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    calls = {"role": "assistant", "content": None, "tool_calls": [function]}
+    bare = {**calls, "tool_calls": [{**function, "id": "", "function": {"name": "", "arguments": '{"q": "x"}'}}]}
+    assert counter.message(calls) - counter.message(bare) == counter.text(function["id"]) + counter.text("lookup")
+    assert counter.message(messages[1]) > counter.message({"role": "assistant", "content": None})
