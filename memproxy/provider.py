@@ -52,8 +52,8 @@ from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .inline_setup import inline
 from .messages import Message, assistant_message, called, detached
-from .tokens import (TOKENS_PER_MESSAGE, TOKENS_PER_TOOL_CALL, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
-                     encoding_name_for, hoisted_image_words)
+from .tokens import (TOKENS_PER_MESSAGE, TOKENS_PER_TOOL_CALL, TiktokenCounter, TokenCounter, answer_audio_tokens,
+                     attachment_tokens, encoding_name_for, hoisted_image_words)
 from .upstream import (PREFIX, OpenAIUpstream, broke_off, model_id, nothing_streamed, status_error, timed_out,
                        unreachable)
 
