@@ -557,12 +557,8 @@ async def test_vercel_ai_sdk(
 # --- LangChain ChatOpenAI --------------------------------------------------------------------------
 
 
-def langchain_conversation(base_url: str, session: str, turns: list[Turn]) -> list[str]:
-    """A LangChain app: `ChatOpenAI` with the session id in `default_headers`, `bind_tools`, the whole
-    message list sent each time (`invoke`, or `.stream()` with the chunks added up), the tool results as
-    `ToolMessage`s."""
-    chat_models = need("langchain_openai")
-    messages = need("langchain_core.messages")
+def langchain_weather_tool() -> Any:
+    """`get_weather` as a LangChain tool."""
     tools = need("langchain_core.tools")
 
     @tools.tool
@@ -571,6 +567,16 @@ def langchain_conversation(base_url: str, session: str, turns: list[Turn]) -> li
         return get_weather(city)
 
     weather.name = "get_weather"
+    return weather
+
+
+def langchain_conversation(base_url: str, session: str, turns: list[Turn]) -> list[str]:
+    """A LangChain app: `ChatOpenAI` with the session id in `default_headers`, `bind_tools`, the whole
+    message list sent each time (`invoke`, or `.stream()` with the chunks added up), the tool results as
+    `ToolMessage`s."""
+    chat_models = need("langchain_openai")
+    messages = need("langchain_core.messages")
+    weather = langchain_weather_tool()
     model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
                                    default_headers={"X-Session-Id": session}).bind_tools([weather])
     history: list[Any] = [messages.SystemMessage(SYSTEM)]
@@ -615,14 +621,7 @@ async def langchain_structured_conversation(base_url: str, session: str, history
     got last first. The parsed answers, or a refusal's text."""
     chat_models = need("langchain_openai")
     messages = need("langchain_core.messages")
-    tools = need("langchain_core.tools")
-
-    @tools.tool
-    def weather(city: str) -> str:
-        """The weather in a city."""
-        return get_weather(city)
-
-    weather.name = "get_weather"
+    weather = langchain_weather_tool()
     headers = {"X-Session-Id": session, **({"X-Memproxy-History": "new"} if history_kind == "new" else {})}
     http_client = httpx.AsyncClient(timeout=30)  # closed at the end, not left open in LangChain's shared one
     model = chat_models.ChatOpenAI(model=MODEL, base_url=base_url, api_key=PROXY_KEY, max_retries=0, timeout=30,
