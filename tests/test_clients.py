@@ -426,6 +426,16 @@ def node_sdk() -> Path:
     return npm_prefix(f"openai-{NODE_SDK_MAJOR}", [f"openai@{NODE_SDK_MAJOR}"])
 
 
+async def node_client(script: Path, node_sdk: Path, proxy: Proxy, session: str, history_kind: str,
+                      turns: list[Turn]) -> Any:
+    """What a Node client script (tests/clients/) printed, told `turns` on `session` through the proxy."""
+    plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
+            "turns": [{"text": t.text, "stream": t.stream} for t in turns]}
+    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
+           "OPENAI_NODE_PREFIX": str(node_sdk)}
+    return json.loads(await run_command([shutil.which("node") or "node", str(script), json.dumps(plan)], env))
+
+
 @pytest.mark.parametrize("history_kind", ["full", "new"])
 async def test_openai_node(
     history_kind: str, node_sdk: Path, proxy: Proxy, upstream: FakeUpstream, config: Config
@@ -434,12 +444,7 @@ async def test_openai_node(
     answers = script.play(TURNS)
     upstream.enqueue(*script.replies)
     session = f"node-{history_kind}"
-    plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
-            "turns": [{"text": t.text, "stream": t.stream} for t in TURNS]}
-    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
-           "OPENAI_NODE_PREFIX": str(node_sdk)}
-    out = await run_command([shutil.which("node") or "node", str(NODE_SCRIPT), json.dumps(plan)], env)
-    assert json.loads(out) == answers
+    assert await node_client(NODE_SCRIPT, node_sdk, proxy, session, history_kind, TURNS) == answers
     check_conversation(upstream, config, session, script)
 
 
@@ -466,12 +471,7 @@ async def test_openai_node_run_tools(
     answers = script.play(RUN_TOOLS_TURNS)
     upstream.enqueue(*script.replies)
     session = f"node-run-tools-{history_kind}"
-    plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
-            "turns": [{"text": t.text, "stream": t.stream} for t in RUN_TOOLS_TURNS]}
-    env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
-           "OPENAI_NODE_PREFIX": str(node_sdk)}
-    out = await run_command([shutil.which("node") or "node", str(RUN_TOOLS_SCRIPT), json.dumps(plan)], env)
-    assert json.loads(out) == [
+    assert await node_client(RUN_TOOLS_SCRIPT, node_sdk, proxy, session, history_kind, RUN_TOOLS_TURNS) == [
         {"content": None, "parsed": None, "refusal": answer, "results": []} if turn.refused else
         {"content": answer, "parsed": json.loads(answer), "refusal": None,
          "results": [get_weather(turn.tool_city)] if turn.tool_city else []}
