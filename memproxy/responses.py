@@ -47,7 +47,7 @@ from .responses_wire import (ITEM_PREFIXES, ChatEvents, Item, ResponsesRequest, 
                              check_bridge_input, check_item, input_items, item_ids, item_page, new_id, output_items,
                              parse_request, response_object, response_of_item, responses_usage, sse, status_of)
 from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
-from .store import NewResponse, StoredResponse, TurnRecord, TurnStore
+from .store import NewResponse, StoredMessage, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
 from .typedefs import CONFIG, PROVIDER, STORE
@@ -254,10 +254,14 @@ async def _continuing(store: TurnStore, tenant: str, previous_id: str, messages:
         return messages, "new"
     if session is None:  # deleted since the response was read
         raise _no_previous(previous_id)
-    # Its branch: the active history up to it, or, where an edit superseded its answer, the branch
-    # it was on, which this turn makes the active one again (OpenAI continues either).
-    stored = await store.branch(session, previous.seq, previous.chain_hash)
-    if stored is None:
+    # Its history: the active one up to it (a range read), or, where an edit superseded its answer,
+    # the branch it was on (a walk by parents), which this turn makes the active one again (OpenAI
+    # continues either).
+    if previous.active:
+        stored: list[StoredMessage] | None = await store.active_range(session, 0, previous.seq + 1)
+    else:
+        stored = await store.branch(session, previous.seq, previous.chain_hash)
+    if stored is None or [m.seq for m in stored] != list(range(previous.seq + 1)):
         raise Conflict(f"the history before response '{previous_id}' is no longer stored whole "
                        "(retention.max_messages_per_session); continue from the newest response")
     system, new = split_system(messages)
