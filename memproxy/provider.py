@@ -51,9 +51,9 @@ from .calibration import Calibration
 from .config import Config, ConfigError, ModelConfig
 from .errors import ProxyError, UpstreamError
 from .inline_setup import inline
-from .messages import Message, assistant_message, called, detached
-from .tokens import (TOKENS_PER_MESSAGE, TOKENS_PER_TOOL_CALL, TiktokenCounter, TokenCounter, answer_audio_tokens,
-                     attachment_tokens, encoding_name_for, hoisted_image_words)
+from .messages import Message, assistant_message, detached
+from .tokens import (TOKENS_PER_MESSAGE, TiktokenCounter, TokenCounter, answer_audio_tokens, attachment_tokens,
+                     encoding_name_for, hoisted_image_words, schema_tokens, tool_call_tokens)
 from .upstream import (PREFIX, OpenAIUpstream, broke_off, model_id, nothing_streamed, status_error, timed_out,
                        unreachable)
 
@@ -197,17 +197,13 @@ class LitellmCounter:
         if isinstance(calls, list):
             # litellm's counter reads a function's arguments alone (not its id or name) and refuses
             # any other call (a custom tool's): counted as tiktoken's counter counts them.
-            attached += sum(self._tool_call(call) for call in calls)
+            attached += sum(tool_call_tokens(call, self.text) for call in calls)
             message = {k: v for k, v in message.items() if k != "tool_calls"}
         blocks = message.get("thinking_blocks")
         if blocks:  # litellm's counter passes them over; sent back inside a tool exchange, they are read
             attached += self.text(json.dumps(blocks, separators=(",", ":"), ensure_ascii=False))
             message = {k: v for k, v in message.items() if k != "thinking_blocks"}
         return int(self._litellm.token_counter(model=self._model, messages=[message])) - 3 + attached
-
-    def _tool_call(self, call: Any) -> int:
-        said = (call.get("id") if isinstance(call, dict) else None, *called(call))
-        return TOKENS_PER_TOOL_CALL + sum(self.text(value) for value in said if isinstance(value, str))
 
     def tools(self, tools: Sequence[Any]) -> int:
         """litellm's count of the schemas as OpenAI renders functions, at least their compact JSON
@@ -218,7 +214,7 @@ class LitellmCounter:
             return 0
         with_tools = self._litellm.token_counter(model=self._model, messages=[], tools=list(tools))
         rendered = int(with_tools) - int(self._litellm.token_counter(model=self._model, messages=[]))
-        return max(rendered, self.text(json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False)))
+        return max(rendered, schema_tokens(tools, self.text))
 
     def load(self) -> None:
         """Count once, so that litellm picks its tokenizer now. For some model names (Llama 2 and

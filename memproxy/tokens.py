@@ -28,7 +28,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -185,9 +185,7 @@ class TiktokenCounter:
         return total
 
     def tools(self, tools: Sequence[Any]) -> int:
-        if not tools:
-            return 0
-        return self.text(json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False))
+        return schema_tokens(tools, self.text)
 
     def _content(self, content: Any) -> int:
         if content is None:
@@ -205,11 +203,24 @@ class TiktokenCounter:
         return total
 
     def _tool_call(self, call: Any) -> int:
-        total = TOKENS_PER_TOOL_CALL
-        for value in (call.get("id"), *called(call)):
-            if isinstance(value, str):
-                total += self.text(value)
-        return total
+        return tool_call_tokens(call, self.text)
+
+
+def tool_call_tokens(call: Any, text: Callable[[str], int]) -> int:
+    """A tool call's tokens, its text counted by `text`: its id, name and arguments (or a custom
+    tool's input), and the overhead of a call."""
+    total = TOKENS_PER_TOOL_CALL
+    for value in (call.get("id") if isinstance(call, dict) else None, *called(call)):
+        if isinstance(value, str):
+            total += text(value)
+    return total
+
+
+def schema_tokens(tools: Sequence[Any], text: Callable[[str], int]) -> int:
+    """Tools' schemas (or a response format's) as their compact JSON, counted by `text`."""
+    if not tools:
+        return 0
+    return text(json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False))
 
 
 MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "input_file"})  # `attachment_tokens`
