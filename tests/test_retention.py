@@ -137,6 +137,25 @@ async def test_a_response_of_an_expired_session_is_not_found(
     assert stored_bodies(config, first.id) == stored and len(upstream.chat_requests()) == sent
 
 
+async def test_a_response_whose_branch_the_cap_deleted_is_a_conflict(
+    start_proxy: StartProxy, make_storage: MakeStorage, upstream: FakeUpstream
+) -> None:
+    """A response an edit superseded is continued on its branch, unless the cap has deleted it
+    (superseded messages go first): then a 409, nothing sent or stored, rather than a guess."""
+    proxy = await start(start_proxy, make_storage, upstream, retention=RetentionConfig(max_messages_per_session=4))
+    config, client = config_of(proxy), proxy.client(session=None)
+    first = await client.responses.create(model="small", input="my name is Ada")
+    second = await client.responses.create(model="small", input="I live in Paris", previous_response_id=first.id)
+    await client.responses.create(model="small", input="I live in Rome", previous_response_id=first.id)
+    await until(lambda: rows(config, "SELECT count(*) FROM messages WHERE active = 0") == [(0,)],
+                "the cap deleted the superseded branch")
+    stored, sent = stored_bodies(config, first.id), len(upstream.chat_requests())
+    with pytest.raises(openai.ConflictError) as refused:
+        await client.responses.create(model="small", input="where do I live?", previous_response_id=second.id)
+    assert refused.value.code == "session_conflict"
+    assert stored_bodies(config, first.id) == stored and len(upstream.chat_requests()) == sent
+
+
 EXPIRED_WRITES: dict[str, tuple[str, str, Any, Any]] = {
     # method, path, body, the metadata after it
     "PATCH metadata": ("PATCH", "/sessions/idle/metadata", {"step": 3}, {"step": 3}),
