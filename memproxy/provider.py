@@ -888,7 +888,7 @@ def _form_params(fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         result = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise UpstreamError("upstream answered with invalid JSON") from None
     if not isinstance(result, dict):
         raise UpstreamError("upstream answered with JSON that is not an object")

@@ -275,7 +275,7 @@ async def _http_error(response: aiohttp.ClientResponse) -> UpstreamError:
     raw = await response.read()
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return _error_from(response.status, body, response.headers)
@@ -294,5 +294,5 @@ def _error_from(status: int | None, body: dict[str, Any], headers: Mapping[str, 
 def _json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise UpstreamError("upstream answered with invalid JSON") from None

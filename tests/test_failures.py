@@ -428,3 +428,24 @@ async def test_titles_written_before_the_escape_read_back_unchanged(
             execute(config, "UPDATE sessions SET title = ?", title)
             async with http.get(f"{proxy.url}/sessions/s1", headers=auth()) as response:
                 assert (await response.json())["title"] == title
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_nested_past_the_parsers_depth_is_a_502_and_nothing_is_stored(
+    proxy: Proxy, upstream: FakeUpstream, config: Config, stream: bool, transport: str,
+) -> None:
+    """A provider's JSON nested deeper than Python's parser goes (`json.loads` raises RecursionError,
+    not ValueError) is a bad answer from upstream, as any other invalid JSON: a 502 or an error
+    event, never a 500, and the turn is not half-written."""
+    upstream.enqueue(Reply(raw_content="[" * 100_000 + "]" * 100_000))
+    body = {"model": "small", "stream": stream, "messages": [{"role": "user", "content": "deep"}]}
+    status, _, raw = await post_chat(proxy, body)
+    if stream and status == 200:
+        events = events_of(raw)
+        assert "[DONE]" not in events
+        assert json.loads(events[-1])["error"]["type"] != "internal_error", events[-1]
+    else:
+        assert status == 502, raw
+        error = json.loads(raw)["error"]
+        assert set(error) >= {"message", "type", "code", "param"}
+    assert table_rows(config, *TABLES) == {t: [] for t in TABLES}
