@@ -140,7 +140,8 @@ async def import_session(request: web.Request) -> web.Response:
     tenant = addressed_tenant(request)
     assert tenant is not None
     records = await asyncio.to_thread(exports.from_jsonl, await body_bytes(request))
-    session_id = request.query.get("session_id") or exports.exported_id(records)
+    # An id asked for is that id, empty or not (an unset shell variable): never the export's instead.
+    session_id = request.query["session_id"] if "session_id" in request.query else exports.exported_id(records)
     if not is_session_id(session_id):
         raise BadRequest("'session_id' must be a session id", param="session_id")
     await request.app[STORE].import_session(tenant, session_id, records)

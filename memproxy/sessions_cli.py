@@ -273,7 +273,7 @@ async def _import(args: argparse.Namespace, config: Config, store: Store) -> int
         with open(args.file, encoding="utf-8") as handle:
             text = handle.read()
     records = exports.from_jsonl(text)
-    session_id = args.id or exports.exported_id(records)
+    session_id = args.id if args.id is not None else exports.exported_id(records)  # `--id ""`: refused
     if not is_session_id(session_id):
         raise ProxyError(f"not a session id: {session_id!r}")
     await store.import_session(_tenant(args), session_id, records)

@@ -103,6 +103,9 @@ async def test_export_imports_back_exactly(
     # The exported id is taken: 409; under the id in the export, into another tenant, it is free.
     assert_error(await api.post("/sessions/import", data=exported.encode(), status=409),
                  type="invalid_request_error", code="session_conflict")
+    # An id asked for but empty (a shell variable unset) is refused, not taken for the export's.
+    assert_error(await api.post("/sessions/import?session_id=", data=exported.encode(), status=400),
+                 type="invalid_request_error", param="session_id")
     await api.as_(OTHER_KEY).post("/sessions/import", data=exported.encode(), status=201)
     assert (await api.as_(OTHER_KEY).get("/sessions/orig"))["messages"] == original["messages"]
 

@@ -328,6 +328,9 @@ def test_export_and_import_round_trip(cli: Setup, upstream: FakeUpstream, tmp_pa
 
     taken = cli.sessions("--tenant", "a", "import", str(target), ok=False)
     assert taken.stderr == "memproxy: a session 'export-1' already exists\n"
+    # An id given but empty (a shell variable unset) is refused, not taken for the export's.
+    assert cli.sessions("--tenant", "a", "import", str(target), "--id", "", ok=False).stderr == (
+        "memproxy: not a session id: ''\n")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(exported.splitlines()[1] + "\n{not json\n", encoding="utf-8")
     assert cli.sessions("--tenant", "a", "import", str(broken), "--id", "x1", ok=False).stderr.startswith(
