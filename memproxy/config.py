@@ -466,6 +466,12 @@ def _cross_check(config: Config) -> None:
         window = model.context_window
         if window is not None and model.max_output_tokens >= window:
             raise ConfigError(f"models[{i}].max_output_tokens", f"must be smaller than context_window ({window})")
+        margin = config.memory.safety_margin(window) if window is not None else 0
+        if window is not None and model.max_output_tokens + margin >= window:
+            # Every request would be refused as too long: no token of input fits.
+            raise ConfigError(f"models[{i}].max_output_tokens",
+                              f"leaves no room for input: with the safety margin ({margin} tokens,"
+                              f" memory.safety_margin_tokens) it must be smaller than context_window ({window})")
     every = [k.key for k in config.auth.keys] + list(config.auth.admin_keys)
     if len(set(every)) != len(every):
         raise ConfigError("auth.keys", "the same key is listed twice")

@@ -59,6 +59,8 @@ def test_default_after_colon_dash() -> None:
         ("models: [{name: a, model: m, context_window: -5}]", {}, "models[0].context_window", ">= 1"),
         ("models: [{name: a, model: m, context_window: 100, max_output_tokens: 100}]", {},
          "models[0].max_output_tokens", "smaller than context_window"),
+        ("models: [{name: a, model: m, context_window: 1000, max_output_tokens: 900}]\n"
+         "memory: {safety_margin_tokens: 100}", {}, "models[0].max_output_tokens", "leaves no room for input"),
         ("models: [{name: a, model: m, tokenizer: bpe}]", {}, "models[0].tokenizer", "must be one of"),
         ("models: [{name: a, model: m, transport: httpx}]", {}, "models[0].transport", "must be one of"),
         ("models: [{name: a, model: m}, {name: a, model: n}]", {}, "models[1].name", "duplicate"),
