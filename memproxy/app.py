@@ -24,6 +24,7 @@ from .endpoints import add_routes as add_endpoint_routes, not_found_message, wro
 from .errors import Conflict, ProxyError, UpstreamError, error_body, error_type, store_unavailable_body
 from .inspector import add_routes as add_inspector_routes
 from .memory.retention import sweep
+from .memory.sent import MAX_ENTRIES, SentHistories
 from .memory.summaries import Summarizer
 from .metrics import Metrics
 from .observe import log as request_log, notes, observe
@@ -34,7 +35,7 @@ from .routes import healthz, metrics, model, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
 from .store.errors import StoreConflict
-from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
+from .typedefs import CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 log = logging.getLogger("memproxy")
 
@@ -51,6 +52,8 @@ def create_app(config: Config) -> web.Application:
     app[CONFIG] = config
     app[LOCKS] = SessionLocks()
     app[METRICS] = Metrics(config.metrics)
+    # Kept beside the history cache, whose stored messages it is made from: off with it.
+    app[HISTORIES] = SentHistories(MAX_ENTRIES if config.storage.history_cache_mb else 0)
     app.cleanup_ctx.extend([_store, _provider, _tasks, _summarizer, _retention, _frozen_heap])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

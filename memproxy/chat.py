@@ -52,7 +52,7 @@ from .memory.plan import PreparedTurn, prepare_turn
 from .memory.reconcile import HISTORY_MODES, HistoryMode, Reconciled
 from .memory.record import turn_record
 from .memory.retention import cap_messages
-from .messages import Message, validate_messages, wire_form, within_cache_breakpoints
+from .messages import Message, validate_messages, within_cache_breakpoints
 from .observe import CLIENT_GONE, notes
 from .params import check_params
 from .redact import session_digest
@@ -61,8 +61,7 @@ from .store import StoreUnavailable, TurnRecord
 from .store.errors import SessionDeleted, StoreConflict
 from .streaming import StreamAssembler, hiding_usage
 from .timing import BEFORE_UPSTREAM, Timings, measured
-from .tokens import holds_media
-from .typedefs import CALLER, CONFIG, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
+from .typedefs import CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
 
 if TYPE_CHECKING:
     from .provider import Provider
@@ -280,7 +279,7 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
     if not (context.included or context.summary is not None or context.recalled):
         return False  # the client's own messages alone: nothing of memory's to leave out
     model = exchange.model
-    media = holds_media(context.messages)  # counted by estimate: the refusal is this session's own
+    media = context.media  # counted by estimate: the refusal is this session's own
     session = (turn.tenant, turn.session_id)
     before = provider.calibration.factor(model.name, session)
     after = provider.calibration.refused(model.name, context.tokens, exc.message, provider.window(model),
@@ -329,12 +328,13 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
         exchange.params, mode, idle_ttl=config.retention.idle_ttl_seconds,
         end_user=end_user(request.headers, exchange.params),
         calibration=provider.calibration.factor(exchange.model.name, (tenant, session_id)), tasks=app[TASKS],
+        histories=app[HISTORIES],
     )
     if read_as is not None:
         turn = dataclasses.replace(turn, read_as=read_as)
     exchange.turn = notes(request).turn = turn
-    exchange.messages = within_cache_breakpoints([wire_form(m) for m in turn.context.messages],
-                                                 len(turn.reconciled.new), exchange.params.get("tools"))
+    exchange.messages = within_cache_breakpoints(list(turn.context.messages), len(turn.reconciled.new),
+                                                 exchange.params.get("tools"))
     context, reconciled, budget = turn.context, turn.reading, turn.budget
     if reconciled.superseded and read_as is None:  # said once, by the first plan
         # Forgetting must never pass unseen: counts and positions, never content.
@@ -532,7 +532,7 @@ async def _record(request: web.Request, exchange: Exchange, reply: Message,
     await app[TASKS].run(app[STORE].record_turn(record))
     exchange.record = notes(request).record = record
     window = provider.window(exchange.model)
-    if usage and turn.context.tokens >= observed_from(window) and not holds_media(turn.context.messages):
+    if usage and turn.context.tokens >= observed_from(window) and not turn.context.media:
         provider.calibration.observe(exchange.model.name, turn.context.tokens, usage.get("prompt_tokens"), window)
     exchange.timings.lap("record")
 

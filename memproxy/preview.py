@@ -10,8 +10,9 @@ from typing import Any
 from .config import Config, ModelConfig
 from .errors import BadRequest
 from .memory.plan import PreparedTurn, prepare_turn, prompt_schemas
+from .memory.sent import SentHistories
 from .memory.summaries import Summarizer
-from .messages import validate_message, wire_form, within_cache_breakpoints
+from .messages import validate_message, within_cache_breakpoints
 from .params import check_params
 from .provider import Provider
 from .store import SessionState, TurnStore
@@ -21,10 +22,12 @@ from .tokens import REPLY_PRIMING
 async def context(
     store: TurnStore, summarizer: Summarizer, provider: Provider, config: Config, model: ModelConfig,
     tenant: str, session: SessionState, new: list[Any], params: dict[str, Any], end_user: str | None = None,
+    histories: SentHistories | None = None,
 ) -> dict[str, Any]:
     """The request the session's next turn would send, labelled part by part; `new` and `params`
     are checked as the chat endpoint checks them (a 400 naming the field). `end_user`: whose other
-    sessions recall may look in (`memory.recall_scope: user`)."""
+    sessions recall may look in (`memory.recall_scope: user`); `histories`: the chat endpoint's
+    (`memory.sent`)."""
     new = [] if new is None else new
     if not isinstance(new, list):
         raise BadRequest("'messages' must be an array of the turn's new messages", param="messages")
@@ -36,7 +39,8 @@ async def context(
     turn = await prepare_turn(store, summarizer, model, counter, provider.window(model), config.memory,
                               tenant, session.session_id, list(new), params, "new",
                               idle_ttl=config.retention.idle_ttl_seconds, preview=True, end_user=end_user,
-                              calibration=provider.calibration.factor(model.name, (tenant, session.session_id)))
+                              calibration=provider.calibration.factor(model.name, (tenant, session.session_id)),
+                              histories=histories)
     ctx, budget = turn.context, turn.budget
     schemas = prompt_schemas(params)
     sent = ctx.messages
@@ -91,7 +95,7 @@ async def context(
         "would_summarize": bool(turn.unsummarised) and config.memory.overflow == "summarize"
         and summarizer.may_fold(tenant, session.session_id),
         "parts": parts,
-        "messages": within_cache_breakpoints([wire_form(m) for m in sent], n_new, params.get("tools")),
+        "messages": within_cache_breakpoints(list(sent), n_new, params.get("tools")),
     }
 
 

@@ -21,7 +21,7 @@ from .errors import BadRequest, Forbidden, NotFound, UpstreamError
 from .memory.retention import expired_before, has_expired
 from .session_ids import end_user, is_session_id
 from .store import SessionState
-from .typedefs import CALLER, CONFIG, PROVIDER, STORE, SUMMARIZER
+from .typedefs import CALLER, CONFIG, HISTORIES, PROVIDER, STORE, SUMMARIZER
 
 
 def add_routes(app: web.Application) -> None:
@@ -160,7 +160,7 @@ async def context(request: web.Request) -> web.Response:
                                       body.get("model") or request.query.get("model"))
     planned = await preview.context(app[STORE], app[SUMMARIZER], app[PROVIDER], app[CONFIG], model,
                                     tenant, session, body.get("messages", []), body,
-                                    end_user(request.headers, body))
+                                    end_user(request.headers, body), app[HISTORIES])
     return web.json_response(planned)
 
 

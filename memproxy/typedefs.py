@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .observe import Notes
     from .provider import Provider
     from .store import Store
+    from .memory.sent import SentHistories
     from .memory.summaries import Summarizer
 
 CONFIG: web.AppKey[Config] = web.AppKey("config")
@@ -23,6 +24,7 @@ TASKS: web.AppKey[BackgroundTasks] = web.AppKey("tasks")
 LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
 SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+HISTORIES: web.AppKey[SentHistories] = web.AppKey("histories")  # the older parts of histories as sent
 
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller")  # who the API key names
 NOTES: web.RequestKey[Notes] = web.RequestKey("notes")  # what the request's log line and metrics say

@@ -32,7 +32,7 @@ from memproxy.memory import reconcile as reconciling
 from memproxy.memory.reconcile import reconcile
 from memproxy.memory.shrink import new_message
 from memproxy.memory.summaries import Summarizer
-from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
+from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit, wire_form
 from memproxy.provider import Provider
 from memproxy.store import (
     NewMessage,
@@ -117,7 +117,7 @@ def test_a_summary_ending_inside_a_unit_never_leaves_its_results_without_their_c
     snapshot = snapshot_of(stored(history, memory), new, summary_covers=2)
     context = fit(snapshot, fixed_of([], new), Budget(4000, 100, 20), "small", COUNTER, memory, use_marker=True)
     assert context.summary is not None and context.marker
-    assert context.messages[-2:] == [history[-1], *new]
+    assert context.messages[-2:] == [wire_form(history[-1]), *new]  # as sent: no `content: null`
     assert not any(m.get("role") == "tool" for m in context.messages[:-1])
     assert context.unsummarised_omitted == 2 and context.messages[1] == marker_message(2)
 
@@ -137,7 +137,7 @@ def test_tool_results_that_do_not_follow_their_call_are_refused_before_anything_
     history = history[:2]
     context = fit(snapshot_of(stored(history, memory), new), fixed_of([], new), Budget(4000, 100, 20), "small",
                   COUNTER, memory, use_marker=True)
-    assert context.messages == [*history, *new]
+    assert context.messages == [*map(wire_form, history), *new]
 
 
 def test_fit_sends_everything_that_fits_and_nothing_else_when_it_all_does() -> None:

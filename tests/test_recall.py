@@ -26,7 +26,7 @@ from memproxy.errors import ContextLengthExceeded
 from memproxy.memory import recall
 from memproxy.memory.fit import Budget, settle_unanswered_calls, fit, room_beside
 from memproxy.memory.shrink import new_message
-from memproxy.messages import ROOT_HASH, Message, chain_hashes
+from memproxy.messages import ROOT_HASH, Message, chain_hashes, wire_form
 from memproxy.memory.shrink import title_of
 from memproxy.memory.summaries import render_message
 from memproxy.searchtext import line_text, matched_words, message_words, query_words, words_of
@@ -116,7 +116,7 @@ def test_recall_keeps_the_budget_properties(
         event("head sent")
         n_system = int(system)
         opening, _ = settle_unanswered_calls([m.body for m in head], [m.tokens for m in head], [], COUNTER)
-        assert held.messages[n_system : n_system + held.head] == opening
+        assert held.messages[n_system : n_system + held.head] == [*map(wire_form, opening)]
         assert held.first_sent >= held.head_end == len(head)
     before = held.first_sent
     if before == 0:

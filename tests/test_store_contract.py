@@ -24,6 +24,7 @@ from helpers import assistant, tool, user
 from memproxy import admin
 from memproxy.config import StorageConfig
 from memproxy.exports import from_jsonl, to_jsonl
+from memproxy.memory.sent import SentHistories, older
 from memproxy.messages import ROOT_HASH, Message, chain_hashes, starts_unit
 from memproxy.store import (EndpointUsage, KeptAnswer, NewMessage, NewResponse, SessionState, SQLiteStore, Store,
                             StoredCounts, StoredMessage, Summary, SummaryCall, Totals, TurnRecord, Usage)
@@ -33,9 +34,12 @@ from memproxy.store.errors import StoreConflict, StoreUnavailable
 from memproxy.store.migrations import migrations, statements
 from memproxy.store.sql import QUERIES
 from memproxy.store.sqlite import _CHECKPOINT_EVERY
+from memproxy.tokens import TiktokenCounter
 from stores import StoreUnderTest, store_under_test
 
 Opener = Callable[[], Awaitable[Store]]
+
+COUNTER = TiktokenCounter("o200k_base")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -957,14 +961,20 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     store on the same database (another replica), what it loads is what a store without the cache
     loads: after turns, an edit, a summary and the message cap, a larger room, a clear, a deletion
     followed by the same messages again (the same chain hashes, other token counts), a deletion and
-    new messages unseen in between, a fork and an import written under the cached session's id."""
+    new messages unseen in between, a fork and an import written under the cached session's id.
+    Nor does what the planner keeps of the history as sent, made from the cached messages
+    (`memory.sent`): it is what working it out afresh from the uncached ones gives."""
     cached, writer = await open_store(), await open_store()
     uncached = await open_store_config(dataclasses.replace(backend.storage, history_cache_mb=0))
     history = [m for k in range(6) for m in (user(f"q{k}"), assistant(f"a{k}"))]
+    histories = SentHistories()
 
     async def same(room: int = 1000) -> SessionState | None:
         got, want = await cached.load("t", "s", room), await uncached.load("t", "s", room)
         assert got == want
+        if got is not None and want is not None and got.messages:
+            kept, afresh = histories.older(got.messages, True, 1, COUNTER), older(want.messages, True, 1, COUNTER)
+            assert (kept.bodies, kept.tokens, kept.saved) == (afresh.bodies, afresh.tokens, afresh.saved)
         return None if want is None else want.session
 
     await writer.record_turn(turn(None, history))
@@ -1019,12 +1029,12 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     # Deleted, its older export imported again and continued by another writer: the import keeps
     # the creation time, and on SQLite the continuation's rows take the very ids the deleted rows
     # had. Only the row's incarnation tells the two apart.
-    older = await writer.export_session(session)
+    earlier = await writer.export_session(session)
     await writer.record_turn(turn(session, [user("old topic"), assistant("old answer")]))
     session = await same()
     assert session is not None
     await writer.delete_session(session)
-    await writer.import_session("t", "s", older)
+    await writer.import_session("t", "s", earlier)
     restored = await writer.get_session("t", "s")
     assert restored is not None and restored.incarnation != session.incarnation
     await writer.record_turn(turn(restored, [user("new topic"), assistant("new answer")]))

@@ -4,6 +4,7 @@ Imports flow one way, each module using only those listed before it:
 
 - `shrink`: smaller forms of older messages (compact tool outputs, repeats sent once, the one
   head-and-tail truncator);
+- `sent`: the older messages of a history as sent, worked out once and kept between turns;
 - `fit`: the budget, and the pure function that fits a session snapshot into it;
 - `reconcile`: the client's messages matched with the stored session;
 - `retention`: idle TTLs and the sweep;

@@ -16,9 +16,10 @@ The summary, when there is one, stands for every message before `covers`; only l
 candidates. Unsummarised messages that do not fit are announced by a marker (policy permitting), so
 they are never lost without a trace.
 
-`fit` is a pure function: everything it decides from is in a `Snapshot` that one store call loads
-(`Store.snapshot`): the totals it asks about, the summary in use, and the tail of stored messages
-that can possibly be sent. Stored messages carry their token counts and running totals, so the tail
+`fit` is a pure function (what it keeps of a history as sent for the next turn, `memory.sent`, is
+the same whether it is kept or worked out again): everything it decides from is in a `Snapshot`
+that one store call loads (`Store.snapshot`): the totals it asks about, the summary in use, and the
+tail of stored messages that can possibly be sent. Stored messages carry their token counts and running totals, so the tail
 is bounded by the room in the budget, not by the length of the history, and nothing stored is
 re-tokenized to build a request.
 """
@@ -35,10 +36,10 @@ from typing import Any, NamedTuple
 
 from ..config import MemoryConfig
 from ..errors import BadRequest, ContextLengthExceeded
-from ..messages import Message, called, starts_unit, unanswered_result
+from ..messages import Message, called, starts_unit, unanswered_result, wire_form
 from ..store import Snapshot, StoredMessage, Summary, Totals
-from ..tokens import TokenCounter
-from .shrink import dedupe_repeats
+from ..tokens import TokenCounter, holds_media
+from .sent import SentHistories, older
 
 SUMMARY_PREFIX = (
     "Summary of the earlier conversation, for background only: it records what was said before "
@@ -114,6 +115,7 @@ class Context:
     # The stored user message an agent loop continues, sent verbatim before the kept turns where
     # the cut fell after it (`fit`'s `question`): its position (-1: none sent so).
     question: int = -1
+    media: bool = False  # a message holds media or a spoken answer (`tokens.holds_media`): counted by estimate
 
 
 def summary_message(text: str) -> Message:
@@ -190,6 +192,7 @@ def fit(
     reserve: int = 0,
     head: Sequence[StoredMessage] = (),
     question: StoredMessage | None = None,
+    histories: SentHistories | None = None,
 ) -> Context:
     """The request to send: `fixed` plus the stored history that fits, from `snapshot` alone (None:
     nothing is stored before the new messages). Pure: it reads nothing but its arguments.
@@ -202,12 +205,15 @@ def fit(
     continues (`snapshot.last_user`; `wants_question` says when the plan reads it), sent verbatim
     before the kept turns where the cut falls after it, if it fits beside what must be sent: an
     agent's task is not left out for its own tool calls, nor its conversation opened with the
-    model (which Gemini's and Anthropic's APIs refuse)."""
+    model (which Gemini's and Anthropic's APIs refuse). `histories`: what earlier turns worked out
+    of the same history (`memory.sent`). The messages are in the form they go upstream
+    (`messages.wire_form`)."""
     available = room_for_history(fixed, budget)
     empty = Totals(0, 0)
     if snapshot is None or snapshot.base == 0:
         _check_fits(available, 0, fixed, budget, model_name)
-        return Context(fixed.system + fixed.new, fixed.tokens, 0, 0, 0, 0, 0, empty)
+        return Context(list(map(wire_form, fixed.system + fixed.new)), fixed.tokens, 0, 0, 0, 0, 0, empty,
+                       media=holds_media(fixed.system + fixed.new))
     unfolded = snapshot.base_totals.compact
     if snapshot.summary is not None and snapshot.summary_totals is not None:
         unfolded += summary_tokens(counter, snapshot.summary.text) - snapshot.summary_totals.compact
@@ -297,10 +303,10 @@ def fit(
     if start < snapshot.start:
         raise LookupError(f"position {start} is outside the session snapshot")
     sent = stored[snapshot.index(start) :]
-    history, tokens_sent, trimmed, deduplicated = _history(sent, newest, fixed.new, counter, memory)
+    history, tokens_sent, trimmed, deduplicated, media = _history(sent, newest, fixed.new, counter, memory, histories)
     _check_answered(history, fixed.new)
     return Context(
-        messages=fixed.system + opening + extra + asked + history + fixed.new,
+        messages=[*map(wire_form, [*fixed.system, *opening, *extra, *asked]), *history, *map(wire_form, fixed.new)],
         tokens=fixed.tokens + sum(counter.message(m) for m in extra) + tokens_sent + opening_tokens + asked_tokens,
         included=len(opening) + len(asked) + len(history),
         omitted=base - len(opening) - len(asked) - len(history),
@@ -317,6 +323,7 @@ def fit(
         head=len(opening),
         head_end=len(head) if opening else 0,
         question=question.seq if asked and question is not None else -1,
+        media=media or holds_media([*fixed.system, *opening, *asked, *fixed.new]),
     )
 
 
@@ -427,31 +434,32 @@ def _first_fitting_unit_start(snapshot: Snapshot, floor: int, min_cum_before: in
 
 
 def _history(
-    stored: list[StoredMessage], newest: int, new: list[Message], counter: TokenCounter, memory: MemoryConfig
-) -> tuple[list[Message], int, int, int]:
-    """The stored messages as sent (compact when older than the newest exchange, repeats sent once,
-    unanswered calls told as text), their tokens, and how many were trimmed and deduplicated."""
+    stored: list[StoredMessage], newest: int, new: list[Message], counter: TokenCounter, memory: MemoryConfig,
+    histories: SentHistories | None = None,
+) -> tuple[list[Message], int, int, int, bool]:
+    """The stored messages as sent, in wire form (compact when older than the newest exchange, repeats
+    sent once, unanswered calls told as text), their tokens, how many were trimmed and deduplicated,
+    and whether one holds media (`tokens.holds_media`). `histories`: the older part as earlier
+    turns worked it out (`memory.sent`)."""
     split = bisect.bisect_left(stored, newest, key=lambda m: m.seq)
     old, recent = stored[:split], stored[split:]
     # With trimming off (tool_output_max_tokens: 0), forms stored compact earlier go in full too;
     # reasoning never does (`without_reasoning`), nor is it counted where the answer's form
     # without it was counted when stored (`settled_tokens`); where it still holds it (a message
     # stored before reasoning was left out), it goes now, still counted: never under.
-    trim = memory.tool_output_max_tokens > 0
-    forms = [m.settled_compact for m in old] if trim else [m.settled for m in old]
-    tokens = [m.compact_tokens if trim else m.settled_tokens for m in old] + [m.tokens for m in recent]
-    old_bodies, saved = dedupe_repeats(forms, tokens[: len(old)], memory.dedupe_min_tokens, counter)
-    deduplicated = sum(1 for a, form in zip(old_bodies, forms) if a is not form)
-    bodies = old_bodies + [m.body for m in recent]
-    history, unanswered_saved = settle_unanswered_calls(bodies, tokens, new, counter)
-    # A trimmed output sent as a reference to an earlier copy counts as deduplicated, not trimmed.
-    trimmed = sum(1 for a, m in zip(old_bodies, old)
-                  if trim and m.compact_body is not None and a is m.compact_body and not starts_unit(a))
-    return history, sum(tokens) - saved - unanswered_saved, trimmed, deduplicated
+    trim, least = memory.tool_output_max_tokens > 0, memory.dedupe_min_tokens
+    part = histories.older(old, trim, least, counter) if histories is not None else older(old, trim, least, counter)
+    bodies = part.bodies + [wire_form(m.body) for m in recent]
+    tokens = part.tokens + [m.tokens for m in recent]
+    callers = part.callers + [i for i, m in enumerate(recent, len(old)) if m.body.get("tool_calls")]
+    history, unanswered_saved = settle_unanswered_calls(bodies, tokens, new, counter, callers)
+    media = part.media > 0 or holds_media([m.body for m in recent])
+    return history, sum(tokens) - part.saved - unanswered_saved, part.trimmed, part.deduplicated, media
 
 
 def settle_unanswered_calls(
-    bodies: list[Message], tokens: list[int], new: list[Message], counter: TokenCounter
+    bodies: list[Message], tokens: list[int], new: list[Message], counter: TokenCounter,
+    callers: list[int] | None = None,
 ) -> tuple[list[Message], int]:
     """The stored messages to send, without tool calls that no tool result answers.
 
@@ -462,27 +470,28 @@ def settle_unanswered_calls(
     what it answered (the store keeps the call): never more than the call cost, which the fit was
     counted with; where it would cost more (a call of a very short id), the call is left out, and a
     message left with neither calls nor content is not sent. Returns the tokens this saved.
+    `callers`: where the messages that call tools are, where known (a step per call, not per message).
     """
-    callers = [i for i, message in enumerate(bodies) if message.get("tool_calls")]
+    if callers is None:
+        callers = [i for i, message in enumerate(bodies) if message.get("tool_calls")]
+    history = list(bodies)
     if not callers:  # most conversations: nothing to look at
-        return list(bodies), 0
-    sequence = bodies + new
-    history: list[Message] = bodies[: callers[0]]
+        return history, 0
     saved = 0
-    for i in range(callers[0], len(bodies)):
+    dropped: set[int] = set()
+    for i in callers:
         message, count = bodies[i], tokens[i]
-        calls = message.get("tool_calls")
-        if not calls:
-            history.append(message)
-            continue
+        calls = message["tool_calls"]
         answered = set()
-        j = i + 1  # the tool results that follow it (indexed: a slice would copy the rest each time)
-        while j < len(sequence) and sequence[j].get("role") == "tool":
-            answered.add(sequence[j].get("tool_call_id"))
+        j = i + 1  # the tool results that follow it, among the stored messages and then the new ones
+        while j < len(bodies) + len(new):
+            following = bodies[j] if j < len(bodies) else new[j - len(bodies)]
+            if following.get("role") != "tool":
+                break
+            answered.add(following.get("tool_call_id"))
             j += 1
         kept = [call for call in calls if call.get("id") in answered]
         if len(kept) == len(calls):
-            history.append(message)
             continue
         body = {k: v for k, v in message.items() if k != "tool_calls"}
         if kept:
@@ -492,12 +501,13 @@ def settle_unanswered_calls(
             body = told
         elif not kept and not body.get("content"):
             saved += count
+            dropped.add(i)
             continue
         else:
             cost = counter.message(body)
         saved += count - cost
-        history.append(body)
-    return history, saved
+        history[i] = wire_form(body)
+    return ([m for i, m in enumerate(history) if i not in dropped] if dropped else history), saved
 
 
 def _told(body: Message, calls: list[Any]) -> Message | None:

@@ -32,6 +32,7 @@ from . import recall
 from .fit import (Budget, Context, Fixed, fit, must_send_last_unit, room_beside, room_for_history, wants_question,
                   with_last_unit_counted)
 from .reconcile import Reconciled, reconcile
+from .sent import SentHistories
 from .retention import expired_before, has_expired, keep_alive
 from .shrink import new_message, title_of
 from .summaries import FoldResult, Summarizer
@@ -130,12 +131,14 @@ async def prepare_turn(
     end_user: str | None = None,
     calibration: float = 1.0,
     tasks: BackgroundTasks | None = None,
+    histories: SentHistories | None = None,
 ) -> PreparedTurn:
     """`preview`: plan only, as the admin context endpoint does; no summary is folded. `end_user`:
     whose other sessions recall may look in (`memory.recall_scope: user`). `calibration`: the
     model's provider's tokens per counted token (`memproxy.calibration`). `tasks`: what owns a
     resent history's write (`resent_history`), so that it outlives a client that hangs up and the
-    session's lock is held until it is done, as a turn's is (`BackgroundTasks.run`).
+    session's lock is held until it is done, as a turn's is (`BackgroundTasks.run`). `histories`:
+    the older parts of histories as earlier turns sent them (`memory.sent`).
 
     A session's stored counts were made by the counter of the model it was talking to then. Where
     that was another counter (a session moved from a cl100k model to an o200k one, or to a Claude),
@@ -143,7 +146,7 @@ async def prepare_turn(
     is counted again with this model's counter, and planned again for less while it does not fit."""
     args = (store, summarizer, model, counter, window, memory, tenant, session_id, messages, params,
             requested_history, idle_ttl, preview, end_user)
-    turn, plans = await _prepare(*args, calibration, tasks), 1
+    turn, plans = await _prepare(*args, calibration, tasks, histories), 1
     while turn.session is not None and turn.session.tokenizer not in (None, counter.name):
         exact = request_tokens(counter, turn.context.messages, prompt_schemas(params))
         if exact <= turn.budget.input_tokens or plans == _PLANS:  # over still: the provider has the last word
@@ -153,7 +156,7 @@ async def prepare_turn(
         calibration *= max(exact / turn.budget.input_tokens, exact / max(turn.context.tokens, 1)) * _REPLAN_STEP
         # A history the first plan stored (`resent_history`) is read as stored by the next: the
         # client's reading stays the first one's.
-        replanned = await _prepare(*args, calibration, tasks)
+        replanned = await _prepare(*args, calibration, tasks, histories)
         turn, plans = dataclasses.replace(replanned, read_as=turn.read_as or replanned.read_as), plans + 1
     return turn
 
@@ -162,7 +165,7 @@ async def _prepare(
     store: TurnStore, summarizer: Summarizer, model: ModelConfig, counter: TokenCounter, window: int,
     memory: MemoryConfig, tenant: str, session_id: str, messages: list[Message], params: dict[str, Any],
     requested_history: str, idle_ttl: float | None, preview: bool, end_user: str | None, calibration: float,
-    tasks: BackgroundTasks | None,
+    tasks: BackgroundTasks | None, histories: SentHistories | None,
 ) -> PreparedTurn:
     budget = request_budget(params, model, window, memory, calibration)
     schemas = prompt_schemas(params)
@@ -212,7 +215,8 @@ async def _prepare(
         except StoreConflict:
             pass  # another writer (a process given the same conversation) moved the session: planned on it again
         planned = await _prepare(store, summarizer, model, counter, window, memory, tenant, session_id, messages,
-                                 params, requested_history, idle_ttl, preview, end_user, calibration, tasks)
+                                 params, requested_history, idle_ttl, preview, end_user, calibration, tasks,
+                                 histories)
         return dataclasses.replace(planned, read_as=reconciled)
 
     memo: list[tuple[SessionState, Snapshot]] = []  # the last snapshot read, and of which state
@@ -243,7 +247,8 @@ async def _prepare(
                 heads.append(await opening_turns(store, session, reconciled.base, memory.head_turns))
             head = heads[0]
         use_marker = memory.overflow != "drop"
-        context = fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head)
+        context = fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head,
+                      histories=histories)
         at = wants_question(snapshot, fixed.new, context)
         if session is None or snapshot is None or at is None:
             return context
@@ -258,7 +263,8 @@ async def _prepare(
         question = questions[at]
         if question is None:
             return context
-        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head, question)
+        return fit(snapshot, fixed, budget, model.name, counter, memory, use_marker, reserve, head, question,
+                   histories)
 
     context = await build(session)
     if context.unsummarised_omitted and memory.overflow == "summarize" and session and not preview:

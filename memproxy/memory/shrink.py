@@ -140,13 +140,17 @@ def new_message(body: Message, chain: str, counter: TokenCounter, memory: Memory
 
 
 def dedupe_repeats(
-    messages: Sequence[Message], tokens: Sequence[int], min_tokens: int, counter: TokenCounter
+    messages: Sequence[Message], tokens: Sequence[int], min_tokens: int, counter: TokenCounter,
+    seen: dict[str, int] | None = None, offset: int = 0,
 ) -> tuple[list[Message], int]:
-    """Later copies of a large content replaced by a reference to the first; returns the tokens saved."""
+    """Later copies of a large content replaced by a reference to the first; returns the tokens saved.
+    `seen`: the contents met before `messages` (text -> position), which it adds to, the first of
+    `messages` being at `offset` (the messages before it deduplicated already, as `memory.sent` does)."""
     out = list(messages)
     if min_tokens <= 0:
         return out, 0
-    seen: dict[str, int] = {}
+    if seen is None:
+        seen = {}
     saved = 0
     # Only large contents are looked at; most chat messages are not (a comprehension, not a loop).
     for index in [i for i, count in enumerate(tokens) if count >= min_tokens]:
@@ -157,7 +161,7 @@ def dedupe_repeats(
         # Keyed by the text itself: a string caches its hash, and stored messages are the same
         # objects from turn to turn (the store's history cache), so each is hashed once, not per turn.
         if text not in seen:
-            seen[text] = index
+            seen[text] = offset + index
             continue
         reference: dict[str, Any] = {
             **message,
