@@ -72,18 +72,24 @@ def older(messages: Sequence[StoredMessage], trim: bool, min_tokens: int, counte
     forms = [m.settled_compact for m in messages] if trim else [m.settled for m in messages]
     tokens = [m.compact_tokens for m in messages] if trim else [m.settled_tokens for m in messages]
     sent, saved = dedupe_repeats(forms, tokens, min_tokens, counter, out.seen, offset)
+    bodies = out.bodies
     for i, (body, form, message) in enumerate(zip(sent, forms, messages), offset):
-        if body is not form:
+        if body is not form:  # a reference to an earlier copy
             out.deduplicated += 1
-        elif trim and message.compact_body is not None and body is message.compact_body and not starts_unit(body):
+            bodies.append(wire_form(body))
+            continue
+        if trim and message.compact_body is not None and body is message.compact_body and not starts_unit(body):
             out.trimmed += 1
         if body.get("tool_calls"):
             out.callers.append(i)
-        if "audio" in body:
+        if "audio" in body:  # its form is the clock's: worked out on every turn (`SentHistories.older`)
             out.clocked[i] = body
-        if holds_media((body,)):
+            out.media += holds_media((body,))
+            bodies.append(wire_form(body))
+            continue
+        if body.get("content").__class__ is list and holds_media((body,)):
             out.media += 1
-    out.bodies += map(wire_form, sent)
+        bodies.append(message.wire_settled_compact if trim else message.wire_settled)
     out.tokens += tokens
     out.saved += saved
     return out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-from ..messages import Message, without_reasoning
+from ..messages import Message, wire_form, without_reasoning
 
 # How a chat turn's messages matched the stored ones (`memory.reconcile`), kept with the turn.
 ChatKind = Literal["new", "continue", "window", "append", "edit", "regenerate"]
@@ -88,6 +88,16 @@ class StoredMessage:
     @functools.cached_property
     def settled_compact(self) -> Message:
         return without_reasoning(self.compact)
+
+    # The same as they go upstream (`wire_form`), worked out once too; not for an answer with audio,
+    # whose form is the clock's (`memproxy.memory.sent`).
+    @functools.cached_property
+    def wire_settled(self) -> Message:
+        return wire_form(self.settled)
+
+    @functools.cached_property
+    def wire_settled_compact(self) -> Message:
+        return wire_form(self.settled_compact)
 
     @property
     def settled_tokens(self) -> int:
