@@ -12,10 +12,10 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -37,7 +37,8 @@ from memproxy.store.sqlite import _CHECKPOINT_EVERY
 from memproxy.tokens import TiktokenCounter
 from stores import StoreUnderTest, store_under_test
 
-Opener = Callable[[], Awaitable[Store]]
+class Opener(Protocol):
+    def __call__(self, **changes: Any) -> Awaitable[Store]: ...
 
 COUNTER = TiktokenCounter("o200k_base")
 
@@ -53,15 +54,16 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 async def open_store(backend: StoreUnderTest) -> AsyncIterator[Opener]:
     opened: list[Store] = []
 
-    async def opener() -> Store:
-        store = await backend.open()
+    async def opener(**changes: Any) -> Store:
+        """A store on the backend's database, with `changes` to its settings (closed at the end)."""
+        store = await (open_store_config(dataclasses.replace(backend.storage, **changes)) if changes
+                       else backend.open())
         opened.append(store)
         return store
 
     yield opener
     for store in opened:
         await store.close()
-
 
 
 def turn(
@@ -965,7 +967,7 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     Nor does what the planner keeps of the history as sent, made from the cached messages
     (`memory.sent`): it is what working it out afresh from the uncached ones gives."""
     cached, writer = await open_store(), await open_store()
-    uncached = await open_store_config(dataclasses.replace(backend.storage, history_cache_mb=0))
+    uncached = await open_store(history_cache_mb=0)  # closed by the fixture, whatever fails
     history = [m for k in range(6) for m in (user(f"q{k}"), assistant(f"a{k}"))]
     histories = SentHistories()
 
@@ -1041,7 +1043,6 @@ async def test_the_history_cache_never_serves_a_stale_history(open_store: Opener
     await same()
     loaded = await cached.load("t", "s", 1000)
     assert loaded is not None and [m.body for m in loaded.messages][-2:] == [user("new topic"), assistant("new answer")]
-    await uncached.close()
 
 
 def session_hashes(messages: list[StoredMessage]) -> list[str]:
