@@ -8,33 +8,17 @@
 // the SDK returned it, answers each call with get_weather's result and asks again. A "full" client resends
 // its whole history every time, a "new" client only what it has not sent yet. Streamed turns use the SDK's
 // stream helper and its final completion. The replies are printed as JSON on stdout.
-import { createRequire } from "node:module";
-import { join } from "node:path";
-
-const require = createRequire(join(process.env.OPENAI_NODE_PREFIX, "package.json"));
-const sdk = require("openai");
-const OpenAI = sdk.OpenAI ?? sdk.default ?? sdk;
+import { WEATHER, memproxyClient, weatherIn } from "./openai_node.mjs";
 
 const plan = JSON.parse(process.argv[2]);
-const client = new OpenAI({
-  baseURL: process.env.MEMPROXY_BASE_URL,
-  apiKey: process.env.MEMPROXY_KEY,
-  defaultHeaders: { "X-Session-Id": process.env.MEMPROXY_SESSION },
-  maxRetries: 0,
-  timeout: 30_000,
-});
+const client = memproxyClient();
 const tools = [{
   type: "function",
   function: {
-    name: "get_weather",
-    description: "The weather in a city.",
+    ...WEATHER,
     parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] },
   },
 }];
-
-function getWeather(city) {
-  return `${city}: 18C and sunny`;
-}
 
 const history = [{ role: "system", content: plan.system }];
 let sent = 0; // how much of `history` the server has seen (a "new" client sends only the rest)
@@ -57,7 +41,7 @@ for (const turn of plan.turns) {
     history.push(message); // the echo, as the SDK returned it
     for (const call of message.tool_calls) {
       const { city } = JSON.parse(call.function.arguments);
-      history.push({ role: "tool", tool_call_id: call.id, content: getWeather(city) });
+      history.push({ role: "tool", tool_call_id: call.id, content: weatherIn(city) });
     }
     message = await ask(turn.stream);
   }

@@ -11,33 +11,18 @@
 // a "new" client says so (`X-Memproxy-History: new`) and starts each turn from the system prompt and
 // the new question alone. Printed as JSON on stdout: each turn's final message (content, parsed,
 // refusal) and the tool results the runner produced.
-import { createRequire } from "node:module";
-import { join } from "node:path";
-
-const require = createRequire(join(process.env.OPENAI_NODE_PREFIX, "package.json"));
-const sdk = require("openai");
-const OpenAI = sdk.OpenAI ?? sdk.default ?? sdk;
+import { WEATHER, memproxyClient, weatherIn } from "./openai_node.mjs";
 
 const plan = JSON.parse(process.argv[2]);
-const client = new OpenAI({
-  baseURL: process.env.MEMPROXY_BASE_URL,
-  apiKey: process.env.MEMPROXY_KEY,
-  defaultHeaders: {
-    "X-Session-Id": process.env.MEMPROXY_SESSION,
-    ...(plan.history === "new" ? { "X-Memproxy-History": "new" } : {}),
-  },
-  maxRetries: 0,
-  timeout: 30_000,
-});
+const client = memproxyClient(plan.history === "new" ? { "X-Memproxy-History": "new" } : {});
 const tools = [{
   type: "function",
   function: {
-    name: "get_weather",
-    description: "The weather in a city.",
+    ...WEATHER,
     parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"],
                   additionalProperties: false },
     strict: true,
-    function: ({ city }) => `${city}: 18C and sunny`,
+    function: ({ city }) => weatherIn(city),
     parse: JSON.parse,
   },
 }];
