@@ -333,7 +333,7 @@ async def _prepare(request: web.Request, exchange: Exchange, tenant: str, sessio
     if read_as is not None:
         turn = dataclasses.replace(turn, read_as=read_as)
     exchange.turn = notes(request).turn = turn
-    exchange.messages = within_cache_breakpoints(list(turn.context.messages), len(turn.reconciled.new),
+    exchange.messages = within_cache_breakpoints(turn.context.messages, len(turn.reconciled.new),
                                                  exchange.params.get("tools"))
     context, reconciled, budget = turn.context, turn.reading, turn.budget
     if reconciled.superseded and read_as is None:  # said once, by the first plan

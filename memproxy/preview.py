@@ -95,7 +95,7 @@ async def context(
         "would_summarize": bool(turn.unsummarised) and config.memory.overflow == "summarize"
         and summarizer.may_fold(tenant, session.session_id),
         "parts": parts,
-        "messages": within_cache_breakpoints(list(sent), n_new, params.get("tools")),
+        "messages": within_cache_breakpoints(sent, n_new, params.get("tools")),
     }
 
 

@@ -12,11 +12,11 @@ messages that became older since.
 
 It can never serve another history: an entry is used only for a list of older messages that starts
 with the very `StoredMessage` object it was made from and holds, at the position the entry ends,
-the very object it ended with, with the same chain hash (a chain hash names every message before
-it). Stored messages are never changed once built, and a session's are the same objects from turn
-to turn only while the store's history cache keeps them (`memproxy.store.history_cache`): a
-history read again, edited, forked, imported, capped or cleared is other objects, and is worked out
-afresh. The result also depends on the counter (a reference's tokens) and on the memory settings
+the very object it ended with (a stored message's chain hash names every message before it, so
+the ones between are those it was made from too). Stored messages are never changed once built,
+and a session's are the same objects from turn to turn only while the store's history cache keeps
+them (`memproxy.store.history_cache`): a history read again, edited, forked, imported, capped or
+cleared is other objects, and is worked out afresh. The result also depends on the counter (a reference's tokens) and on the memory settings
 (compact forms or not, the least tokens deduplicated), which are part of the key. An answer with
 audio is sent by its id until the provider forgets it, then as its transcript (`wire_form`): its
 form is worked out on every turn.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -113,6 +113,17 @@ class SentHistories:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _forget(self, key: tuple[int, bool, int, str]) -> Callable[[object], None]:
+        """What drops the entry under `key` once its first message is gone (the history cache let
+        its session go)."""
+        entries = self._entries
+
+        def forget(_: object) -> None:
+            gone = entries.get(key)
+            if gone is not None and gone.first() is None:
+                del entries[key]
+        return forget
+
     def older(self, messages: Sequence[StoredMessage], trim: bool, min_tokens: int, counter: TokenCounter) -> Older:
         """`older(messages, ...)`, from what an earlier turn of the same history worked out where
         there is one. The result is the caller's to read, never to change."""
@@ -123,19 +134,12 @@ class SentHistories:
         done = len(entry.older.bodies) if entry is not None else 0
         if entry is not None and entry.first() is messages[0] and done <= len(messages) \
                 and entry.last() is messages[done - 1]:
-            result = older(messages[done:], trim, min_tokens, counter, entry.older)
+            result, first = older(messages[done:], trim, min_tokens, counter, entry.older), entry.first
         else:
-            result = older(messages, trim, min_tokens, counter)
-        entries = self._entries
-
-        def forget(_: object) -> None:  # the first message is gone (the history cache let it go)
-            gone = entries.get(key)
-            if gone is not None and gone.first() is None:
-                del entries[key]
-
-        entries[key] = _Entry(weakref.ref(messages[0], forget), weakref.ref(messages[-1]), result)
-        while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            result, first = older(messages, trim, min_tokens, counter), weakref.ref(messages[0], self._forget(key))
+        self._entries[key] = _Entry(first, weakref.ref(messages[-1]), result)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
         if not result.clocked:
             return result
         # An answer's audio goes by its id until the provider forgets it: its form is the clock's.
