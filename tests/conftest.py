@@ -12,13 +12,17 @@ Which transport: the test models are `openai/...` on the fake upstream, through 
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiosqlite
 import openai
 import pytest
 from aiohttp import web
@@ -76,6 +80,22 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's order stays
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A SQLite store that a failed test opened outside a fixture stays open: the failure's
+    traceback holds it, so it is never collected, and its aiosqlite connection's worker thread is
+    not a daemon. The interpreter would wait for that thread at exit, and the run would hang after
+    reporting the failure instead of ending with it (CI would see a timeout). Such connections are
+    stopped here, as aiosqlite stops one it collects."""
+    main = threading.main_thread()
+    if all(t is main or t.daemon for t in threading.enumerate()):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `stop` looks for an event loop, and there is none by now
+        for found in gc.get_objects():
+            if isinstance(found, aiosqlite.Connection):
+                found.stop()
 
 
 @pytest.fixture
