@@ -35,11 +35,11 @@ from .routes import healthz, metrics, model, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
 from .store.errors import StoreConflict
-from .typedefs import CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS
+from .typedefs import (CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS, UNPREFIXED,
+                       AddRoute, Handler)
 
 log = logging.getLogger("memproxy")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -58,18 +58,36 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model)  # a name may hold a slash
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/chat/completions", chat_completions)
-    add_endpoint_routes(app)
-    add_responses_routes(app)
-    add_conversation_routes(app)
+    unprefixed: list[str] = []
+    add = _openai_routes(app, unprefixed)
+    add("GET", "/v1/models", models)
+    add("GET", "/v1/models/{model:.+}", model)  # a name may hold a slash
+    add("POST", "/v1/chat/completions", chat_completions)
+    add_endpoint_routes(add)
+    add_responses_routes(add)
+    add_conversation_routes(add)
+    app[UNPREFIXED] = frozenset(unprefixed)
     add_session_routes(app)
     add_inspector_routes(app)
     add_cors(app, config)
     app.on_response_prepare.extend([_private, send_deadline])
     return app
+
+
+def _openai_routes(app: web.Application, unprefixed: list[str]) -> AddRoute:
+    """What registers an OpenAI endpoint: at its path under `/v1`, and at the same path without
+    `/v1` (noted in `unprefixed`, as declared), for a client whose `base_url` lacks it, as LiteLLM's
+    proxy serves both. memproxy's own API (sessions, search, usage) is under `/v1` alone."""
+
+    def add(method: str, path: str, handler: Handler) -> None:
+        for at in (path, path.removeprefix("/v1")):
+            # A GET route answers HEAD too, as aiohttp's `add_get` makes it.
+            route = app.router.add_get(at, handler) if method == "GET" else app.router.add_route(method, at, handler)
+            if at != path:
+                assert route.resource is not None
+                unprefixed.append(route.resource.canonical)
+
+    return add
 
 
 async def _private(request: web.Request, response: web.StreamResponse) -> None:
@@ -186,7 +204,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if (request.path.startswith("/v1/") or request.path == "/chat/completions") and not is_preflight(request):
+    if (request.path.startswith("/v1/") or _route(request) in request.app[UNPREFIXED]) and not is_preflight(request):
         request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
     return await handler(request)
 

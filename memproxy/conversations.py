@@ -39,21 +39,20 @@ from .responses_wire import check_bridge_items, check_item, item_page
 from .session_ids import is_session_id
 from .sessions import addressed_tenant
 from .store import SessionState, Store, Totals, TurnRecord
-from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS
+from .typedefs import CONFIG, LOCKS, PROVIDER, STORE, TASKS, AddRoute
 
 _CONVERSATION = "/v1/conversations/{conversation_id}"
 
 
-def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/v1/conversations", create)
-    r.add_get(_CONVERSATION, retrieve)
-    r.add_post(_CONVERSATION, update)
-    r.add_delete(_CONVERSATION, delete)
-    r.add_post(_CONVERSATION + "/items", create_items)
-    r.add_get(_CONVERSATION + "/items", list_items)
-    r.add_get(_CONVERSATION + "/items/{item_id}", retrieve_item)
-    r.add_delete(_CONVERSATION + "/items/{item_id}", delete_item)
+def add_routes(add: AddRoute) -> None:
+    add("POST", "/v1/conversations", create)
+    add("GET", _CONVERSATION, retrieve)
+    add("POST", _CONVERSATION, update)
+    add("DELETE", _CONVERSATION, delete)
+    add("POST", _CONVERSATION + "/items", create_items)
+    add("GET", _CONVERSATION + "/items", list_items)
+    add("GET", _CONVERSATION + "/items/{item_id}", retrieve_item)
+    add("DELETE", _CONVERSATION + "/items/{item_id}", delete_item)
 
 
 def _json(body: Any) -> web.Response:

@@ -33,7 +33,7 @@ from .observe import CLIENT_GONE, notes
 from .provider import AudioFile, Endpoint, JsonEndpoint
 from .streaming import hiding_usage
 from .store import EndpointUsage
-from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS
+from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS, AddRoute
 
 log = logging.getLogger("memproxy.endpoints")
 
@@ -79,14 +79,13 @@ _SHAPES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/v1/embeddings", embeddings)
-    r.add_post("/v1/completions", completions)
-    r.add_post("/v1/moderations", moderations)
-    r.add_post("/v1/images/generations", images)
-    r.add_post("/v1/audio/transcriptions", transcriptions)
-    r.add_post("/v1/audio/speech", speech)
+def add_routes(add: AddRoute) -> None:
+    add("POST", "/v1/embeddings", embeddings)
+    add("POST", "/v1/completions", completions)
+    add("POST", "/v1/moderations", moderations)
+    add("POST", "/v1/images/generations", images)
+    add("POST", "/v1/audio/transcriptions", transcriptions)
+    add("POST", "/v1/audio/speech", speech)
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
@@ -350,4 +349,5 @@ def wrong_method_message(request: web.Request, allowed: str) -> str:
 
 
 def _serves(app: web.Application) -> str:
-    return f"memproxy serves {served(app)}, and its session API under /v1/sessions."
+    return (f"memproxy serves {served(app)}, each also without /v1, and its session API under "
+            "/v1/sessions.")

@@ -50,19 +50,18 @@ from .session_ids import SESSION_HEADER, SESSION_ID_RULE, is_session_id
 from .store import NewResponse, StoredMessage, StoredResponse, TurnRecord, TurnStore
 from .streaming import StreamAssembler
 from .timing import Timings, measured
-from .typedefs import CONFIG, PROVIDER, STORE
+from .typedefs import CONFIG, PROVIDER, STORE, AddRoute
 
 _PREFIX = re.compile("[a-z]+")
 _TERMINAL = frozenset({"response.completed", "response.incomplete"})
 _FAILED = frozenset({"response.failed", "error"})
 
 
-def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/v1/responses", create)
-    r.add_get("/v1/responses/{response_id}", retrieve)
-    r.add_delete("/v1/responses/{response_id}", delete)
-    r.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+def add_routes(add: AddRoute) -> None:
+    add("POST", "/v1/responses", create)
+    add("GET", "/v1/responses/{response_id}", retrieve)
+    add("DELETE", "/v1/responses/{response_id}", delete)
+    add("GET", "/v1/responses/{response_id}/input_items", list_input_items)
 
 
 # The Responses parameters that are chat's too, type-checked as chat's are (`memproxy.params`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -25,6 +26,12 @@ LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
 SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 HISTORIES: web.AppKey[SentHistories] = web.AppKey("histories")  # the older parts of histories as sent
+# The OpenAI endpoints' routes without `/v1` (`/chat/completions`, `/models/{model}`), as declared.
+UNPREFIXED: web.AppKey[frozenset[str]] = web.AppKey("unprefixed")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Registers an OpenAI endpoint (`memproxy.app`): method, path under `/v1`, handler.
+AddRoute = Callable[[str, str, Handler], None]
 
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller")  # who the API key names
 NOTES: web.RequestKey[Notes] = web.RequestKey("notes")  # what the request's log line and metrics say

@@ -216,6 +216,45 @@ async def test_a_model_is_retrieved_by_name(proxy: Proxy) -> None:
                  code="model_not_found", param="model")
 
 
+async def test_every_openai_endpoint_is_served_without_v1_too(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """A client whose `base_url` lacks `/v1` reaches every OpenAI endpoint, with memory, as LiteLLM's
+    proxy serves it; the key is asked for there as under `/v1`; memproxy's own API stays under `/v1`."""
+    bare = openai.AsyncOpenAI(base_url=proxy.url.removesuffix("/v1"), api_key=PROXY_KEY, max_retries=0,
+                              default_headers={"X-Session-Id": "no-prefix"})
+    proxy.clients.append(bare)
+    answer = await bare.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi there"}])
+    assert answer.choices[0].message.content
+    assert [m.id async for m in bare.models.list()] == ["small", "big"]
+    assert (await bare.models.retrieve("big")).id == "big"
+    assert (await bare.embeddings.create(model="small", input="x")).data
+    response = await bare.responses.create(model="small", input="and now?")
+    assert (await bare.responses.retrieve(response.id)).id == response.id
+    # The chat turn and the Responses turn are the session's, stored as under /v1.
+    status, shown, _ = await post(proxy, "/v1/sessions/no-prefix", method="GET")
+    assert status == 200 and [m["message"]["role"] for m in shown["messages"]] == ["user", "assistant"] * 2
+
+    # Every OpenAI route under /v1 is there without it, behind the key: a wrong one is a 401 and
+    # nothing goes upstream.
+    before = len(upstream.received)
+    routes = sorted({(route.method, route.resource.canonical) for route in proxy.app.router.routes()
+                     if route.resource is not None and route.resource.canonical.startswith("/v1/")
+                     and not route.resource.canonical.startswith(("/v1/sessions", "/v1/search", "/v1/usage"))
+                     and route.method != "HEAD"})
+    assert len(routes) >= 20
+    for method, path in routes:
+        bare_path = path.removeprefix("/v1").replace("{", "").replace("}", "")
+        status, body, _ = await post(proxy, bare_path, key="not-a-key", method=method)
+        assert status == 401, (method, bare_path)
+        assert_error(body, type="authentication_error", code="invalid_api_key")
+    assert len(upstream.received) == before
+
+    # memproxy's own API is not: a 404 that lists what is served, and says so.
+    for method, path in [("GET", "/sessions"), ("GET", "/usage"), ("POST", "/search")]:
+        status, body, _ = await post(proxy, path, method=method)
+        assert status == 404, path
+        assert "each also without /v1" in body["error"]["message"]
+
+
 # --- what every endpoint refuses -----------------------------------------------------------------
 
 
