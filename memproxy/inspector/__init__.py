@@ -1,13 +1,13 @@
 """The web inspector at `/ui/`: static pages that read the session admin API, nothing else.
 
-The pages themselves hold no data and need no key (the auth middleware covers `/v1/` only): the
-script asks for a proxy or admin key, keeps it in sessionStorage and sends it as `Authorization:
-Bearer` on every `/v1/` call, so what a key sees in the inspector is exactly what it sees through
-the JSON API, tenant scope included. No cookie carries the key, so there is no CSRF surface. Every
-page is sent with a strict Content-Security-Policy (scripts, styles and requests from this origin
-only, no inline code, no framing): content is put on the page as text by the script, and the
-policy is the second wall should that ever slip. Serving the files imports nothing heavy (no
-litellm).
+The pages themselves hold no data and need no key (the auth middleware covers the API: `/v1/`, and
+the OpenAI paths without it): the script asks for a proxy or admin key, keeps it in sessionStorage
+and sends it as `Authorization: Bearer` on every `/v1/` call, so what a key sees in the inspector is
+exactly what it sees through the JSON API, tenant scope included. No cookie carries the key, so
+there is no CSRF surface. Every page is sent with a strict Content-Security-Policy (scripts, styles
+and requests from this origin only, no inline code, no framing): content is put on the page as text
+by the script, and the policy is the second wall should that ever slip. Serving the files imports
+nothing heavy (no litellm).
 """
 
 from __future__ import annotations
