@@ -35,7 +35,7 @@ from .routes import healthz, metrics, model, models, readyz
 from .sessions import add_routes as add_session_routes
 from .store import StoreUnavailable, open_store
 from .store.errors import StoreConflict
-from .typedefs import (CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS, UNPREFIXED,
+from .typedefs import (CALLER, CONFIG, HISTORIES, LOCKS, METRICS, PROVIDER, STORE, SUMMARIZER, TASKS, ALIASES,
                        AddRoute, Handler)
 
 log = logging.getLogger("memproxy")
@@ -58,15 +58,15 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    unprefixed: list[str] = []
-    add = _openai_routes(app, unprefixed)
+    aliases: list[str] = []
+    add = _openai_routes(app, aliases)
     add("GET", "/v1/models", models)
     add("GET", "/v1/models/{model:.+}", model)  # a name may hold a slash
     add("POST", "/v1/chat/completions", chat_completions)
     add_endpoint_routes(add)
     add_responses_routes(add)
     add_conversation_routes(add)
-    app[UNPREFIXED] = frozenset(unprefixed)
+    app[ALIASES] = frozenset(aliases)
     add_session_routes(app)
     add_inspector_routes(app)
     add_cors(app, config)
@@ -74,18 +74,34 @@ def create_app(config: Config) -> web.Application:
     return app
 
 
-def _openai_routes(app: web.Application, unprefixed: list[str]) -> AddRoute:
+# What Azure OpenAI's clients call with the deployment, their name for the model, in the path
+# (`openai.lib.azure`), of what memproxy serves.
+_DEPLOYMENT_PATHS = frozenset({"/chat/completions", "/completions", "/embeddings", "/audio/transcriptions",
+                               "/audio/speech", "/images/generations"})
+
+
+def _openai_routes(app: web.Application, aliases: list[str]) -> AddRoute:
     """What registers an OpenAI endpoint: at its path under `/v1`, and at the same path without
-    `/v1` (noted in `unprefixed`, as declared), for a client whose `base_url` lacks it, as LiteLLM's
-    proxy serves both. memproxy's own API (sessions, search, usage) is under `/v1` alone."""
+    `/v1`, for a client whose `base_url` lacks it (as LiteLLM's proxy serves both), and where Azure
+    OpenAI's clients call it: under `/openai`, and with `/openai/deployments/{deployment}` where
+    Azure names the model in the path. The routes besides `/v1`'s are noted in `aliases` (as
+    declared): the key is asked for there as under `/v1`. memproxy's own API (sessions, search,
+    usage) is under `/v1` alone."""
 
     def add(method: str, path: str, handler: Handler) -> None:
-        for at in (path, path.removeprefix("/v1")):
+        bare = path.removeprefix("/v1")
+        at = [path, bare, "/openai" + bare]
+        if bare in _DEPLOYMENT_PATHS:
+            at.append("/openai/deployments/{deployment}" + bare)
+        for where in at:
             # A GET route answers HEAD too, as aiohttp's `add_get` makes it.
-            route = app.router.add_get(at, handler) if method == "GET" else app.router.add_route(method, at, handler)
-            if at != path:
+            if method == "GET":
+                route = app.router.add_get(where, handler)
+            else:
+                route = app.router.add_route(method, where, handler)
+            if where != path:
                 assert route.resource is not None
-                unprefixed.append(route.resource.canonical)
+                aliases.append(route.resource.canonical)
 
     return add
 
@@ -204,8 +220,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if (request.path.startswith("/v1/") or _route(request) in request.app[UNPREFIXED]) and not is_preflight(request):
-        request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"))
+    if (request.path.startswith("/v1/") or _route(request) in request.app[ALIASES]) and not is_preflight(request):
+        request[CALLER] = authenticate(request.app[CONFIG].auth, request.headers.get("Authorization"),
+                                       request.headers.get("api-key"))
     return await handler(request)
 
 

@@ -1,4 +1,4 @@
-"""Proxy API keys: `Authorization: Bearer <key>` names the caller.
+"""Proxy API keys: `Authorization: Bearer <key>` (or Azure OpenAI's `api-key: <key>`) names the caller.
 
 A tenant key scopes everything the caller sees to its tenant; an admin key (`auth.admin_keys`) may
 use the session admin API across every tenant but cannot chat. Keys are compared in constant time.
@@ -24,12 +24,19 @@ class Caller:
     admin: bool = False
 
 
-def authenticate(auth: AuthConfig, header: str | None) -> Caller:
+def authenticate(auth: AuthConfig, authorization: str | None, api_key: str | None = None) -> Caller:
+    """The caller `Authorization: Bearer <key>` names, or, where that header is absent, the
+    `api-key` header (`api_key`), which Azure OpenAI's clients send their key in."""
     if not auth.keys and not auth.admin_keys:
         return Caller(DEFAULT_TENANT)
-    scheme, _, token = (header or "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 9110)
-        raise Unauthorized("Missing API key: send 'Authorization: Bearer <proxy key>'.")
+    if authorization is None and api_key is not None:
+        token = api_key
+    else:
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 9110)
+            token = ""
+    if not token.strip():
+        raise Unauthorized("Missing API key: send 'Authorization: Bearer <proxy key>' (or 'api-key: <proxy key>').")
     # aiohttp decodes a header's bytes as UTF-8 with surrogateescape: what is not UTF-8 (a byte
     # of Latin-1) arrives as a lone surrogate, which only this encoding turns back into its bytes.
     given = token.strip().encode("utf-8", "surrogateescape")

@@ -204,7 +204,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _chat(request: web.Request, timings: Timings) -> web.StreamResponse:
     config = request.app[CONFIG]
     body = await json_object(request)
-    exchange = _parse(config, request.app[PROVIDER], body, timings)
+    exchange = _parse(config, request.app[PROVIDER], body, timings, request.match_info.get("deployment"))
     timings.lap("parse")
     noted = notes(request)  # the request's log line and metrics (`memproxy.observe`)
     noted.model, noted.stream, noted.timings = exchange.model.name, exchange.stream, timings
@@ -290,8 +290,10 @@ def _refused_for_length(request: web.Request, exchange: Exchange, exc: UpstreamE
     return True
 
 
-def _parse(config: Config, provider: Provider, body: dict[str, Any], timings: Timings) -> Exchange:
-    model = requested_model(config, body.get("model"))
+def _parse(config: Config, provider: Provider, body: dict[str, Any], timings: Timings,
+           deployment: str | None = None) -> Exchange:
+    """The request: its model is the one a path names (`deployment`, as Azure OpenAI's do), else its body's."""
+    model = requested_model(config, deployment or body.get("model"))
     messages = validate_messages(body.get("messages"), provider.user_part_types(model))
     check_params(body, provider.through_litellm(model))
     params = {k: v for k, v in body.items() if k not in _NOT_PARAMS}

@@ -236,8 +236,10 @@ def _tenant(request: web.Request) -> str:
 
 
 def _model(request: web.Request, name: Any) -> ModelConfig:
-    """The model named, noted for the request's log line and metrics (`memproxy.observe`)."""
-    model = requested_model(request.app[CONFIG], name)
+    """The model named: by the path where it names one (`/openai/deployments/{deployment}/...`, as
+    Azure OpenAI's does), else `name`, the body's; noted for the request's log line and metrics
+    (`memproxy.observe`)."""
+    model = requested_model(request.app[CONFIG], request.match_info.get("deployment") or name)
     noted = notes(request)
     noted.model, noted.stream = model.name, False  # a legacy completion that streams says so after
     return model
@@ -349,5 +351,5 @@ def wrong_method_message(request: web.Request, allowed: str) -> str:
 
 
 def _serves(app: web.Application) -> str:
-    return (f"memproxy serves {served(app)}, each also without /v1, and its session API under "
-            "/v1/sessions.")
+    return (f"memproxy serves {served(app)}, each also without /v1 and under /openai (Azure OpenAI's "
+            "clients), and its session API under /v1/sessions.")

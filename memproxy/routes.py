@@ -42,7 +42,8 @@ async def metrics(request: web.Request) -> web.Response:
     unless `metrics.public`; with no keys configured at all, for anyone, as every endpoint is."""
     config = request.app[CONFIG]
     if not config.metrics.public:
-        caller = request[CALLER] = authenticate(config.auth, request.headers.get("Authorization"))
+        caller = request[CALLER] = authenticate(config.auth, request.headers.get("Authorization"),
+                                                request.headers.get("api-key"))
         if not caller.admin and (config.auth.keys or config.auth.admin_keys):
             raise Forbidden("Metrics are read with an admin key (auth.admin_keys), unless metrics.public is true.")
     app_metrics = request.app[METRICS]

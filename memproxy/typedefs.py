@@ -26,8 +26,8 @@ LOCKS: web.AppKey[SessionLocks] = web.AppKey("locks")
 SUMMARIZER: web.AppKey[Summarizer] = web.AppKey("summarizer")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 HISTORIES: web.AppKey[SentHistories] = web.AppKey("histories")  # the older parts of histories as sent
-# The OpenAI endpoints' routes without `/v1` (`/chat/completions`, `/models/{model}`), as declared.
-UNPREFIXED: web.AppKey[frozenset[str]] = web.AppKey("unprefixed")
+# The OpenAI endpoints' routes besides `/v1`'s (`/chat/completions`, `/openai/models/{model}`), as declared.
+ALIASES: web.AppKey[frozenset[str]] = web.AppKey("aliases")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Registers an OpenAI endpoint (`memproxy.app`): method, path under `/v1`, handler.

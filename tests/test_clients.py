@@ -204,11 +204,19 @@ TURNS = [
 ]
 
 
-def sync_conversation(base_url: str, session: str, history_kind: str, turns: list[Turn]) -> list[str]:
+def sync_conversation(base_url: str, session: str, history_kind: str, turns: list[Turn],
+                      azure: bool = False) -> list[str]:
     """openai.OpenAI as a chat app uses it; the assistant message is echoed as the SDK object itself
-    (the cookbook's `messages.append(response.choices[0].message)`)."""
-    client = openai.OpenAI(base_url=base_url, api_key=PROXY_KEY, default_headers={"X-Session-Id": session},
-                           max_retries=0, timeout=30)
+    (the cookbook's `messages.append(response.choices[0].message)`). `azure`: openai.AzureOpenAI,
+    its endpoint memproxy's address (the model, its deployment, goes in the path; the key in `api-key`)."""
+    headers = {"X-Session-Id": session}
+    client: openai.OpenAI
+    if azure:
+        client = openai.AzureOpenAI(azure_endpoint=base_url.removesuffix("/v1"), api_key=PROXY_KEY,
+                                    api_version="2024-10-21", default_headers=headers, max_retries=0, timeout=30)
+    else:
+        client = openai.OpenAI(base_url=base_url, api_key=PROXY_KEY, default_headers=headers, max_retries=0,
+                               timeout=30)
     history: list[Any] = [{"role": "system", "content": SYSTEM}]
     sent = 1
     answers = []
@@ -290,6 +298,42 @@ async def test_openai_python_async(history_kind: str, proxy: Proxy, upstream: Fa
     session = f"py-async-{history_kind}"
     assert await async_conversation(proxy, session, history_kind, TURNS) == answers
     check_conversation(upstream, config, session, script)
+
+
+async def test_azure_openai_client(proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    """openai.AzureOpenAI pointed at memproxy: its deployment paths and `api-key` header reach the same
+    endpoints, with memory; its key goes nowhere upstream."""
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    got = await asyncio.to_thread(sync_conversation, proxy.url, "py-azure", "new", TURNS, True)
+    assert got == answers
+    check_conversation(upstream, config, "py-azure", script)
+    assert all(r.path == "/v1/chat/completions" and PROXY_KEY not in str(r.headers) for r in upstream.received)
+
+    client = openai.AsyncAzureOpenAI(azure_endpoint=proxy.url.removesuffix("/v1"), api_key=PROXY_KEY,
+                                     api_version="2024-10-21", max_retries=0)
+    try:
+        assert [m.id async for m in client.models.list()] == ["small", "big"]
+        assert (await client.embeddings.create(model="small", input="x")).data
+        wrong = openai.AsyncAzureOpenAI(azure_endpoint=proxy.url.removesuffix("/v1"), api_key="not-a-key",
+                                        api_version="2024-10-21", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}])
+        await wrong.close()
+    finally:
+        await client.close()
+
+
+async def test_a_deployment_in_the_path_names_the_model(proxy: Proxy, upstream: FakeUpstream) -> None:
+    """As at Azure, the deployment a path names is the model, whatever the body's `model` says."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url.removesuffix('/v1')}/openai/deployments/small/chat/completions"
+                             "?api-version=2024-10-21", headers={"api-key": PROXY_KEY},
+                             json={"model": "big", "messages": [{"role": "user", "content": "hi"}]}) as response:
+            assert response.status == 200
+            assert (await response.json())["model"] == "small"
+    assert [r.body["model"] for r in upstream.received] == ["small"]  # the provider's name for `small`
 
 
 # --- openai-python's helpers: parse, the stream helper, pydantic tools -----------------------------
