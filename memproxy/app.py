@@ -77,7 +77,7 @@ def create_app(config: Config) -> web.Application:
 # What Azure OpenAI's clients call with the deployment, their name for the model, in the path
 # (`openai.lib.azure`), of what memproxy serves.
 _DEPLOYMENT_PATHS = frozenset({"/chat/completions", "/completions", "/embeddings", "/audio/transcriptions",
-                               "/audio/speech", "/images/generations"})
+                               "/audio/speech", "/images/generations", "/images/edits"})
 
 
 def _openai_routes(app: web.Application, aliases: list[str]) -> AddRoute:

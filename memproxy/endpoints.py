@@ -30,7 +30,7 @@ from .config import ModelConfig
 from .errors import BadRequest, Forbidden, ProxyError, UpstreamError, error_body
 from .jsonbytes import dumps
 from .observe import CLIENT_GONE, notes
-from .provider import AudioFile, Endpoint, JsonEndpoint
+from .provider import Endpoint, JsonEndpoint, UploadedFile
 from .streaming import hiding_usage
 from .store import EndpointUsage
 from .typedefs import CALLER, CONFIG, PROVIDER, STORE, TASKS, AddRoute
@@ -84,6 +84,7 @@ def add_routes(add: AddRoute) -> None:
     add("POST", "/v1/completions", completions)
     add("POST", "/v1/moderations", moderations)
     add("POST", "/v1/images/generations", images)
+    add("POST", "/v1/images/edits", image_edits)
     add("POST", "/v1/audio/transcriptions", transcriptions)
     add("POST", "/v1/audio/speech", speech)
 
@@ -124,15 +125,36 @@ async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.Stream
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
     tenant = _tenant(request)
-    fields, audio = await _form(request)
+    fields, files = await _form(request, "a transcription", "its audio in the field 'file'")
     values = dict(fields)
     model = _model(request, values.get("model"))
     if values.get("stream", "false").lower() != "false":
         raise BadRequest("memproxy does not stream transcriptions: leave 'stream' unset", param="stream")
+    audio = next((upload for name, upload in files if name == "file"), None)
+    if audio is None:
+        raise BadRequest("'file' is required: the audio to transcribe", param="file")
     result = await request.app[PROVIDER].transcribe(model, fields, audio)
     await _account(request, tenant, "transcriptions", model, result.get("usage") if isinstance(result, dict) else None)
     if isinstance(result, str):
         return web.Response(text=result, content_type="text/plain")
+    return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
+
+
+async def image_edits(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/images/edits`: the images (`image`, or `image[]` for several) and the `mask` go to
+    the provider as the client sent them, with the other fields; not streamed."""
+    tenant = _tenant(request)
+    fields, files = await _form(request, "an image edit", "its images in the field 'image' (or 'image[]')")
+    values = dict(fields)
+    model = _model(request, values.get("model"))
+    if values.get("stream", "false").lower() != "false":
+        raise BadRequest("memproxy does not stream image edits: leave 'stream' unset", param="stream")
+    if not any(name in ("image", "image[]") for name, _ in files):
+        raise BadRequest("'image' is required: the image to edit", param="image")
+    if not values.get("prompt"):
+        raise BadRequest("'prompt' is required", param="prompt")
+    result = await request.app[PROVIDER].edit_image(model, fields, files)
+    await _account(request, tenant, "image_edits", model, result.get("usage"))
     return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
 
 
@@ -253,35 +275,40 @@ def _note_error(request: web.Request, exc: ProxyError) -> None:
         noted.upstream_status = exc.upstream_status
 
 
-async def _form(request: web.Request) -> tuple[list[tuple[str, str]], AudioFile]:
-    """A transcription's form: its fields in order (repeated `name[]` fields kept), and the audio.
-    The body is read whole first (`deadlines.body_deadline`, within `server.max_body_bytes`), so
-    aiohttp's multipart parser reads it from those bytes."""
+# The form fields that hold a file, even sent without a file name, and the name each then goes with.
+_FILE_FIELDS = {"file": "audio", "image": "image", "image[]": "image", "mask": "mask"}
+
+
+async def _form(request: web.Request, what: str, where: str
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, UploadedFile]]]:
+    """A form (`what` is sent as one, `where` its files go): its fields in order (repeated `name[]`
+    fields kept), and its files by field name, in order. The body is read whole first
+    (`deadlines.body_deadline`, within `server.max_body_bytes`), so aiohttp's multipart parser reads
+    it from those bytes."""
     if request.content_type != "multipart/form-data":
-        raise BadRequest("a transcription is sent as multipart/form-data, its audio in the field 'file'")
+        raise BadRequest(f"{what} is sent as multipart/form-data, {where}")
     raw = await body_bytes(request)
     # Never paused: the stream holds no more than the body already read (`limit` above its size).
     stream = StreamReader(request.protocol, len(raw) + 1, loop=asyncio.get_running_loop())
     stream.feed_data(raw)
     stream.feed_eof()
     fields: list[tuple[str, str]] = []
-    audio = None
+    files: list[tuple[str, UploadedFile]] = []
     try:
         async for part in MultipartReader(request.headers, stream):
             if not isinstance(part, BodyPartReader) or part.name is None:
-                continue  # a nested multipart, or a part without a name: nothing a transcription takes
+                continue  # a nested multipart, or a part without a name: nothing such a call takes
             _sendable(part)
-            if part.name == "file":
+            if part.filename is not None or part.name in _FILE_FIELDS:
                 content_type = part.headers.get("Content-Type", "application/octet-stream")
-                audio = AudioFile(part.filename or "audio", bytes(await part.read()), content_type)
-            elif part.filename is None:
+                filename = part.filename or _FILE_FIELDS[part.name]
+                files.append((part.name, UploadedFile(filename, bytes(await part.read()), content_type)))
+            else:
                 fields.append((part.name, await part.text()))
     except (ValueError, AssertionError, UnicodeDecodeError, LookupError, RuntimeError,
             HttpProcessingError) as exc:  # aiohttp's parser's (an unknown charset, transfer encoding)
         raise BadRequest(f"the form could not be read: {type(exc).__name__}") from exc
-    if audio is None:
-        raise BadRequest("'file' is required: the audio to transcribe", param="file")
-    return fields, audio
+    return fields, files
 
 
 def _sendable(part: BodyPartReader) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib
+import io
 import inspect
 import json
 import logging
@@ -80,30 +81,37 @@ _OPENAI_LIKE = frozenset({"openai", "azure", "aiohttp_openai", "text-completion-
 # watsonx (credentials or a token may be fetched).
 _INLINE_SETUP = frozenset({"openai", "text-completion-openai", "custom_openai", "hosted_vllm", "lm_studio",
                            "openrouter", "deepseek", "groq", "xai", "together_ai", "fireworks_ai"})
-Endpoint = Literal["embeddings", "completions", "moderations", "images", "transcriptions", "speech"]
+Endpoint = Literal["embeddings", "completions", "moderations", "images", "image_edits", "transcriptions", "speech"]
 JsonEndpoint = Literal["embeddings", "completions", "moderations", "images"]  # a JSON body both ways
 # Each endpoint's path under the provider's base URL, and litellm's function for it.
 PATHS: dict[Endpoint, str] = {"embeddings": "embeddings", "completions": "completions",
                               "moderations": "moderations", "images": "images/generations",
-                              "transcriptions": "audio/transcriptions", "speech": "audio/speech"}
+                              "image_edits": "images/edits", "transcriptions": "audio/transcriptions",
+                              "speech": "audio/speech"}
 _LITELLM_CALLS: dict[Endpoint, str] = {"embeddings": "aembedding", "completions": "atext_completion",
                                        "moderations": "amoderation", "images": "aimage_generation",
-                                       "transcriptions": "atranscription", "speech": "aspeech"}
+                                       "image_edits": "aimage_edit", "transcriptions": "atranscription",
+                                       "speech": "aspeech"}
 # Each call's synchronous twin, whose signature names its request parameters (the async ones take **kwargs).
 _SIGNATURES: dict[Endpoint, str] = {"embeddings": "embedding", "completions": "text_completion",
                                     "moderations": "moderation", "images": "image_generation",
-                                    "transcriptions": "transcription", "speech": "speech"}
-# The calls that begin by handing their set-up to the executor (`memproxy.inline_setup`); litellm's
-# moderation call does not, so nothing of it is asked to run in place.
-_HANDED_OFF: frozenset[Endpoint] = frozenset(_LITELLM_CALLS) - {"moderations"}
+                                    "image_edits": "image_edit", "transcriptions": "transcription",
+                                    "speech": "speech"}
+# The calls that begin by handing their set-up to the executor (`memproxy.inline_setup`) and run in
+# place: litellm's moderation call hands nothing off, and an image edit's set-up, which writes the
+# uploaded images (megabytes, at times) into the request, stays on litellm's thread.
+_HANDED_OFF: frozenset[Endpoint] = frozenset(_LITELLM_CALLS) - {"moderations", "image_edits"}
 _SLOW_TOKENIZER_SECONDS = 2.0  # a tokenizer that took this long to load is said so (`LitellmCounter.load`)
 TEXT_FORMATS = frozenset({"text", "srt", "vtt"})  # transcriptions answered as text, not JSON
-# Form fields that are numbers, and the array fields a form sends as `name[]`, one field per item.
+# Form fields that are numbers (`_form_params`): a transcription's temperature, an image edit's counts.
 _NUMBER_FIELDS = frozenset({"temperature"})
+_INTEGER_FIELDS = frozenset({"n", "output_compression", "partial_images"})
 
 
 @dataclass(frozen=True)
-class AudioFile:
+class UploadedFile:
+    """A file part of a form (a transcription's audio, an image to edit), as the client sent it."""
+
     filename: str
     content: bytes
     content_type: str
@@ -468,7 +476,7 @@ class Provider:
             return await self._openai.stream_at(model, PATHS["completions"], params)
         return await self._first_chunk(self._call_litellm("completions", model, params), _dumped_chunk)
 
-    async def transcribe(self, model: ModelConfig, fields: Sequence[tuple[str, str]], audio: AudioFile
+    async def transcribe(self, model: ModelConfig, fields: Sequence[tuple[str, str]], audio: UploadedFile
                          ) -> dict[str, Any] | str:
         """A transcription: a JSON object, or the text itself for the text formats (`text`, `srt`,
         `vtt`). `fields` are the form's other fields, `model` among them, as the client sent them."""
@@ -488,6 +496,29 @@ class Provider:
         response = await self._call_litellm("transcriptions", model, params)
         if text_format:
             return str(response.text)
+        result: dict[str, Any] = response.model_dump(exclude_none=True)
+        return result
+
+    async def edit_image(self, model: ModelConfig, fields: Sequence[tuple[str, str]],
+                         files: Sequence[tuple[str, UploadedFile]]) -> dict[str, Any]:
+        """An image edit: `fields` are the form's fields, `model` among them, and `files` its file
+        parts by field name (`image`, or `image[]` for several, and `mask`), as the client sent them."""
+        if self._native[model.name]:
+            form = aiohttp.FormData(quote_fields=False)  # the files' names as the client wrote them
+            for name, value in fields:
+                form.add_field(name, model_id(model) if name == "model" else value)
+            for name, upload in files:
+                form.add_field(name, upload.content, filename=upload.filename, content_type=upload.content_type)
+            raw, _ = await self._openai.request(model, PATHS["image_edits"], form)
+            return _json_object(raw)
+        params = _form_params(fields)
+        # As files: litellm's HTTP client reads each part (a tuple it cannot send), and names them itself.
+        images = [_readable(f) for name, f in files if name in ("image", "image[]")]
+        params["image"] = images if len(images) > 1 or any(name == "image[]" for name, _ in files) else images[0]
+        for name, upload in files:
+            if name == "mask":
+                params["mask"] = _readable(upload)
+        response = await self._call_litellm("image_edits", model, params)
         result: dict[str, Any] = response.model_dump(exclude_none=True)
         return result
 
@@ -869,15 +900,22 @@ def _reasons(litellm: Any, name: str) -> bool:
         return False
 
 
+def _readable(upload: UploadedFile) -> io.BytesIO:
+    """An uploaded file as a file object, named as the client named it."""
+    readable = io.BytesIO(upload.content)
+    readable.name = upload.filename
+    return readable
+
+
 def _form_params(fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """A form's fields as litellm's keyword arguments: numbers as numbers, `name[]` as a list."""
     params: dict[str, Any] = {}
     for name, value in fields:
         if name.endswith("[]"):
             params.setdefault(name[:-2], []).append(value)
-        elif name in _NUMBER_FIELDS:
+        elif name in _NUMBER_FIELDS or name in _INTEGER_FIELDS:
             try:
-                params[name] = float(value)
+                params[name] = int(value) if name in _INTEGER_FIELDS else float(value)
             except ValueError:
                 params[name] = value  # the provider says what is wrong with it
         else:

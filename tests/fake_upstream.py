@@ -148,6 +148,7 @@ class FakeUpstream:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/moderations", self._moderations)
         app.router.add_post("/v1/images/generations", self._images)
+        app.router.add_post("/v1/images/edits", self._image_edits)
         app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
         app.router.add_post("/v1/audio/speech", self._speech)
         self.port = self._server.start(app)
@@ -392,6 +393,31 @@ class FakeUpstream:
         data = [{"b64_json": "iVBORw0KGgo=", "revised_prompt": body["prompt"]}
                 for _ in range(int(body.get("n") or 1))]
         return web.json_response({"created": int(time.time()), "data": data})
+
+    async def _image_edits(self, request: web.Request) -> web.Response:
+        """Records the fields by name, and `files`: [(field, filename, bytes, content type)];
+        answers one image per `n`, its `revised_prompt` the prompt, with usage in image tokens."""
+        fields: dict[str, str] = {}
+        files: list[tuple[str, str | None, bytes, str | None]] = []
+        async for part in await request.multipart():
+            if not isinstance(part, BodyPartReader):
+                continue
+            data = bytes(await part.read())
+            if part.filename is not None:
+                files.append((part.name or "", part.filename, data, part.headers.get("Content-Type")))
+            else:
+                fields[part.name or ""] = data.decode()
+        reply = await self._take(Received(request.path, dict(request.headers), {**fields, "files": files}))
+        error = _error(reply)
+        if error is not None:
+            return error
+        data = [{"b64_json": "iVBORw0KGgo=", "revised_prompt": fields.get("prompt")}
+                for _ in range(int(fields.get("n") or 1))]
+        return web.json_response({"created": int(time.time()), "data": data,
+                                  "usage": {"input_tokens": 50 * len(files), "output_tokens": 100,
+                                            "total_tokens": 50 * len(files) + 100,
+                                            "input_tokens_details": {"text_tokens": 0,
+                                                                     "image_tokens": 50 * len(files)}}})
 
     async def _transcriptions(self, request: web.Request) -> web.Response:
         fields: dict[str, Any] = {}

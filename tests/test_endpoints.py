@@ -23,7 +23,8 @@ from memproxy.config import Config
 pytestmark = [pytest.mark.both_stores, pytest.mark.both_transports]
 
 ENDPOINTS = ["/v1/audio/speech", "/v1/audio/transcriptions", "/v1/completions", "/v1/embeddings",
-             "/v1/images/generations", "/v1/moderations"]
+             "/v1/images/edits", "/v1/images/generations", "/v1/moderations"]
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))  # an image's first bytes: the fake reads no further
 
 
 def wav(seconds: float = 0.1, rate: int = 8000) -> bytes:
@@ -163,6 +164,49 @@ async def test_image_generation(proxy: Proxy, upstream: FakeUpstream) -> None:
     assert (await usage_of(proxy))["endpoints"]["images"]["calls"] == 1
 
 
+async def test_an_image_edit_sends_its_images_mask_and_fields(proxy: Proxy, upstream: FakeUpstream,
+                                                              transport: str) -> None:
+    """The images, the mask and every field reach the provider; memproxy's own client keeps the
+    files' names as sent, litellm names them itself (`image.png`, `mask.png`)."""
+    client = proxy.client(session=None)
+    kept = transport == "openai"
+    result = await client.images.edit(model="small", image=[("a.png", PNG, "image/png"), ("b.png", PNG[::-1], "image/png")],
+                                      mask=("m.png", PNG[:20], "image/png"), prompt="make it blue", n=2,
+                                      size="256x256", background="transparent")
+    assert [d.revised_prompt for d in result.data or []] == ["make it blue"] * 2
+    body = only(upstream, "/v1/images/edits").body
+    assert (body["model"], body["prompt"], body["n"], body["size"]) == ("small", "make it blue", "2", "256x256")
+    assert body["background"] == "transparent"
+    assert [(field, name if kept else "-", data) for field, name, data, _ in body["files"]] == [
+        ("image[]", "a.png" if kept else "-", PNG), ("image[]", "b.png" if kept else "-", PNG[::-1]),
+        ("mask", "m.png" if kept else "-", PNG[:20])]
+    assert (await usage_of(proxy))["endpoints"]["image_edits"] == {"calls": 1, "prompt_tokens": 150,
+                                                                   "completion_tokens": 100, "cost": None}
+
+    await client.images.edit(model="small", image=("one.png", PNG, "image/png"), prompt="again")
+    [one] = [r.body["files"] for r in upstream.requests_to("/v1/images/edits")][1:]
+    assert [(name if kept else "-", data) for _, name, data, _ in one] == [("one.png" if kept else "-", PNG)]
+
+
+async def test_an_image_edit_without_what_it_needs_is_a_400(proxy: Proxy, upstream: FakeUpstream) -> None:
+    client = proxy.client(session=None)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.images.edit(model="small", image=("a.png", PNG, "image/png"), prompt="")
+    assert caught.value.body["param"] == "prompt"
+    form = aiohttp.FormData(default_to_multipart=True)
+    form.add_field("model", "small")
+    form.add_field("prompt", "x")
+    status, body, _ = await post(proxy, "/v1/images/edits", data=form)
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code=None, param="image")
+    status, body, _ = await post(proxy, "/v1/images/edits", json={"model": "small", "prompt": "x"})
+    assert status == 400 and "multipart/form-data" in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.images.edit(model="small", image=("a.png", PNG, "image/png"), prompt="x", stream=True)
+    assert caught.value.body["param"] == "stream"
+    assert upstream.received == []
+
+
 async def test_transcription_of_an_uploaded_file(proxy: Proxy, upstream: FakeUpstream) -> None:
     audio = wav()
     client = proxy.client(session=None)
@@ -266,6 +310,7 @@ def call_each(client: openai.AsyncOpenAI, model: str = "small") -> list[Any]:
         client.completions.create(model=model, prompt="x", stream=True),
         client.moderations.create(model=model, input="x"),
         client.images.generate(model=model, prompt="x"),
+        client.images.edit(model=model, image=("a.png", PNG, "image/png"), prompt="x"),
         client.audio.transcriptions.create(model=model, file=("a.wav", wav(0.01), "audio/wav")),
         client.audio.speech.create(model=model, input="x", voice="alloy"),
     ]
@@ -287,7 +332,7 @@ async def test_a_models_own_headers_go_with_every_endpoints_request(
             async for _ in response:
                 pass
     sent = [(r.body["model"], r) for r in upstream.received]
-    assert len(sent) == 14
+    assert len(sent) == 16
     for model, received in sent:
         assert_upstream_key(received)
         lower = {k.lower(): v for k, v in received.headers.items()}
@@ -356,7 +401,8 @@ async def test_an_upstream_failure_is_the_providers_status_in_the_openai_shape(
             await call
         assert caught.value.status_code == 500
         # litellm keeps the message alone of a streamed completion's error, an image's or an audio call's
-        message_only = transport == "litellm" and index in (2, 4, 5, 6)
+        # (an image edit's it keeps whole)
+        message_only = transport == "litellm" and index in (2, 4, 6, 7)
         assert_error({"error": caught.value.body}, type="upstream_error", code="upstream_error",
                      param=None if message_only else "input")
         assert caught.value.body["message"] == f"overloaded {index}"  # type: ignore[index]  # as the provider said it
