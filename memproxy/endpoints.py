@@ -124,12 +124,8 @@ async def _json_call(request: web.Request, endpoint: JsonEndpoint) -> web.Stream
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
-    tenant = _tenant(request)
-    fields, files = await _form(request, "a transcription", "its audio in the field 'file'")
-    values = dict(fields)
-    model = _model(request, values.get("model"))
-    if values.get("stream", "false").lower() != "false":
-        raise BadRequest("memproxy does not stream transcriptions: leave 'stream' unset", param="stream")
+    tenant, fields, files, model = await _form_call(request, "a transcription", "its audio in the field 'file'",
+                                                    "transcriptions")
     audio = next((upload for name, upload in files if name == "file"), None)
     if audio is None:
         raise BadRequest("'file' is required: the audio to transcribe", param="file")
@@ -143,19 +139,28 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
 async def image_edits(request: web.Request) -> web.StreamResponse:
     """`POST /v1/images/edits`: the images (`image`, or `image[]` for several) and the `mask` go to
     the provider as the client sent them, with the other fields; not streamed."""
-    tenant = _tenant(request)
-    fields, files = await _form(request, "an image edit", "its images in the field 'image' (or 'image[]')")
-    values = dict(fields)
-    model = _model(request, values.get("model"))
-    if values.get("stream", "false").lower() != "false":
-        raise BadRequest("memproxy does not stream image edits: leave 'stream' unset", param="stream")
+    tenant, fields, files, model = await _form_call(
+        request, "an image edit", "its images in the field 'image' (or 'image[]')", "image edits")
     if not any(name in ("image", "image[]") for name, _ in files):
         raise BadRequest("'image' is required: the image to edit", param="image")
-    if not values.get("prompt"):
+    if not dict(fields).get("prompt"):
         raise BadRequest("'prompt' is required", param="prompt")
     result = await request.app[PROVIDER].edit_image(model, fields, files)
     await _account(request, tenant, "image_edits", model, result.get("usage"))
     return web.Response(body=dumps(result), content_type="application/json", charset="utf-8")
+
+
+async def _form_call(request: web.Request, what: str, where: str, calls: str
+                     ) -> tuple[str, list[tuple[str, str]], list[tuple[str, UploadedFile]], ModelConfig]:
+    """A call sent as a form (`_form`): its tenant, fields, files and model. It is not streamed:
+    a `stream` asked for is a 400 naming the `calls`."""
+    tenant = _tenant(request)
+    fields, files = await _form(request, what, where)
+    values = dict(fields)
+    model = _model(request, values.get("model"))
+    if values.get("stream", "false").lower() != "false":
+        raise BadRequest(f"memproxy does not stream {calls}: leave 'stream' unset", param="stream")
+    return tenant, fields, files, model
 
 
 async def speech(request: web.Request) -> web.StreamResponse:
