@@ -471,12 +471,13 @@ def node_sdk() -> Path:
 
 
 async def node_client(script: Path, node_sdk: Path, proxy: Proxy, session: str, history_kind: str,
-                      turns: list[Turn]) -> Any:
-    """What a Node client script (tests/clients/) printed, told `turns` on `session` through the proxy."""
+                      turns: list[Turn], azure: bool = False) -> Any:
+    """What a Node client script (tests/clients/) printed, told `turns` on `session` through the proxy
+    (`azure`: by the package's AzureOpenAI client)."""
     plan = {"history": history_kind, "system": SYSTEM, "model": MODEL,
             "turns": [{"text": t.text, "stream": t.stream} for t in turns]}
     env = {**os.environ, "MEMPROXY_BASE_URL": proxy.url, "MEMPROXY_KEY": PROXY_KEY, "MEMPROXY_SESSION": session,
-           "OPENAI_NODE_PREFIX": str(node_sdk)}
+           "OPENAI_NODE_PREFIX": str(node_sdk), **({"MEMPROXY_AZURE": "1"} if azure else {})}
     return json.loads(await run_command([shutil.which("node") or "node", str(script), json.dumps(plan)], env))
 
 
@@ -490,6 +491,15 @@ async def test_openai_node(
     session = f"node-{history_kind}"
     assert await node_client(NODE_SCRIPT, node_sdk, proxy, session, history_kind, TURNS) == answers
     check_conversation(upstream, config, session, script)
+
+
+async def test_openai_node_azure(node_sdk: Path, proxy: Proxy, upstream: FakeUpstream, config: Config) -> None:
+    """openai-node's AzureOpenAI client, memproxy's address its endpoint, holds the same conversation."""
+    script = Script()
+    answers = script.play(TURNS)
+    upstream.enqueue(*script.replies)
+    assert await node_client(NODE_SCRIPT, node_sdk, proxy, "node-azure", "new", TURNS, azure=True) == answers
+    check_conversation(upstream, config, "node-azure", script)
 
 
 RUN_TOOLS_SCRIPT = Path(__file__).parent / "clients" / "node_run_tools.mjs"
