@@ -334,6 +334,13 @@ async def test_a_deployment_in_the_path_names_the_model(proxy: Proxy, upstream: 
             assert response.status == 200
             assert (await response.json())["model"] == "small"
     assert [r.body["model"] for r in upstream.received] == ["small"]  # the provider's name for `small`
+    # `Authorization`, where sent, is the key: a right `api-key` beside a wrong one does not pass.
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy.url.removesuffix('/v1')}/openai/deployments/small/chat/completions",
+                             headers={"api-key": PROXY_KEY, "Authorization": "Bearer not-a-key"},
+                             json={"messages": [{"role": "user", "content": "hi"}]}) as response:
+            assert response.status == 401
+    assert len(upstream.received) == 1
 
 
 # --- openai-python's helpers: parse, the stream helper, pydantic tools -----------------------------

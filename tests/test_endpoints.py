@@ -287,9 +287,10 @@ async def test_every_openai_endpoint_is_served_without_v1_too(proxy: Proxy, upst
     assert len(routes) >= 20
     for method, path in routes:
         bare_path = path.removeprefix("/v1").replace("{", "").replace("}", "")
-        status, body, _ = await post(proxy, bare_path, key="not-a-key", method=method)
-        assert status == 401, (method, bare_path)
-        assert_error(body, type="authentication_error", code="invalid_api_key")
+        for alias in (bare_path, "/openai" + bare_path):  # and where Azure OpenAI's clients call it
+            status, body, _ = await post(proxy, alias, key="not-a-key", method=method)
+            assert status == 401, (method, alias)
+            assert_error(body, type="authentication_error", code="invalid_api_key")
     assert len(upstream.received) == before
 
     # memproxy's own API is not: a 404 that lists what is served, and says so.
