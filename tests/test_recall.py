@@ -465,3 +465,26 @@ def test_without_gives_the_block_a_fresh_render_of_what_is_left_would() -> None:
                     fresh.message, fresh.tokens, fresh.recalled) if fresh else smaller is None
                 if smaller is not None:
                     assert smaller.tokens == counter.message(smaller.message)
+
+
+@settings(max_examples=100, deadline=None)
+@given(room=st.integers(60, 900), step=st.sampled_from([0.0, 1.0, 60.0, 3600.0]), hits=st.integers(2, 9),
+       reach=st.integers(0, 1))
+def test_the_block_fills_its_room_whatever_times_its_runs_show(room: int, step: float, hits: int, reach: int) -> None:
+    """Where ranked units are left out, what the block leaves of its room is less than any one of
+    them would take as a run of its own (its label, line, gap and time): the block is costed with
+    the times its runs actually show, not an allowance for a time at every run (messages of one
+    minute show one time in all). With that allowance a block of one minute's messages left
+    about a time's tokens unused per run."""
+    history = [(user if i % 2 == 0 else assistant)(f"note {i} about topic{i % hits}") for i in range(80)]
+    lines = [m._replace(created_at=1_700_000_000.0 + step * m.seq) for m in recalled(history, MemoryConfig())]
+    words = ["topic1"]
+    ranked = recall.rank(postings(history, words, 80), reach, SESSION, 80)
+    block = recall.choose(ranked, read(lines, recall.spans(ranked), 80), words, room, SESSION, COUNTER)
+    assert block is not None and block.tokens == COUNTER.message(block.message) <= room
+    sent = {r.seq for r in block.recalled}
+    left = [m for m in lines if m.seq in {r.seq for r in ranked} - sent]
+    if left:
+        worth = max(COUNTER.text(f"[#{m.seq} {m.role}]") + (m.tokens or 0) + COUNTER.text("…\n")
+                    + COUNTER.text(time.strftime(" %Y-%m-%d %H:%M", time.gmtime(m.created_at))) for m in left)
+        assert room - block.tokens < worth
