@@ -295,9 +295,9 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
             cost -= gap
         elif not (joins_before or joins_after):  # a run of its own
             minute = int(messages[lo].created_at // 60)
-            before = messages[lo - 1] if lo else None  # the message read before it
+            before = messages[lo - 1] if lo and chosen else None  # the message read before it (the
             same = before is not None and before.session_id == messages[lo].session_id \
-                and int(before.created_at // 60) == minute
+                and int(before.created_at // 60) == minute  # first unit taken: a time, the block shows one)
             cost += gap + (0 if same else counter.text(f" {_minute(minute)}"))
         if spent + cost <= room:
             spent += cost
@@ -305,8 +305,12 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
             taken.append(unit)
     if taken:
         spent = _spent(messages, bounds, follows, unit_of, chosen, gap, session_id, counter)
-    while spent > room and taken:  # the runs' times are more than allowed for: the lowest-ranked go
-        chosen.discard(taken.pop())
+    while spent > room and taken:  # the runs' times are more than allowed for: the lowest-ranked go,
+        over = spent - room  # as many as could free what is over (each at most its messages, a gap
+        while over > 0 and taken:  # and a time), then the whole is costed again
+            unit = taken.pop()
+            chosen.discard(unit)
+            over -= bounds[unit][2] + gap + counter.text(f" {_minute(int(messages[bounds[unit][0]].created_at // 60))}")
         spent = _spent(messages, bounds, follows, unit_of, chosen, gap, session_id, counter)
     info = dict(zip(map(_KEY, ranked), ranked))
     # What `render` counts is that cost where the counter cuts labels as tiktoken does; where it
