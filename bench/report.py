@@ -89,6 +89,10 @@ def verdict(ok: bool | None) -> str:
     return "not measured" if ok is None else ("**pass**" if ok else "**FAIL**")
 
 
+# What each `run.py --only` reruns, as the page says it: alone, and beside a saved run.
+_ONLY_SECTIONS = {"recall": "sections 8 and 9", "recall-quality": "section 8"}
+_ONLY_FROM = {"recall": "Sections 8 and 9 (and their targets) are", "recall-quality": "Section 8 (and its targets) is"}
+
 class Report:
     def __init__(self, results: dict[str, Any], out: Path, small: bool) -> None:
         self.r = results
@@ -352,13 +356,15 @@ class Report:
         if meta["quick"]:
             self.add("> **Quick run**: one round of a handful of requests each, for the CI smoke test. "
                      "These numbers are not meaningful; run `python bench/run.py` for real ones.", "")
-        if meta.get("only") == "recall":
-            self.add("> **Recall phases only** (`--only recall`): sections 8 and 9; no saved run of the same kind "
-                     "was beside this page to complete it.", "")
+        if meta.get("only") in ("recall", "recall-quality"):
+            self.add(f"> **Recall phases only** (`--only {meta['only']}`): {_ONLY_SECTIONS[meta['only']]}; no saved "
+                     "run of the same kind was beside this page to complete it.", "")
         if "recall_run" in meta:
             run = meta["recall_run"]
-            self.add(f"> Sections 8 and 9 (and their targets) are from `python bench/run.py --only recall"
-                     f"{' --quick' if meta['quick'] else ''}` on {run['started']} in {run['duration_s']:.0f} s at "
+            only = run.get("only", "recall")
+            self.add(f"> {_ONLY_FROM[only]} from `python bench/run.py --only {only}"
+                     f"{' --quick' if meta['quick'] else ''}` on {run['started']} in "
+                     f"{run['duration_s']:.0f} s at "
                      f"commit {run['commit']} (1-minute load average {run['load_at_start']} at its start, "
                      f"{run['load_at_end']} at its end); the rest from the run above.", "")
             for note in run["notes"]:

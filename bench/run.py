@@ -4,6 +4,7 @@
     python bench/run.py --quick         # seconds: the CI smoke run
     python bench/run.py --no-litellm-proxy --out /tmp/bench
     python bench/run.py --only recall   # phases 8 and 9, into the saved run's page
+    python bench/run.py --only recall-quality   # phase 8 alone (no timing: any machine)
 
 Every path talks to one fake upstream process (`upstream.py`) and is measured in the same run,
 interleaved (each round visits every path, in a rotated order) and summarised as the median of the
@@ -896,24 +897,28 @@ async def measure_recall(args: argparse.Namespace, plan: Plan, processes: server
         if skipped:
             results["meta"]["notes"].append(f"recall replay: {skipped}")
             print(f"bench: recall replay: {skipped}", file=sys.stderr, flush=True)
+    if args.only == "recall-quality":
+        return
     print(f"bench: recall speed (replay took {time.monotonic() - started:.0f} s)", flush=True)
     results["recall_speed"] = await phase_recall_speed(processes, upstream, workdir, plan, data)
 
 
-RECALL_PHASES = ("recall", "recall_speed")
+# The phases each `--only` runs: the recall replay alone counts tokens and evidence, not time, so
+# it may be rerun on any machine beside a saved run measured on another.
+ONLY_PHASES = {"recall": ("recall", "recall_speed"), "recall-quality": ("recall",)}
 
 
-def merged(results: dict[str, Any], saved: Path, quick: bool) -> dict[str, Any]:
-    """`--only recall`'s results put into a saved run's (of the same kind), so that the page keeps
-    every other section as that run measured it; else the recall results alone."""
+def merged(results: dict[str, Any], saved: Path, quick: bool, only: str) -> dict[str, Any]:
+    """`--only`'s results put into a saved run's (of the same kind), so that the page keeps every
+    other section as that run measured it; else the recall results alone."""
     if not saved.exists():
         return results
     previous: dict[str, Any] = json.loads(saved.read_text(encoding="utf-8"))
     if previous.get("meta", {}).get("quick") != quick or "concurrency" not in previous:
         return results
     meta = results["meta"]
-    previous.update({phase: results[phase] for phase in RECALL_PHASES})
-    previous["meta"]["recall_run"] = {"started": meta["started"], "duration_s": meta["duration_s"],
+    previous.update({phase: results[phase] for phase in ONLY_PHASES[only]})
+    previous["meta"]["recall_run"] = {"only": only, "started": meta["started"], "duration_s": meta["duration_s"],
                                       "commit": commit(), "notes": meta["notes"],
                                       "load_at_start": meta["machine"]["load_at_start"],
                                       "load_at_end": meta["machine"]["load_at_end"]}
@@ -934,7 +939,7 @@ async def run(args: argparse.Namespace) -> Path:
         timespec="seconds"), "quick": args.quick, "machine": machine(), "notes": []}}
     try:
         upstream = servers.start_upstream(processes)
-        if args.only != "recall":
+        if args.only is None:
             await measure_paths(args, plan, processes, upstream, workdir, results)
         await measure_recall(args, plan, processes, upstream, workdir, results)
     finally:
@@ -945,10 +950,10 @@ async def run(args: argparse.Namespace) -> Path:
             shutil.rmtree(workdir, ignore_errors=True)
     took = results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
     results["meta"]["machine"]["load_at_end"] = round(os.getloadavg()[0], 2)
-    if args.only == "recall":
-        results["meta"]["only"] = "recall"
+    if args.only is not None:
+        results["meta"]["only"] = args.only
         results["meta"]["plan"] = asdict(plan)
-        results = merged(results, out / "bench-results.json", args.quick)
+        results = merged(results, out / "bench-results.json", args.quick, args.only)
     path = report.write(results, out, small=args.quick)
     print(f"bench: wrote {path} in {took:.0f} s", flush=True)
     return path
@@ -966,9 +971,10 @@ def main(argv: list[str] | None = None) -> int:
                              " (default: 50)")
     parser.add_argument("--locomo", help=f"the LoCoMo file (default: {replay.DATA})")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
-    parser.add_argument("--only", choices=["recall"],
-                        help="run only the recall phases (8, 9); their results replace those of the saved run in"
-                             " OUT/bench-results.json (of the same kind, quick or full), and the page is rewritten")
+    parser.add_argument("--only", choices=list(ONLY_PHASES),
+                        help="run only the recall phases (recall: 8 and 9; recall-quality: 8, which measures no"
+                             " time); their results replace those of the saved run in OUT/bench-results.json (of"
+                             " the same kind, quick or full), and the page is rewritten")
     args = parser.parse_args(argv)
     asyncio.run(run(args))
     return 0

@@ -98,6 +98,13 @@ def test_quick_bench_writes_report_and_plots(tmp_path: Path) -> None:
     assert all(rounds[0]["errors"] == 0 for rounds in merged["recall_speed"]["results"].values())
     report = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
     assert "## 1. Added latency" in report and "Sections 8 and 9 (and their targets) are from" in report
+    # `--only recall-quality` replaces the replay's results alone: recall's speed stays as measured.
+    _bench(tmp_path, "--only", "recall-quality", "--locomo", str(tmp_path / "absent" / "locomo5.json"))
+    again = json.loads((tmp_path / "bench-results.json").read_text(encoding="utf-8"))
+    assert again["recall_speed"] == merged["recall_speed"] and again["cpu"] == before
+    assert again["meta"]["recall_run"]["only"] == "recall-quality" and "skipped" in again["recall"]
+    report = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    assert "Section 8 (and its targets) is from `python bench/run.py --only recall-quality --quick`" in report
 
 
 def test_recall_script_follows_the_dialog(tmp_path: Path) -> None:
