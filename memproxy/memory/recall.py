@@ -267,11 +267,12 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
 
     Units are taken best first while they fit, each costed with its labels and lines and, where it
     starts a run, the gap before it and its time unless the message read before it was said in the
-    same minute (then the run before it, if any, most likely shows that time already); then the block's
-    runs are costed as `render` shows them (`_spent`), and the lowest-ranked units go while it does
-    not fit. An allowance for a time at every run start left a block of messages from one day
-    about 7% short of its room (measured: 262 of 3,500 tokens unused at p50 on a 10,000-message
-    session), room the kept turns then took back instead of recalled messages."""
+    same minute (then the run before it, if any, most likely shows that time already; the first
+    unit taken pays for the time every block shows); then the block is costed as `render` shows its
+    runs (`_spent`), and the lowest-ranked units go while it does not fit, as many at once as could
+    free the excess. An allowance for a time at every run start left a block of messages written
+    within the same minutes about 7% short of its room (measured: 262 of 3,500 tokens unused at p50
+    on a 10,000-message session), room the kept turns then took back instead of recalled messages."""
     if room <= 0 or not messages:
         return None
     unit_of, bounds, follows = _units(messages, session_id, counter)
