@@ -77,13 +77,6 @@ SLOW_FIRST = (
 )
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto` (pyproject.toml): one worker more than the cores. Much of the suite waits on
-    processes it started (each `memproxy serve` imports litellm, seconds of one core) and on
-    PostgreSQL, whose work no worker counts: on two cores the two workers kept 1.6 of them busy."""
-    return (os.cpu_count() or 1) + 1
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's order stays
