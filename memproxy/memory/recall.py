@@ -280,7 +280,7 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
     taken: list[int] = []  # the units chosen, best first
     chosen: set[int] = set()
     gap = counter.text(_GAP)
-    spent = counter.message({"role": "user", "content": ""}) + counter.text(RECALL_PREFIX)
+    spent = _opening(counter)
     end = len(messages)
     for r in ranked:
         index = by_key.get(_KEY(r))
@@ -294,12 +294,12 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
         joins_after = hi < end and follows[hi] and unit_of[hi] in chosen
         if joins_before and joins_after:  # it makes two runs one: a gap less
             cost -= gap
-        elif not (joins_before or joins_after):  # a run of its own
-            minute = int(messages[lo].created_at // 60)
-            before = messages[lo - 1] if lo and chosen else None  # the message read before it (the
+        elif not (joins_before or joins_after):  # a run of its own: a time unless the message read
+            # before it is of the same minute (the first unit taken pays the one every block shows)
+            before = messages[lo - 1] if lo and chosen else None
             same = before is not None and before.session_id == messages[lo].session_id \
-                and int(before.created_at // 60) == minute  # first unit taken: a time, the block shows one)
-            cost += gap + (0 if same else counter.text(f" {_minute(minute)}"))
+                and _minute_of(before) == _minute_of(messages[lo])
+            cost += gap + (0 if same else _time_tokens(messages[lo], counter))
         if spent + cost <= room:
             spent += cost
             chosen.add(unit)
@@ -311,7 +311,7 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
         while over > 0 and taken:  # and a time), then the whole is costed again
             unit = taken.pop()
             chosen.discard(unit)
-            over -= bounds[unit][2] + gap + counter.text(f" {_minute(int(messages[bounds[unit][0]].created_at // 60))}")
+            over -= bounds[unit][2] + gap + _time_tokens(messages[bounds[unit][0]], counter)
         spent = _spent(messages, bounds, follows, unit_of, chosen, gap, session_id, counter)
     info = dict(zip(map(_KEY, ranked), ranked))
     # What `render` counts is that cost where the counter cuts labels as tiktoken does; where it
@@ -328,25 +328,38 @@ def _times(messages: Sequence[RecalledMessage], bounds: list[tuple[int, int, int
            chosen: set[int], session_id: str, counter: TokenCounter) -> int:
     """The tokens of the times the runs of the `chosen` units show, as `render` shows them: a run
     shows its time (to the minute) unless it is the time shown last."""
-    order = sorted(chosen) if all(messages[bounds[u][0]].session_id == session_id for u in chosen) else \
-        sorted(chosen, key=lambda u: (messages[bounds[u][0]].session_id != session_id,
-                                      messages[bounds[u][0]].session_id, bounds[u][0]))
+    first = {u: messages[bounds[u][0]] for u in chosen}
+    order = sorted(chosen, key=lambda u: (first[u].session_id != session_id, first[u].session_id, first[u].seq))
     tokens, shown, last = 0, -1, -2
     for unit in order:
         lo, hi, _ = bounds[unit]
         if lo != last or not follows[lo]:  # a run starts (`last`: the message after the previous unit)
-            minute = int(messages[lo].created_at // 60)
+            minute = _minute_of(messages[lo])
             if minute != shown:
-                tokens += counter.text(f" {_minute(minute)}")
+                tokens += _time_tokens(messages[lo], counter)
                 shown = minute
         last = hi
     return tokens
 
 
+def _opening(counter: TokenCounter) -> int:
+    """What every block costs before its messages: a message's overhead and `RECALL_PREFIX`."""
+    return counter.message({"role": "user", "content": ""}) + counter.text(RECALL_PREFIX)
+
+
+def _minute_of(message: RecalledMessage) -> int:
+    return int(message.created_at // 60)
+
+
+def _time_tokens(message: RecalledMessage, counter: TokenCounter) -> int:
+    """The tokens of the time a run starting with `message` shows (" 2026-11-24 09:30")."""
+    return counter.text(f" {_minute(_minute_of(message))}")
+
+
 def _spent(messages: Sequence[RecalledMessage], bounds: list[tuple[int, int, int]], follows: list[bool],
            unit_of: list[int], chosen: set[int], gap: int, session_id: str, counter: TokenCounter) -> int:
     """The tokens of a block of the `chosen` units, as `choose` costs them."""
-    tokens = counter.message({"role": "user", "content": ""}) + counter.text(RECALL_PREFIX)
+    tokens = _opening(counter)
     for unit in chosen:
         lo, _, cost = bounds[unit]
         tokens += cost + (0 if lo > 0 and follows[lo] and unit_of[lo - 1] in chosen else gap)
