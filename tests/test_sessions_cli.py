@@ -2,19 +2,26 @@
 
 One `memproxy serve` process runs for the module on each store, a SQLite file and a PostgreSQL
 schema (at log level DEBUG, so its log shows whatever could leak); the tests chat with it through the
-synchronous `openai` SDK, then run the CLI as a separate process on the same store while the server
-keeps running, and check the CLI's tables, its `--json` output, what the server sends upstream
+synchronous `openai` SDK, then run the CLI on the same store while the server keeps running, and check the CLI's tables, its `--json` output, what the server sends upstream
 afterwards, and the database itself (`tests/db.py`). Every session id is unique to its test, as the
 store is shared.
+
+The CLI runs in the test's process, through `memproxy.entry.main` as the installed `memproxy` script
+calls it, its standard streams swapped for strings: as a process of its own each call costs half a
+second of imports (three for `context`, which imports litellm), some 40 s a store for this module.
+Where the process itself is what is tested (a reader that closes the pipe), it is one.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,7 @@ import db
 from conftest import OTHER_KEY, PROXY_KEY
 from fake_upstream import FakeUpstream, Reply
 from memproxy.config import StorageConfig
+from memproxy.entry import main as memproxy_main
 from processes import Served, clean_env, memproxy_command, serve_one, storage_section, store_for_processes, write_config
 
 Message = dict[str, Any]
@@ -70,8 +78,15 @@ class Setup:
 
     def sessions(self, *args: str, stdin: str | None = None, ok: bool = True) -> subprocess.CompletedProcess[str]:
         """`memproxy sessions -c CONFIG ARGS...`; asserts it succeeded (or failed, `ok=False`)."""
-        result = subprocess.run([*memproxy_command(), "sessions", "-c", str(self.config), *args],
-                                capture_output=True, text=True, timeout=60, input=stdin, env=clean_env())
+        argv = ["sessions", "-c", str(self.config), *args]
+        out, err, was_stdin = io.StringIO(), io.StringIO(), sys.stdin
+        sys.stdin = io.StringIO(stdin or "")
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                code = memproxy_main(argv)
+        finally:
+            sys.stdin = was_stdin
+        result = subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
         if ok:
             assert result.returncode == 0, result.stderr
         else:

@@ -37,7 +37,8 @@ class Starting:
     def __init__(self, config: Path) -> None:
         self.process = subprocess.Popen(
             [*memproxy_command(), "serve", "-c", str(config), "--port", "0", "--log-level", "DEBUG"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=clean_env(PYTHONFAULTHANDLER="1"))  # SIGABRT prints every thread's stack (`stop`)
         self.lines: list[str] = []
         self._new: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -75,14 +76,24 @@ class Starting:
         try:
             code = self.process.wait(timeout=STOP_BOUND)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            # Where it is stuck: faulthandler writes each thread's stack on SIGABRT, then it ends.
+            self.process.send_signal(signal.SIGABRT)
+            try:
+                self.process.wait(timeout=STOP_BOUND)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self._drain()
             raise AssertionError(f"{sig.name} did not end memproxy within {STOP_BOUND:g} s:\n"
                                  f"{''.join(self.lines)}") from None
         took = time.monotonic() - sent
-        while (line := self._new.get(timeout=STOP_BOUND)) is not None:  # the pipe closes at exit
-            self.lines.append(line)
+        self._drain()
         return code, "".join(self.lines), took
+
+    def _drain(self) -> None:
+        """Every line the process wrote, once it has ended (its pipe closes at exit)."""
+        while (line := self._new.get(timeout=STOP_BOUND)) is not None:
+            self.lines.append(line)
 
     def kill(self) -> None:
         if self.process.poll() is None:
