@@ -59,7 +59,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # `--durations`; the rest of the modules keep their order.
 SLOW_FIRST = (
     "test_bench_smoke.py",  # the quick bench, run twice: 190 s on a slow machine, the longest module
-    "test_sessions_cli.py",
     "test_readme.py",
     "test_crash.py",
     "test_reconcile_properties.py",
@@ -70,6 +69,7 @@ SLOW_FIRST = (
     "test_hostile_input.py",
     "test_properties_memory.py",
     "test_admin_export.py",
+    "test_sessions_cli.py",
     "test_signals.py",
     "test_metrics.py",
     "test_logs.py",
