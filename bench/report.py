@@ -93,6 +93,7 @@ def verdict(ok: bool | None) -> str:
 _ONLY_SECTIONS = {"recall": "sections 8 and 9", "recall-quality": "section 8"}
 _ONLY_FROM = {"recall": "Sections 8 and 9 (and their targets) are", "recall-quality": "Section 8 (and its targets) is"}
 
+
 class Report:
     def __init__(self, results: dict[str, Any], out: Path, small: bool) -> None:
         self.r = results

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -227,15 +229,23 @@ def test_report_judges_recall_targets(tmp_path: Path) -> None:
     assert "| 1,000,000 | recall on | 2.50 |" in report
 
 
-def test_a_recall_only_run_with_no_saved_run_writes_its_sections_alone(tmp_path: Path) -> None:
-    """`--only recall` where no full run was saved: the page holds the recall sections and their
-    targets, and nothing that only a full run measures (its settings, workers, paths)."""
+@pytest.mark.parametrize("only", ["recall", "recall-quality"])
+def test_a_recall_only_run_with_no_saved_run_writes_its_sections_alone(tmp_path: Path, only: str) -> None:
+    """`--only recall` (or `recall-quality`) where no full run was saved: the page holds the
+    sections it ran and their targets, and nothing that only a full run measures (its settings,
+    workers, paths)."""
     bench_report = _bench_report()
     saved = json.loads((ROOT / "tests" / "data" / "bench-results-small.json").read_text(encoding="utf-8"))
     meta = {"started": saved["meta"]["started"], "quick": False, "machine": saved["meta"]["machine"], "notes": [],
-            "duration_s": 75.0, "only": "recall", "plan": saved["meta"]["settings"]["plan"]}
-    report = bench_report.write({"meta": meta, **_recall_results()}, tmp_path).read_text(  # type: ignore[attr-defined]
+            "duration_s": 75.0, "only": only, "plan": saved["meta"]["settings"]["plan"]}
+    results = _recall_results()
+    if only == "recall-quality":
+        del results["recall_speed"]  # the replay alone: nothing timed
+    report = bench_report.write({"meta": meta, **results}, tmp_path).read_text(  # type: ignore[attr-defined]
         encoding="utf-8")
     assert "| recall replay: evidence recall at 4,000 tokens at least 90% | 92.0%" in report
+    assert f"> **Recall phases only** (`--only {only}`)" in report
     assert "## 8. Recall quality" in report and "## 9. Recall speed" in report
+    assert ("Not measured: the recall speed phase is not in this run." in report) == (only == "recall-quality")
+    assert ("recall adds at most 1 ms" in report) == (only == "recall")
     assert "## 1. Added latency" not in report and "workers" not in report.split("## 8.", 1)[0]
