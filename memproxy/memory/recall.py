@@ -265,47 +265,38 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
            session_id: str, counter: TokenCounter) -> Block | None:
     """The recall block: the best-ranked units of `messages` that fit in `room` tokens (None: none).
 
-    Units are taken best first while they fit, each costed with its labels and lines and, where it
-    starts a run, the gap before it and its time unless the message read before it was said in the
-    same minute (then the run before it, if any, most likely shows that time already; the first
-    unit taken pays for the time every block shows); then the block is costed as `render` shows its
-    runs (`_spent`), and the lowest-ranked units go while it does not fit, as many at once as could
-    free the excess. An allowance for a time at every run start left a block of messages written
-    within the same minutes about 7% short of its room (measured: 262 of 3,500 tokens unused at p50
-    on a 10,000-message session), room the kept turns then took back instead of recalled messages."""
+    Units are taken best first while they fit, each costed as it changes the block's runs (`_take`);
+    then the block is costed as `render` shows its runs (`_spent`): where that leaves room, the
+    units not taken are tried again beside that cost; where it does not fit, the lowest-ranked
+    units go, as many at once as could free the excess. An allowance for a time at every run start
+    left a block of messages written within the same minutes about 7% short of its room (measured:
+    262 of 3,500 tokens unused at p50 on a 10,000-message session), room the kept turns then took
+    back instead of recalled messages."""
     if room <= 0 or not messages:
         return None
     unit_of, bounds, follows = _units(messages, session_id, counter)
     by_key = dict(zip(map(_KEY, messages), range(len(messages))))
+    order: dict[int, None] = {}  # the units read, best first (a dict: in order, once each)
+    for r in ranked:
+        index = by_key.get(_KEY(r))
+        if index is not None and unit_of[index] >= 0:  # -1: cut short by a gap (deleted messages)
+            order.setdefault(unit_of[index], None)
     taken: list[int] = []  # the units chosen, best first
     chosen: set[int] = set()
     gap = counter.text(_GAP)
     spent = _opening(counter)
-    end = len(messages)
-    for r in ranked:
-        index = by_key.get(_KEY(r))
-        if index is None:
-            continue
-        unit = unit_of[index]
-        if unit < 0 or unit in chosen:  # cut short by a gap (deleted messages), or chosen already
-            continue
-        lo, hi, cost = bounds[unit]
-        joins_before = lo > 0 and follows[lo] and unit_of[lo - 1] in chosen
-        joins_after = hi < end and follows[hi] and unit_of[hi] in chosen
-        if joins_before and joins_after:  # it makes two runs one: a gap less
-            cost -= gap
-        elif not (joins_before or joins_after):  # a run of its own: a time unless the message read
-            # before it is of the same minute (the first unit taken pays the one every block shows)
-            before = messages[lo - 1] if lo and chosen else None
-            same = before is not None and before.session_id == messages[lo].session_id \
-                and _minute_of(before) == _minute_of(messages[lo])
-            cost += gap + (0 if same else _time_tokens(messages[lo], counter))
-        if spent + cost <= room:
-            spent += cost
-            chosen.add(unit)
-            taken.append(unit)
-    if taken:
+    # A pass may cost what it took too high: two runs it joins show one time, not two, only where
+    # the run after shows a minute of its own. Costed as shown, the room it left goes to the units
+    # not taken, in another pass.
+    estimate = _take(order, messages, bounds, follows, unit_of, chosen, taken, spent, room, gap, counter)
+    while estimate > spent:
         spent = _spent(messages, bounds, follows, unit_of, chosen, gap, session_id, counter)
+        if spent >= estimate:
+            break
+        estimate = _take(order, messages, bounds, follows, unit_of, chosen, taken, spent, room, gap, counter)
+        if estimate > spent:  # what this pass took may rank above what the last did
+            rank = {unit: i for i, unit in enumerate(order)}
+            taken.sort(key=rank.__getitem__)
     while spent > room and taken:  # the runs' times are more than allowed for: the lowest-ranked go,
         over = spent - room  # as many as could free what is over (each at most its messages, a gap
         while over > 0 and taken:  # and a time), then the whole is costed again
@@ -322,6 +313,37 @@ def choose(ranked: Sequence[Ranked], messages: Sequence[RecalledMessage], words:
             return block
         chosen.discard(taken.pop())
     return None
+
+
+def _take(order: dict[int, None], messages: Sequence[RecalledMessage], bounds: list[tuple[int, int, int]],
+          follows: list[bool], unit_of: list[int], chosen: set[int], taken: list[int], spent: int, room: int,
+          gap: int, counter: TokenCounter) -> int:
+    """Add to `chosen` and `taken` the units of `order` not chosen yet that fit in `room` beside the
+    `spent` tokens, best first; returns `spent` with what they cost. Each costs its labels and
+    lines; where it starts a run, the gap before it and its time unless the message read before it
+    was said in the same minute (the first unit taken pays the one every block shows); where it
+    joins two runs, a gap less, and the time the run after showed where its first message was said
+    in another minute than the one before it (times only grow along a session)."""
+    end = len(messages)
+    for unit in order:
+        if unit in chosen:
+            continue
+        lo, hi, cost = bounds[unit]
+        joins_before = lo > 0 and follows[lo] and unit_of[lo - 1] in chosen
+        joins_after = hi < end and follows[hi] and unit_of[hi] in chosen
+        if joins_before and joins_after:
+            same = _minute_of(messages[hi]) == _minute_of(messages[hi - 1])
+            cost -= gap + (0 if same else _time_tokens(messages[hi], counter))
+        elif not (joins_before or joins_after):
+            before = messages[lo - 1] if lo and chosen else None
+            same = before is not None and before.session_id == messages[lo].session_id \
+                and _minute_of(before) == _minute_of(messages[lo])
+            cost += gap + (0 if same else _time_tokens(messages[lo], counter))
+        if spent + cost <= room:
+            spent += cost
+            chosen.add(unit)
+            taken.append(unit)
+    return spent
 
 
 def _times(messages: Sequence[RecalledMessage], bounds: list[tuple[int, int, int]], follows: list[bool],
